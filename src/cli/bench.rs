@@ -1,0 +1,158 @@
+//! `capstore bench ...` and the hidden `capstore debug ...` helpers used by crash tests.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use clap::Subcommand;
+
+use capstore::bench::{spool_append, SpoolBenchOptions};
+use capstore::config::{ByteSize, Config};
+use capstore::exit_code;
+
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// Spool append throughput with group commit, beside `dd ... conv=fdatasync` of the same bytes.
+    Spool {
+        /// Directory on the disk to measure (a scratch subdirectory is created and removed).
+        #[arg(long, default_value = "./capstore-bench")]
+        dir: PathBuf,
+        /// Bytes written per capture size and run.
+        #[arg(long, default_value = "256MiB")]
+        total: ByteSize,
+        /// Capture sizes to measure.
+        #[arg(long, value_delimiter = ',', default_value = "1KiB,64KiB,4MiB")]
+        sizes: Vec<ByteSize>,
+        /// Concurrent producers.
+        #[arg(long, default_value_t = 256)]
+        producers: usize,
+        /// Runs per size; the median is reported.
+        #[arg(long, default_value_t = 3)]
+        repeats: usize,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum DebugCommand {
+    /// Append a deterministic stream of captures to the spool, printing "ACK <capture_id> <len>" after each fsync.
+    AppendStream {
+        /// Stop after this many captures (default: run until killed).
+        #[arg(long)]
+        max: Option<u64>,
+        /// Concurrent appenders, so batches form as in production.
+        #[arg(long, default_value_t = 8)]
+        producers: usize,
+    },
+}
+
+pub fn run(command: BenchCommand) -> anyhow::Result<i32> {
+    let BenchCommand::Spool {
+        dir,
+        total,
+        sizes,
+        producers,
+        repeats,
+        json,
+    } = command;
+    let options = SpoolBenchOptions {
+        dir,
+        capture_sizes: sizes.iter().map(|s| s.0).collect(),
+        total_bytes: total.0,
+        producers,
+        repeats: repeats.max(1),
+    };
+    let runtime = tokio::runtime::Runtime::new()?;
+    let rows = runtime.block_on(spool_append(&options))?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(exit_code::CLEAN);
+    }
+    println!(
+        "{:>10}  {:>9}  {:>10}  {:>12}  {:>8}  {:>10}  {:>8}",
+        "capture", "captures", "spool MB/s", "captures/s", "fsyncs", "dd MB/s", "vs dd"
+    );
+    for row in rows {
+        println!(
+            "{:>10}  {:>9}  {:>10.1}  {:>12.0}  {:>8}  {:>10.1}  {:>7.0}%",
+            ByteSize(row.capture_bytes).to_string(),
+            row.captures,
+            row.spool_mb_per_s,
+            row.captures_per_s,
+            row.fsyncs,
+            row.dd_mb_per_s,
+            row.ratio_to_dd * 100.0
+        );
+    }
+    Ok(exit_code::CLEAN)
+}
+
+pub fn debug(config: &Config, command: DebugCommand) -> anyhow::Result<i32> {
+    let DebugCommand::AppendStream { max, producers } = command;
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(append_stream(config, max, producers))
+}
+
+/// The payload of the n-th byte-length for a capture id: derived from the id, so a reader can check it.
+pub fn expected_payload(capture_id: uuid::Uuid, len: usize) -> Vec<u8> {
+    let seed = capture_id.as_bytes();
+    (0..len)
+        .map(|i| seed[i % 16].wrapping_add((i / 16) as u8))
+        .collect()
+}
+
+async fn append_stream(config: &Config, max: Option<u64>, producers: usize) -> anyhow::Result<i32> {
+    use capstore::spool::pack::CaptureMeta;
+    use capstore::spool::writer::{spawn_writer, WriterSettings};
+    let (spool, _recovery) = match capstore::spool::Spool::open(&config.spool) {
+        Ok(opened) => opened,
+        Err(error @ capstore::spool::SpoolError::Locked(_)) => {
+            eprintln!("capstore: {error}");
+            return Ok(exit_code::SPOOL_OWNED);
+        }
+        Err(error) => return Err(error.into()),
+    };
+    let (writer, thread) = spawn_writer(
+        spool.paths().clone(),
+        WriterSettings::from_config(&config.spool),
+    );
+    let next = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let stdout = std::sync::Arc::new(std::sync::Mutex::new(std::io::stdout()));
+    let mut tasks = Vec::new();
+    for _ in 0..producers {
+        let (writer, next, stdout) = (writer.clone(), next.clone(), stdout.clone());
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let n = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if max.is_some_and(|max| n >= max) {
+                    return Ok::<(), anyhow::Error>(());
+                }
+                let capture_id = uuid::Uuid::now_v7();
+                // Sizes cycle through empty, small and a few larger captures so packs seal on bytes too.
+                let len = [0usize, 1, 100, 1000, 20_000, 300_000][(n % 6) as usize];
+                let meta = CaptureMeta {
+                    capture_id,
+                    stream: "crash/test".into(),
+                    captured_at_ns: capstore::util::now_ns(),
+                    labels: [("n".to_string(), n.to_string())].into(),
+                    content_type: None,
+                    source_name: None,
+                };
+                writer
+                    .append(meta, expected_payload(capture_id, len))
+                    .await?;
+                let mut out = stdout.lock().expect("stdout lock");
+                writeln!(out, "ACK {capture_id} {len}")?;
+                out.flush()?;
+            }
+        }));
+    }
+    for task in tasks {
+        task.await??;
+    }
+    writer.close();
+    drop(writer);
+    tokio::task::spawn_blocking(move || thread.join()).await?;
+    drop(spool);
+    Ok(exit_code::CLEAN)
+}

@@ -1,0 +1,1135 @@
+//! Configuration: one TOML file, every key overridable from the environment, checked once by [`Config::validate`].
+//!
+//! Sources, later wins: built-in defaults -> the TOML file (`--config FILE`, else `CAPSTORE_CONFIG`, else none) ->
+//! environment variables `CAPSTORE_<SECTION>_<KEY>` (top-level keys: `CAPSTORE_<KEY>`). Unknown keys are errors in
+//! both the file and the environment, so a typo never silently falls back to a default.
+//!
+//! Secrets (`catalog.password`, `bucket.secret_access_key`, `bucket.session_token`) are [`Secret`] values: they print
+//! as `"<redacted>"` in `Debug`, in `check-config` output and in logs. Each has a `*_file` twin that names a file
+//! holding the secret (read at load time, surrounding whitespace trimmed), which is how container secrets arrive.
+//!
+//! Sizes are written like `"64MiB"` (or a plain integer of bytes), durations like `"15s"` or `"1m 30s"`.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::spool::pack;
+
+/// Environment variable that names the config file when `--config` is not given.
+pub const CONFIG_PATH_ENV: &str = "CAPSTORE_CONFIG";
+/// Environment variables with the `CAPSTORE_` prefix that are not config keys.
+const NON_KEY_ENV: &[&str] = &[CONFIG_PATH_ENV, "CAPSTORE_FAILPOINTS"];
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Name of the publisher domain: lease, versions and bucket keys are per catalog name.
+    pub catalog_name: String,
+    /// How long a SIGTERM may spend sealing, uploading and publishing before the process exits.
+    pub shutdown_grace: HumanDuration,
+    pub spool: SpoolConfig,
+    pub bucket: BucketConfig,
+    pub upload: UploadConfig,
+    pub catalog: CatalogConfig,
+    pub lease: LeaseConfig,
+    pub http: HttpConfig,
+    pub log: LogConfig,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SpoolConfig {
+    pub dir: PathBuf,
+    /// Ingest refuses new captures once the spool holds this many bytes (0 = no limit).
+    pub max_bytes: ByteSize,
+    /// Ingest refuses new captures while the spool's filesystem has less than this free.
+    pub min_free_bytes: ByteSize,
+    /// Largest accepted capture payload; larger inbox files go to quarantine.
+    pub max_capture_bytes: ByteSize,
+    pub pack_max_bytes: ByteSize,
+    pub pack_max_records: u64,
+    /// Linger: an open pack with at least one record is sealed once it is this old.
+    pub pack_max_age: HumanDuration,
+    /// Permit a spool on NFS, CIFS, FUSE and similar, where flock cannot be trusted.
+    pub allow_shared_filesystem: bool,
+    /// Period of the inbox rescan that backs up the filesystem watcher.
+    pub inbox_rescan_interval: HumanDuration,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BucketConfig {
+    /// `file:///path`, `s3://bucket`, `gs://bucket`, `az://container`, or `memory://` (tests).
+    pub url: String,
+    /// Key prefix inside the bucket; packs go to `<prefix>/<catalog_name>/<yyyy>/<mm>/<dd>/<pack_id>.cpk`.
+    pub prefix: String,
+    pub endpoint: Option<String>,
+    pub region: Option<String>,
+    pub allow_http: bool,
+    /// S3: virtual-hosted-style requests (`bucket.host`) instead of path style (`host/bucket`).
+    pub virtual_hosted_style: bool,
+    pub access_key_id: Option<String>,
+    pub secret_access_key: Option<Secret>,
+    pub secret_access_key_file: Option<PathBuf>,
+    pub session_token: Option<Secret>,
+    pub session_token_file: Option<PathBuf>,
+    /// Further object_store options passed through by name (for example `google_service_account`).
+    pub options: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct UploadConfig {
+    pub batch_packs: u32,
+    pub concurrency: u32,
+    pub part_size: ByteSize,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CatalogConfig {
+    /// ClickHouse HTTP interface, `http://` or `https://`.
+    pub url: String,
+    pub database: String,
+    pub table_prefix: String,
+    pub user: String,
+    pub password: Option<Secret>,
+    pub password_file: Option<PathBuf>,
+    /// PEM file with the CA that signs the server's certificate (https only).
+    pub ca_file: Option<PathBuf>,
+    pub request_timeout: HumanDuration,
+    pub reconcile_on_start: bool,
+    /// ClickHouse cluster name: DDL gets `ON CLUSTER` and Replicated engines.
+    pub cluster: Option<String>,
+    /// A pack whose rows fail to publish this many times for a reason of its own goes to quarantine.
+    pub max_index_attempts: u32,
+    pub batch_max_rows: u64,
+    pub batch_max_bytes: ByteSize,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LeaseConfig {
+    pub ttl: HumanDuration,
+    /// Whole seconds: sent to ClickHouse as `max_execution_time` of every publishing statement.
+    pub publish_timeout: HumanDuration,
+    /// Largest difference between this host's clock rate/offset and the ClickHouse server's that the lease tolerates.
+    pub clock_skew: HumanDuration,
+    /// How long a start waits for a crashed predecessor's lease; unset means `ttl + publish_timeout + clock_skew`.
+    pub start_wait: Option<HumanDuration>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HttpConfig {
+    pub listen: String,
+    pub token_file: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogConfig {
+    /// A tracing filter: `info`, `debug`, or directives like `capstore=debug,warn`.
+    pub level: String,
+    pub format: LogFormat,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            catalog_name: "default".into(),
+            shutdown_grace: HumanDuration::secs(30),
+            spool: SpoolConfig::default(),
+            bucket: BucketConfig::default(),
+            upload: UploadConfig::default(),
+            catalog: CatalogConfig::default(),
+            lease: LeaseConfig::default(),
+            http: HttpConfig::default(),
+            log: LogConfig::default(),
+        }
+    }
+}
+
+impl Default for SpoolConfig {
+    fn default() -> Self {
+        SpoolConfig {
+            dir: PathBuf::from("/var/lib/capstore/spool"),
+            max_bytes: ByteSize(10 * GIB),
+            min_free_bytes: ByteSize(GIB),
+            max_capture_bytes: ByteSize(64 * MIB),
+            pack_max_bytes: ByteSize(64 * MIB),
+            pack_max_records: 100_000,
+            pack_max_age: HumanDuration::secs(5),
+            allow_shared_filesystem: false,
+            inbox_rescan_interval: HumanDuration::secs(10),
+        }
+    }
+}
+
+impl Default for BucketConfig {
+    fn default() -> Self {
+        BucketConfig {
+            url: "file:///var/lib/capstore/bucket".into(),
+            prefix: "capstore".into(),
+            endpoint: None,
+            region: None,
+            allow_http: false,
+            virtual_hosted_style: false,
+            access_key_id: None,
+            secret_access_key: None,
+            secret_access_key_file: None,
+            session_token: None,
+            session_token_file: None,
+            options: BTreeMap::new(),
+        }
+    }
+}
+
+impl Default for UploadConfig {
+    fn default() -> Self {
+        UploadConfig {
+            batch_packs: 8,
+            concurrency: 4,
+            part_size: ByteSize(16 * MIB),
+        }
+    }
+}
+
+impl Default for CatalogConfig {
+    fn default() -> Self {
+        CatalogConfig {
+            url: "http://127.0.0.1:8123".into(),
+            database: "capstore".into(),
+            table_prefix: "capstore".into(),
+            user: "default".into(),
+            password: None,
+            password_file: None,
+            ca_file: None,
+            request_timeout: HumanDuration::secs(10),
+            reconcile_on_start: true,
+            cluster: None,
+            max_index_attempts: 5,
+            batch_max_rows: 100_000,
+            batch_max_bytes: ByteSize(64 * MIB),
+        }
+    }
+}
+
+impl Default for LeaseConfig {
+    fn default() -> Self {
+        LeaseConfig {
+            ttl: HumanDuration::secs(15),
+            publish_timeout: HumanDuration::secs(5),
+            clock_skew: HumanDuration::secs(0),
+            start_wait: None,
+        }
+    }
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig {
+            listen: "127.0.0.1:9464".into(),
+            token_file: None,
+        }
+    }
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            level: "info".into(),
+            format: LogFormat::Text,
+        }
+    }
+}
+
+const KIB: u64 = 1024;
+const MIB: u64 = 1024 * KIB;
+const GIB: u64 = 1024 * MIB;
+
+/// One problem found while loading or validating, naming the key and the rule it breaks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigProblem {
+    pub key: String,
+    pub problem: String,
+}
+
+impl fmt::Display for ConfigProblem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.key, self.problem)
+    }
+}
+
+/// Every problem found, so an operator can fix them all in one pass.
+#[derive(Debug, thiserror::Error)]
+pub struct ConfigError {
+    pub problems: Vec<ConfigProblem>,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let lines: Vec<String> = self.problems.iter().map(|p| p.to_string()).collect();
+        write!(f, "invalid configuration: {}", lines.join("; "))
+    }
+}
+
+impl ConfigError {
+    fn one(key: impl Into<String>, problem: impl Into<String>) -> Self {
+        ConfigError {
+            problems: vec![ConfigProblem {
+                key: key.into(),
+                problem: problem.into(),
+            }],
+        }
+    }
+}
+
+/// How an environment override's text is turned into a TOML value for its key.
+#[derive(Clone, Copy)]
+enum ValueKind {
+    Text,
+    Integer,
+    Boolean,
+    /// Not settable from the environment (tables).
+    Table,
+}
+
+/// Every key with the kind of value it takes: the source of truth for environment overrides.
+const KEYS: &[(&str, &str, ValueKind)] = {
+    use ValueKind::*;
+    &[
+        ("", "catalog_name", Text),
+        ("", "shutdown_grace", Text),
+        ("spool", "dir", Text),
+        ("spool", "max_bytes", Text),
+        ("spool", "min_free_bytes", Text),
+        ("spool", "max_capture_bytes", Text),
+        ("spool", "pack_max_bytes", Text),
+        ("spool", "pack_max_records", Integer),
+        ("spool", "pack_max_age", Text),
+        ("spool", "allow_shared_filesystem", Boolean),
+        ("spool", "inbox_rescan_interval", Text),
+        ("bucket", "url", Text),
+        ("bucket", "prefix", Text),
+        ("bucket", "endpoint", Text),
+        ("bucket", "region", Text),
+        ("bucket", "allow_http", Boolean),
+        ("bucket", "virtual_hosted_style", Boolean),
+        ("bucket", "access_key_id", Text),
+        ("bucket", "secret_access_key", Text),
+        ("bucket", "secret_access_key_file", Text),
+        ("bucket", "session_token", Text),
+        ("bucket", "session_token_file", Text),
+        ("bucket", "options", Table),
+        ("upload", "batch_packs", Integer),
+        ("upload", "concurrency", Integer),
+        ("upload", "part_size", Text),
+        ("catalog", "url", Text),
+        ("catalog", "database", Text),
+        ("catalog", "table_prefix", Text),
+        ("catalog", "user", Text),
+        ("catalog", "password", Text),
+        ("catalog", "password_file", Text),
+        ("catalog", "ca_file", Text),
+        ("catalog", "request_timeout", Text),
+        ("catalog", "reconcile_on_start", Boolean),
+        ("catalog", "cluster", Text),
+        ("catalog", "max_index_attempts", Integer),
+        ("catalog", "batch_max_rows", Integer),
+        ("catalog", "batch_max_bytes", Text),
+        ("lease", "ttl", Text),
+        ("lease", "publish_timeout", Text),
+        ("lease", "clock_skew", Text),
+        ("lease", "start_wait", Text),
+        ("http", "listen", Text),
+        ("http", "token_file", Text),
+        ("log", "level", Text),
+        ("log", "format", Text),
+    ]
+};
+
+fn env_name(section: &str, key: &str) -> String {
+    if section.is_empty() {
+        format!("CAPSTORE_{}", key.to_uppercase())
+    } else {
+        format!("CAPSTORE_{}_{}", section.to_uppercase(), key.to_uppercase())
+    }
+}
+
+fn dotted(section: &str, key: &str) -> String {
+    if section.is_empty() {
+        key.to_string()
+    } else {
+        format!("{section}.{key}")
+    }
+}
+
+impl Config {
+    /// Load from an explicit path, else `CAPSTORE_CONFIG`, else defaults; then apply the process environment.
+    pub fn load(path_opt: Option<&Path>) -> Result<Config, ConfigError> {
+        let env: Vec<(String, String)> = std::env::vars().collect();
+        let path_opt: Option<PathBuf> = path_opt
+            .map(Path::to_path_buf)
+            .or_else(|| std::env::var_os(CONFIG_PATH_ENV).map(PathBuf::from));
+        let text = match &path_opt {
+            Some(path) => std::fs::read_to_string(path).map_err(|e| {
+                ConfigError::one("--config", format!("cannot read {}: {e}", path.display()))
+            })?,
+            None => String::new(),
+        };
+        Config::from_sources(&text, &env)
+    }
+
+    /// Build from TOML text and environment pairs (the testable core of [`Config::load`]); resolves `*_file` secrets.
+    pub fn from_sources(toml_text: &str, env: &[(String, String)]) -> Result<Config, ConfigError> {
+        let mut table: toml::Table = toml::from_str(toml_text).map_err(|e| {
+            ConfigError::one(
+                "config file",
+                e.message().to_string() + &span_hint(toml_text, e.span()),
+            )
+        })?;
+        let mut problems = Vec::new();
+        apply_env_overrides(&mut table, env, &mut problems);
+        if !problems.is_empty() {
+            return Err(ConfigError { problems });
+        }
+        let mut config: Config = Config::deserialize(toml::Value::Table(table))
+            .map_err(|e| ConfigError::one("config", e.message().to_string()))?;
+        config.resolve_secret_files(&mut problems);
+        if !problems.is_empty() {
+            return Err(ConfigError { problems });
+        }
+        Ok(config)
+    }
+
+    fn resolve_secret_files(&mut self, problems: &mut Vec<ConfigProblem>) {
+        resolve_secret(
+            &mut self.catalog.password,
+            &self.catalog.password_file,
+            "catalog.password",
+            problems,
+        );
+        resolve_secret(
+            &mut self.bucket.secret_access_key,
+            &self.bucket.secret_access_key_file,
+            "bucket.secret_access_key",
+            problems,
+        );
+        resolve_secret(
+            &mut self.bucket.session_token,
+            &self.bucket.session_token_file,
+            "bucket.session_token",
+            problems,
+        );
+    }
+
+    /// Check every rule; returns all problems at once.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let mut problems = Vec::new();
+        let mut bad = |key: &str, problem: String| {
+            problems.push(ConfigProblem {
+                key: key.into(),
+                problem,
+            })
+        };
+
+        if !is_catalog_name(&self.catalog_name) {
+            bad(
+                "catalog_name",
+                format!(
+                    "{:?} must be 1-64 characters of letters, digits, '.', '_' or '-' (it is part of bucket keys)",
+                    self.catalog_name
+                ),
+            );
+        }
+        if self.spool.dir.as_os_str().is_empty() {
+            bad("spool.dir", "must not be empty".into());
+        }
+        if self.spool.max_capture_bytes.0 == 0
+            || self.spool.max_capture_bytes.0 > pack::MAX_PAYLOAD_BYTES
+        {
+            bad(
+                "spool.max_capture_bytes",
+                format!(
+                    "must be between 1 byte and the pack format limit of {} bytes",
+                    pack::MAX_PAYLOAD_BYTES
+                ),
+            );
+        }
+        if self.spool.pack_max_bytes.0 < MIB {
+            bad("spool.pack_max_bytes", "must be at least 1MiB".into());
+        }
+        if self.spool.pack_max_records == 0 || self.spool.pack_max_records > pack::MAX_RECORDS {
+            bad(
+                "spool.pack_max_records",
+                format!(
+                    "must be between 1 and the pack format limit of {}",
+                    pack::MAX_RECORDS
+                ),
+            );
+        }
+        if self.spool.pack_max_age.0.is_zero() {
+            bad("spool.pack_max_age", "must be greater than 0s".into());
+        }
+        if self.spool.inbox_rescan_interval.0 < Duration::from_millis(100) {
+            bad(
+                "spool.inbox_rescan_interval",
+                "must be at least 100ms".into(),
+            );
+        }
+        if let Err(problem) = check_bucket_url(&self.bucket.url) {
+            bad("bucket.url", problem);
+        }
+        if self.bucket.prefix.starts_with('/') || self.bucket.prefix.ends_with('/') {
+            bad("bucket.prefix", "must not start or end with '/'".into());
+        }
+        if self.upload.batch_packs == 0 || self.upload.batch_packs > 1000 {
+            bad("upload.batch_packs", "must be between 1 and 1000".into());
+        }
+        if self.upload.concurrency == 0 || self.upload.concurrency > 64 {
+            bad("upload.concurrency", "must be between 1 and 64".into());
+        }
+        if self.upload.part_size.0 < 5 * MIB || self.upload.part_size.0 > 5 * GIB {
+            bad(
+                "upload.part_size",
+                "must be between 5MiB and 5GiB (the S3 multipart limits)".into(),
+            );
+        }
+        if !(self.catalog.url.starts_with("http://") || self.catalog.url.starts_with("https://")) {
+            bad(
+                "catalog.url",
+                format!("{:?} must start with http:// or https://", self.catalog.url),
+            );
+        }
+        if self.catalog.ca_file.is_some() && !self.catalog.url.starts_with("https://") {
+            bad(
+                "catalog.ca_file",
+                "only applies to an https:// catalog.url".into(),
+            );
+        }
+        for (key, value) in [
+            ("catalog.database", &self.catalog.database),
+            ("catalog.table_prefix", &self.catalog.table_prefix),
+        ] {
+            if !is_identifier(value) {
+                bad(key, format!("{value:?} must be an identifier: a letter or '_' followed by letters, digits or '_'"));
+            }
+        }
+        if let Some(cluster) = &self.catalog.cluster {
+            if !is_identifier(cluster) {
+                bad(
+                    "catalog.cluster",
+                    format!("{cluster:?} must be an identifier"),
+                );
+            }
+        }
+        if self.catalog.user.is_empty() {
+            bad("catalog.user", "must not be empty".into());
+        }
+        if self.catalog.request_timeout.0.is_zero() {
+            bad("catalog.request_timeout", "must be greater than 0s".into());
+        }
+        if self.catalog.max_index_attempts == 0 {
+            bad("catalog.max_index_attempts", "must be at least 1".into());
+        }
+        if self.catalog.batch_max_rows == 0 {
+            bad("catalog.batch_max_rows", "must be at least 1".into());
+        }
+        if self.catalog.batch_max_bytes.0 < MIB {
+            bad("catalog.batch_max_bytes", "must be at least 1MiB".into());
+        }
+
+        let lease = &self.lease;
+        let margin = Duration::from_millis(100);
+        if lease.ttl.0 <= lease.publish_timeout.0 + lease.clock_skew.0 + margin {
+            bad(
+                "lease.ttl",
+                format!(
+                    "{} must be greater than lease.publish_timeout + lease.clock_skew + 0.1s = {}",
+                    lease.ttl,
+                    HumanDuration(lease.publish_timeout.0 + lease.clock_skew.0 + margin)
+                ),
+            );
+        }
+        if lease.publish_timeout.0.subsec_nanos() != 0 || lease.publish_timeout.0.is_zero() {
+            bad(
+                "lease.publish_timeout",
+                format!("{} must be a whole number of seconds, at least 1s (it is sent as max_execution_time)", lease.publish_timeout),
+            );
+        }
+        if self.catalog.request_timeout.0 < lease.publish_timeout.0 * 2 {
+            bad(
+                "catalog.request_timeout",
+                format!(
+                    "{} must be at least 2 x lease.publish_timeout = {}",
+                    self.catalog.request_timeout,
+                    HumanDuration(lease.publish_timeout.0 * 2)
+                ),
+            );
+        }
+        if self.shutdown_grace.0.is_zero() {
+            bad("shutdown_grace", "must be greater than 0s".into());
+        }
+        if self.http.listen.parse::<SocketAddr>().is_err() {
+            bad(
+                "http.listen",
+                format!(
+                    "{:?} must be an address like 127.0.0.1:9464",
+                    self.http.listen
+                ),
+            );
+        }
+        if tracing_subscriber::EnvFilter::try_new(&self.log.level).is_err() {
+            bad(
+                "log.level",
+                format!(
+                    "{:?} is not a level (error, warn, info, debug, trace) or filter",
+                    self.log.level
+                ),
+            );
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(ConfigError { problems })
+        }
+    }
+
+    /// `lease.start_wait`, or its default `ttl + publish_timeout + clock_skew`.
+    pub fn start_wait(&self) -> Duration {
+        match &self.lease.start_wait {
+            Some(wait) => wait.0,
+            None => self.lease.ttl.0 + self.lease.publish_timeout.0 + self.lease.clock_skew.0,
+        }
+    }
+
+    /// The effective configuration as TOML, secrets redacted, `start_wait` resolved.
+    pub fn to_redacted_toml(&self) -> String {
+        let mut shown = self.clone();
+        shown.lease.start_wait = Some(HumanDuration(self.start_wait()));
+        toml::to_string_pretty(&shown)
+            .unwrap_or_else(|e| format!("# cannot render configuration: {e}\n"))
+    }
+}
+
+fn span_hint(text: &str, span_opt: Option<std::ops::Range<usize>>) -> String {
+    match span_opt {
+        Some(span) => {
+            let line = text[..span.start.min(text.len())].matches('\n').count() + 1;
+            format!(" (line {line})")
+        }
+        None => String::new(),
+    }
+}
+
+fn apply_env_overrides(
+    table: &mut toml::Table,
+    env: &[(String, String)],
+    problems: &mut Vec<ConfigProblem>,
+) {
+    for (name, text) in env {
+        if !name.starts_with("CAPSTORE_") || NON_KEY_ENV.contains(&name.as_str()) {
+            continue;
+        }
+        let Some(&(section, key, kind)) = KEYS.iter().find(|(s, k, _)| env_name(s, k) == *name)
+        else {
+            problems.push(ConfigProblem {
+                key: name.clone(),
+                problem: "unknown environment override: no such config key".into(),
+            });
+            continue;
+        };
+        let value = match kind {
+            ValueKind::Text => toml::Value::String(text.clone()),
+            ValueKind::Integer => match text.trim().parse::<i64>() {
+                Ok(n) => toml::Value::Integer(n),
+                Err(_) => {
+                    problems.push(ConfigProblem {
+                        key: name.clone(),
+                        problem: format!("{text:?} is not an integer ({})", dotted(section, key)),
+                    });
+                    continue;
+                }
+            },
+            ValueKind::Boolean => match text.trim() {
+                "true" | "1" | "yes" => toml::Value::Boolean(true),
+                "false" | "0" | "no" => toml::Value::Boolean(false),
+                _ => {
+                    problems.push(ConfigProblem {
+                        key: name.clone(),
+                        problem: format!("{text:?} is not a boolean ({})", dotted(section, key)),
+                    });
+                    continue;
+                }
+            },
+            ValueKind::Table => {
+                problems.push(ConfigProblem {
+                    key: name.clone(),
+                    problem: format!(
+                        "{} is a table and cannot be set from the environment",
+                        dotted(section, key)
+                    ),
+                });
+                continue;
+            }
+        };
+        if section.is_empty() {
+            table.insert(key.to_string(), value);
+            continue;
+        }
+        let section_table = table
+            .entry(section.to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        match section_table {
+            toml::Value::Table(inner) => {
+                inner.insert(key.to_string(), value);
+            }
+            _ => problems.push(ConfigProblem {
+                key: section.to_string(),
+                problem: "must be a table".into(),
+            }),
+        }
+    }
+}
+
+fn resolve_secret(
+    secret: &mut Option<Secret>,
+    file_opt: &Option<PathBuf>,
+    key: &str,
+    problems: &mut Vec<ConfigProblem>,
+) {
+    let Some(file) = file_opt else { return };
+    if secret.is_some() {
+        problems.push(ConfigProblem {
+            key: format!("{key}_file"),
+            problem: format!("set either {key} or {key}_file, not both"),
+        });
+        return;
+    }
+    match std::fs::read_to_string(file) {
+        Ok(text) => *secret = Some(Secret(text.trim().to_string())),
+        Err(e) => problems.push(ConfigProblem {
+            key: format!("{key}_file"),
+            problem: format!("cannot read {}: {e}", file.display()),
+        }),
+    }
+}
+
+fn is_identifier(value: &str) -> bool {
+    let mut chars = value.chars();
+    matches!(chars.next(), Some(c) if c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+        && value.len() <= 64
+}
+
+/// Catalog names appear in bucket keys and SQL literals: keep them to a safe alphabet.
+pub fn is_catalog_name(value: &str) -> bool {
+    !value.is_empty()
+        && value.len() <= 64
+        && value
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+        && value != "."
+        && value != ".."
+}
+
+fn check_bucket_url(url: &str) -> Result<(), String> {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return Err(format!(
+            "{url:?} must be a URL like file:///var/lib/capstore/bucket or s3://name"
+        ));
+    };
+    match scheme {
+        "file" if rest.starts_with('/') => Ok(()),
+        "file" => Err(format!("{url:?} must name an absolute path (file:///...)")),
+        "s3" | "s3a" | "gs" | "az" | "azure" | "abfs" | "abfss"
+            if !rest.trim_matches('/').is_empty() =>
+        {
+            Ok(())
+        }
+        "s3" | "s3a" | "gs" | "az" | "azure" | "abfs" | "abfss" => {
+            Err(format!("{url:?} names no bucket"))
+        }
+        "memory" => Ok(()),
+        other => Err(format!(
+            "scheme {other:?} is not one of file, s3, gs, az, memory"
+        )),
+    }
+}
+
+/// A secret string: never shown by `Debug`, `Display` or serialization.
+#[derive(Clone, Deserialize, PartialEq, Eq)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Self {
+        Secret(value.into())
+    }
+    /// The secret itself; call only where it is handed to a client library.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("\"<redacted>\"")
+    }
+}
+
+impl Serialize for Secret {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str("<redacted>")
+    }
+}
+
+/// A byte count written like `"64MiB"`, `"1.5 GB"` or a plain integer of bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ByteSize(pub u64);
+
+impl FromStr for ByteSize {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let trimmed = text.trim();
+        if let Ok(bytes) = trimmed.parse::<u64>() {
+            return Ok(ByteSize(bytes));
+        }
+        trimmed
+            .parse::<bytesize::ByteSize>()
+            .map(|size| ByteSize(size.as_u64()))
+            .map_err(|_| {
+                format!("{text:?} is not a size like \"64MiB\", \"512KiB\" or a number of bytes")
+            })
+    }
+}
+
+impl fmt::Display for ByteSize {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Exact binary units when they divide evenly, so the printed config reads back to the same value.
+        for (unit, factor) in [("GiB", GIB), ("MiB", MIB), ("KiB", KIB)] {
+            if self.0 >= factor && self.0 % factor == 0 {
+                return write!(f, "{}{unit}", self.0 / factor);
+            }
+        }
+        write!(f, "{}B", self.0)
+    }
+}
+
+impl Serialize for ByteSize {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&self.to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Bytes(u64),
+            Text(String),
+        }
+        match Raw::deserialize(deserializer)? {
+            Raw::Bytes(bytes) => Ok(ByteSize(bytes)),
+            Raw::Text(text) => text.parse().map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+/// A duration written like `"15s"`, `"250ms"` or `"1m 30s"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct HumanDuration(pub Duration);
+
+impl HumanDuration {
+    pub const fn secs(seconds: u64) -> Self {
+        HumanDuration(Duration::from_secs(seconds))
+    }
+}
+
+impl FromStr for HumanDuration {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        humantime::parse_duration(text.trim())
+            .map(HumanDuration)
+            .map_err(|_| {
+                format!("{text:?} is not a duration like \"15s\", \"250ms\" or \"1m 30s\"")
+            })
+    }
+}
+
+impl fmt::Display for HumanDuration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0.is_zero() {
+            return f.write_str("0s");
+        }
+        write!(f, "{}", humantime::format_duration(self.0))
+    }
+}
+
+impl Serialize for HumanDuration {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&self.to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for HumanDuration {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        text.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(text: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
+        let env: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Config::from_sources(text, &env)
+    }
+
+    fn problem_keys(error: ConfigError) -> Vec<String> {
+        error.problems.into_iter().map(|p| p.key).collect()
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        let config = load("", &[]).unwrap();
+        config.validate().unwrap();
+        assert_eq!(config.start_wait(), Duration::from_secs(20));
+    }
+
+    #[test]
+    fn the_example_config_loads_and_validates() {
+        let text =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/capstore.toml"))
+                .unwrap();
+        let config = load(&text, &[]).unwrap();
+        config.validate().unwrap();
+        assert_eq!(config.catalog_name, "edge-7");
+    }
+
+    #[test]
+    fn sizes_and_durations_parse_in_human_form() {
+        let config = load(
+            "shutdown_grace = \"1m 30s\"\n[spool]\npack_max_bytes = \"8MiB\"\nmax_bytes = 1048576\npack_max_age = \"250ms\"\n",
+            &[],
+        )
+        .unwrap();
+        assert_eq!(config.shutdown_grace.0, Duration::from_secs(90));
+        assert_eq!(config.spool.pack_max_bytes.0, 8 * MIB);
+        assert_eq!(config.spool.max_bytes.0, MIB);
+        assert_eq!(config.spool.pack_max_age.0, Duration::from_millis(250));
+    }
+
+    #[test]
+    fn unknown_keys_are_errors_naming_the_key() {
+        let error = load("[spool]\npack_max_byte = \"8MiB\"\n", &[]).unwrap_err();
+        assert!(error.to_string().contains("pack_max_byte"), "{error}");
+        let error = load("[spoool]\n", &[]).unwrap_err();
+        assert!(error.to_string().contains("spoool"), "{error}");
+    }
+
+    #[test]
+    fn a_bad_size_names_the_value() {
+        let error = load("[spool]\npack_max_bytes = \"lots\"\n", &[]).unwrap_err();
+        assert!(error.to_string().contains("lots"), "{error}");
+    }
+
+    #[test]
+    fn environment_overrides_every_kind_of_key() {
+        let config = load(
+            "[catalog]\nurl = \"http://10.0.0.1:8123\"\n",
+            &[
+                ("CAPSTORE_CATALOG_URL", "http://127.0.0.1:18123"),
+                ("CAPSTORE_CATALOG_NAME", "edge-9"),
+                ("CAPSTORE_SPOOL_PACK_MAX_RECORDS", "42"),
+                ("CAPSTORE_SPOOL_ALLOW_SHARED_FILESYSTEM", "true"),
+                ("CAPSTORE_LEASE_TTL", "30s"),
+                ("CAPSTORE_CONFIG", "ignored.toml"),
+                ("OTHER_VAR", "x"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(config.catalog.url, "http://127.0.0.1:18123");
+        assert_eq!(config.catalog_name, "edge-9");
+        assert_eq!(config.spool.pack_max_records, 42);
+        assert!(config.spool.allow_shared_filesystem);
+        assert_eq!(config.lease.ttl.0, Duration::from_secs(30));
+    }
+
+    #[test]
+    fn unknown_or_malformed_environment_overrides_are_errors() {
+        let error = load(
+            "",
+            &[
+                ("CAPSTORE_SPOOL_DIRR", "/x"),
+                ("CAPSTORE_UPLOAD_CONCURRENCY", "many"),
+            ],
+        )
+        .unwrap_err();
+        assert_eq!(
+            problem_keys(error),
+            vec!["CAPSTORE_SPOOL_DIRR", "CAPSTORE_UPLOAD_CONCURRENCY"]
+        );
+    }
+
+    #[test]
+    fn every_key_has_an_environment_name_and_the_list_matches_the_structs() {
+        let rendered: toml::Table = toml::from_str(&Config::default().to_redacted_toml()).unwrap();
+        for (section, value) in &rendered {
+            match value {
+                toml::Value::Table(inner) => {
+                    for key in inner.keys() {
+                        assert!(
+                            KEYS.iter().any(|(s, k, _)| s == section && k == key),
+                            "{section}.{key} missing from KEYS"
+                        );
+                    }
+                }
+                _ => assert!(
+                    KEYS.iter().any(|(s, k, _)| s.is_empty() && k == section),
+                    "{section} missing"
+                ),
+            }
+        }
+    }
+
+    #[test]
+    fn lease_rules_name_the_key_and_the_rule() {
+        let config = load(
+            "[lease]\nttl = \"5s\"\npublish_timeout = \"4500ms\"\nclock_skew = \"1s\"\n[catalog]\nrequest_timeout = \"5s\"\n",
+            &[],
+        )
+        .unwrap();
+        let error = config.validate().unwrap_err();
+        let text = error.to_string();
+        assert!(
+            text.contains("lease.ttl")
+                && text.contains("publish_timeout + lease.clock_skew + 0.1s"),
+            "{text}"
+        );
+        assert!(
+            text.contains("lease.publish_timeout") && text.contains("whole number of seconds"),
+            "{text}"
+        );
+        assert!(
+            text.contains("catalog.request_timeout") && text.contains("2 x lease.publish_timeout"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn the_lease_rule_boundary_is_strict() {
+        let ok = load(
+            "[lease]\nttl = \"3s\"\npublish_timeout = \"1s\"\nclock_skew = \"1899ms\"\n",
+            &[],
+        )
+        .unwrap();
+        ok.validate().unwrap();
+        let bad = load(
+            "[lease]\nttl = \"3s\"\npublish_timeout = \"1s\"\nclock_skew = \"1900ms\"\n",
+            &[],
+        )
+        .unwrap();
+        assert_eq!(problem_keys(bad.validate().unwrap_err()), vec!["lease.ttl"]);
+    }
+
+    #[test]
+    fn start_wait_defaults_to_ttl_plus_publish_timeout_plus_skew() {
+        let config = load(
+            "[lease]\nttl = \"3s\"\npublish_timeout = \"1s\"\nclock_skew = \"500ms\"\n",
+            &[],
+        )
+        .unwrap();
+        assert_eq!(config.start_wait(), Duration::from_millis(4500));
+        let config = load("[lease]\nstart_wait = \"0s\"\n", &[]).unwrap();
+        assert_eq!(config.start_wait(), Duration::ZERO);
+    }
+
+    #[test]
+    fn validate_reports_every_problem_at_once() {
+        let config = load(
+            "catalog_name = \"bad name\"\n[bucket]\nurl = \"ftp://x\"\n[upload]\nconcurrency = 0\n[http]\nlisten = \"nowhere\"\n",
+            &[],
+        )
+        .unwrap();
+        let keys = problem_keys(config.validate().unwrap_err());
+        assert_eq!(
+            keys,
+            vec![
+                "catalog_name",
+                "bucket.url",
+                "upload.concurrency",
+                "http.listen"
+            ]
+        );
+    }
+
+    #[test]
+    fn secrets_come_from_files_and_are_never_printed() {
+        let dir = tempfile::tempdir().unwrap();
+        let secret_path = dir.path().join("password");
+        std::fs::write(&secret_path, "hunter2\n").unwrap();
+        let text = format!(
+            "[catalog]\npassword_file = {:?}\n",
+            secret_path.to_str().unwrap()
+        );
+        let config = load(&text, &[("CAPSTORE_BUCKET_SECRET_ACCESS_KEY", "s3cr3t")]).unwrap();
+        assert_eq!(
+            config.catalog.password.as_ref().unwrap().expose(),
+            "hunter2"
+        );
+        assert_eq!(
+            config.bucket.secret_access_key.as_ref().unwrap().expose(),
+            "s3cr3t"
+        );
+        let shown = format!("{}{:?}", config.to_redacted_toml(), config);
+        assert!(
+            !shown.contains("hunter2") && !shown.contains("s3cr3t"),
+            "{shown}"
+        );
+        assert!(shown.contains("<redacted>"));
+    }
+
+    #[test]
+    fn a_secret_and_its_file_together_are_an_error() {
+        let error = load(
+            "[catalog]\npassword = \"a\"\npassword_file = \"/nonexistent\"\n",
+            &[],
+        )
+        .unwrap_err();
+        assert_eq!(problem_keys(error), vec!["catalog.password_file"]);
+    }
+
+    #[test]
+    fn the_rendered_config_reads_back_to_the_same_values() {
+        let config = load(
+            "[spool]\npack_max_bytes = \"3MiB\"\n[lease]\nclock_skew = \"1500ms\"\n",
+            &[],
+        )
+        .unwrap();
+        let again = load(&config.to_redacted_toml(), &[]).unwrap();
+        assert_eq!(again.spool.pack_max_bytes, config.spool.pack_max_bytes);
+        assert_eq!(again.lease.clock_skew, config.lease.clock_skew);
+        assert_eq!(again.start_wait(), config.start_wait());
+    }
+}

@@ -1,0 +1,546 @@
+//! Inbox ingest: files dropped under `<spool>/inbox/<stream>/` become captures, exactly once.
+//!
+//! A producer writes a file elsewhere (or under a name starting with `.` or ending in `.tmp`, both ignored) and renames
+//! it into `inbox/<stream>/<name>`. The stream is the subdirectory path. A name `<uuid>` or `<uuid>.<ext>` keeps that
+//! capture_id; any other name gets a generated UUIDv7.
+//!
+//! Envelopes: a file whose name ends in `.capenv` carries metadata in front of the payload, so labels and a content
+//! type ride along atomically with the bytes (`capstore put` writes these):
+//!
+//! ```text
+//! capenv1 {"labels":{"k":"v"},"content_type":"image/png","captured_at_ns":1764486916000000000}\n
+//! <payload bytes>
+//! ```
+//!
+//! Every field of the JSON object is optional. A plain file's captured_at_ns is its modification time.
+//!
+//! Exactly-once: each record carries the file's source key (`<stream>/<name>` plus inode, size and mtime, so a later
+//! file reusing the name is a different source). The inbox file is unlinked only after its record is fsynced; if a crash
+//! lands between the fsync and the unlink, recovery finds the key in a pack and removes the file instead of ingesting
+//! it again.
+//!
+//! Bad input (an invalid stream name, a file over `spool.max_capture_bytes`, a malformed envelope) is moved to
+//! `quarantine/inbox/` with one WARN line and a `.reason` file; it never blocks other files. A file refused for a full
+//! spool stays where it is and is retried.
+//!
+//! Discovery: a recursive `notify` watcher reports files closed after writing and files renamed in; a periodic rescan
+//! backs it up, so a missed event only delays a file.
+
+use std::collections::{BTreeMap, HashSet};
+use std::fs;
+use std::io::{self, Write};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, watch, Semaphore};
+use uuid::Uuid;
+
+use super::pack::CaptureMeta;
+use super::writer::{AppendError, SpoolWriter};
+use super::{durable, quarantine_file, SpoolPaths};
+use crate::capture;
+
+pub const ENVELOPE_EXTENSION: &str = "capenv";
+const ENVELOPE_MAGIC: &[u8] = b"capenv1 ";
+const MAX_ENVELOPE_HEADER: usize = 1024 * 1024;
+/// Bytes of payload read into memory at once across all ingest tasks (a single larger file still goes alone).
+const READ_BUDGET_KIB: u32 = 64 * 1024;
+/// How soon to look again after the spool refused a file for lack of space.
+const RETRY_AFTER_REFUSAL: Duration = Duration::from_secs(1);
+
+/// The metadata header of an envelope file.
+#[derive(Debug, Default, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EnvelopeHeader {
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content_type: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub captured_at_ns: Option<u64>,
+}
+
+/// Names producers use while writing; never ingested.
+pub fn is_ignored_name(name: &str) -> bool {
+    name.starts_with('.') || name.ends_with(durable::TEMP_SUFFIX)
+}
+
+/// Identity of one inbox file for exactly-once ingest.
+pub fn source_key(relative_path: &str, metadata: &fs::Metadata) -> String {
+    let mtime_ns = metadata.mtime() as i128 * 1_000_000_000 + metadata.mtime_nsec() as i128;
+    format!(
+        "{relative_path}@{}:{}:{mtime_ns}",
+        metadata.ino(),
+        metadata.len()
+    )
+}
+
+/// The capture_id a file name asks for: `<uuid>` or `<uuid>.<ext>`.
+pub fn capture_id_from_name(name: &str) -> Option<Uuid> {
+    let stem = name.split_once('.').map_or(name, |(stem, _)| stem);
+    Uuid::parse_str(stem).ok().filter(|_| stem.len() == 36)
+}
+
+/// Every ingestible file under the inbox, with its path relative to the inbox. Hidden directories are skipped.
+pub fn walk_inbox(inbox: &Path) -> io::Result<Vec<PathBuf>> {
+    let mut files = Vec::new();
+    let mut dirs = vec![inbox.to_path_buf()];
+    while let Some(dir) = dirs.pop() {
+        let entries = match fs::read_dir(&dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e),
+        };
+        for entry in entries {
+            let entry = entry?;
+            let name = entry.file_name();
+            if is_ignored_name(&name.to_string_lossy()) {
+                continue;
+            }
+            let file_type = entry.file_type()?;
+            if file_type.is_dir() {
+                dirs.push(entry.path());
+            } else if file_type.is_file() {
+                files.push(entry.path());
+            }
+        }
+    }
+    files.sort();
+    Ok(files)
+}
+
+/// Recovery step: remove inbox files whose source key is already in a pack. Returns how many were removed.
+pub fn remove_already_captured(
+    paths: &SpoolPaths,
+    source_keys: &HashSet<String>,
+) -> io::Result<u64> {
+    if source_keys.is_empty() {
+        return Ok(0);
+    }
+    let mut removed = 0;
+    for path in walk_inbox(&paths.inbox)? {
+        let Ok(metadata) = fs::symlink_metadata(&path) else {
+            continue;
+        };
+        let relative = relative_name(&paths.inbox, &path);
+        if source_keys.contains(&source_key(&relative, &metadata)) {
+            durable::remove_durable(&path)?;
+            removed += 1;
+            tracing::info!(file = %relative, "inbox file was already captured before the crash; removed");
+        }
+    }
+    Ok(removed)
+}
+
+fn relative_name(inbox: &Path, path: &Path) -> String {
+    path.strip_prefix(inbox)
+        .unwrap_or(path)
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// Counters of the ingest loop, read by status and metrics.
+#[derive(Debug, Default)]
+pub struct IngestStats {
+    pub files_ingested: AtomicU64,
+    pub files_quarantined: AtomicU64,
+    pub files_deferred: AtomicU64,
+}
+
+/// What happened to one inbox file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum FileOutcome {
+    Ingested,
+    Quarantined,
+    /// Left in place: spool full or a transient error; look again soon.
+    Deferred,
+    /// Gone, not a regular file, or still being written: nothing to do.
+    Skipped,
+}
+
+struct IngestContext {
+    paths: SpoolPaths,
+    writer: SpoolWriter,
+    max_capture_bytes: u64,
+    stats: Arc<IngestStats>,
+    read_budget: Semaphore,
+}
+
+/// Runs until `shutdown_rx` turns true; then finishes the files in flight and returns.
+pub struct Ingestor {
+    context: Arc<IngestContext>,
+    rescan_interval: Duration,
+}
+
+impl Ingestor {
+    pub fn new(
+        paths: SpoolPaths,
+        writer: SpoolWriter,
+        max_capture_bytes: u64,
+        rescan_interval: Duration,
+    ) -> Ingestor {
+        let context = IngestContext {
+            paths,
+            writer,
+            max_capture_bytes,
+            stats: Arc::new(IngestStats::default()),
+            read_budget: Semaphore::new(READ_BUDGET_KIB as usize),
+        };
+        Ingestor {
+            context: Arc::new(context),
+            rescan_interval,
+        }
+    }
+
+    pub fn stats(&self) -> Arc<IngestStats> {
+        self.context.stats.clone()
+    }
+
+    pub async fn run(self, mut shutdown_rx: watch::Receiver<bool>) {
+        let (events_tx, mut events_rx) = mpsc::channel::<Vec<PathBuf>>(1024);
+        let _watcher = start_watcher(&self.context.paths.inbox, events_tx);
+        let (done_tx, mut done_rx) = mpsc::unbounded_channel::<(PathBuf, FileOutcome)>();
+        let mut in_flight: HashSet<PathBuf> = HashSet::new();
+        let mut rescan = tokio::time::interval(self.rescan_interval);
+        rescan.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let retry = tokio::time::sleep(Duration::MAX / 4);
+        tokio::pin!(retry);
+        let mut retry_armed = false;
+        loop {
+            let candidates: Vec<PathBuf> = tokio::select! {
+                _ = shutdown_rx.changed() => break,
+                Some(paths) = events_rx.recv() => paths,
+                _ = rescan.tick() => self.walk().await,
+                _ = &mut retry, if retry_armed => { retry_armed = false; self.walk().await }
+                Some((path, outcome)) = done_rx.recv() => {
+                    in_flight.remove(&path);
+                    if outcome == FileOutcome::Deferred && !retry_armed {
+                        retry.as_mut().reset(tokio::time::Instant::now() + RETRY_AFTER_REFUSAL);
+                        retry_armed = true;
+                    }
+                    continue;
+                }
+            };
+            for path in candidates {
+                if *shutdown_rx.borrow() {
+                    break;
+                }
+                if path.is_dir() {
+                    // A directory appeared: files renamed into it before its watch existed would be missed.
+                    for file in walk_inbox(&path).unwrap_or_default() {
+                        self.dispatch(file, &mut in_flight, &done_tx);
+                    }
+                } else {
+                    self.dispatch(path, &mut in_flight, &done_tx);
+                }
+            }
+        }
+        // Let files in flight finish: each either lands (and is unlinked) or stays in the inbox.
+        drop(done_tx);
+        while !in_flight.is_empty() {
+            match done_rx.recv().await {
+                Some((path, _)) => {
+                    in_flight.remove(&path);
+                }
+                None => break,
+            }
+        }
+    }
+
+    async fn walk(&self) -> Vec<PathBuf> {
+        let inbox = self.context.paths.inbox.clone();
+        match tokio::task::spawn_blocking(move || walk_inbox(&inbox)).await {
+            Ok(Ok(files)) => files,
+            Ok(Err(error)) => {
+                tracing::warn!(%error, "inbox rescan failed");
+                Vec::new()
+            }
+            Err(_) => Vec::new(),
+        }
+    }
+
+    fn dispatch(
+        &self,
+        path: PathBuf,
+        in_flight: &mut HashSet<PathBuf>,
+        done_tx: &mpsc::UnboundedSender<(PathBuf, FileOutcome)>,
+    ) {
+        let name_ignored = path
+            .file_name()
+            .is_none_or(|name| is_ignored_name(&name.to_string_lossy()));
+        if name_ignored
+            || !path.starts_with(&self.context.paths.inbox)
+            || !in_flight.insert(path.clone())
+        {
+            return;
+        }
+        let context = self.context.clone();
+        let done_tx = done_tx.clone();
+        tokio::spawn(async move {
+            let outcome = ingest_file(&context, &path).await;
+            let _ = done_tx.send((path, outcome));
+        });
+    }
+}
+
+fn start_watcher(
+    inbox: &Path,
+    events_tx: mpsc::Sender<Vec<PathBuf>>,
+) -> Option<notify::RecommendedWatcher> {
+    use notify::event::{AccessKind, AccessMode, CreateKind, ModifyKind};
+    use notify::{EventKind, RecursiveMode, Watcher};
+    let handler = move |result: notify::Result<notify::Event>| {
+        let Ok(event) = result else { return };
+        let interesting = matches!(
+            event.kind,
+            EventKind::Access(AccessKind::Close(AccessMode::Write))
+                | EventKind::Modify(ModifyKind::Name(_))
+                | EventKind::Create(CreateKind::Folder)
+        );
+        if interesting {
+            // A full channel only delays files until the next rescan.
+            let _ = events_tx.try_send(event.paths);
+        }
+    };
+    let watcher = notify::recommended_watcher(handler).and_then(|mut watcher| {
+        watcher.watch(inbox, RecursiveMode::Recursive)?;
+        Ok(watcher)
+    });
+    match watcher {
+        Ok(watcher) => Some(watcher),
+        Err(error) => {
+            tracing::warn!(%error, "inbox watcher unavailable; relying on periodic rescans");
+            None
+        }
+    }
+}
+
+async fn ingest_file(context: &IngestContext, path: &Path) -> FileOutcome {
+    let outcome = match prepare(context, path).await {
+        Ok(Some((meta, payload))) => append_and_unlink(context, path, meta, payload).await,
+        Ok(None) => FileOutcome::Skipped,
+        Err(Rejection::Quarantine(reason)) => quarantine(context, path, &reason),
+        Err(Rejection::Defer(reason)) => {
+            tracing::debug!(file = %path.display(), reason, "inbox file deferred");
+            FileOutcome::Deferred
+        }
+    };
+    let counter = match outcome {
+        FileOutcome::Ingested => &context.stats.files_ingested,
+        FileOutcome::Quarantined => &context.stats.files_quarantined,
+        FileOutcome::Deferred => &context.stats.files_deferred,
+        FileOutcome::Skipped => return outcome,
+    };
+    counter.fetch_add(1, Ordering::Relaxed);
+    outcome
+}
+
+enum Rejection {
+    Quarantine(String),
+    Defer(String),
+}
+
+/// Read and validate one inbox file. `Ok(None)`: nothing to ingest (gone, or not a regular file).
+async fn prepare(
+    context: &IngestContext,
+    path: &Path,
+) -> Result<Option<(CaptureMeta, Vec<u8>)>, Rejection> {
+    let metadata = match tokio::fs::symlink_metadata(path).await {
+        Ok(metadata) if metadata.is_file() => metadata,
+        Ok(_) => return Ok(None),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Rejection::Defer(e.to_string())),
+    };
+    let relative = relative_name(&context.paths.inbox, path);
+    let Some((stream, name)) = relative.rsplit_once('/') else {
+        return Err(Rejection::Quarantine(
+            "file is directly in inbox/; put it under inbox/<stream>/".into(),
+        ));
+    };
+    capture::validate_stream(stream).map_err(Rejection::Quarantine)?;
+    let is_envelope = name.ends_with(&format!(".{ENVELOPE_EXTENSION}"));
+    let header_allowance = if is_envelope {
+        MAX_ENVELOPE_HEADER as u64
+    } else {
+        0
+    };
+    if metadata.len() > context.max_capture_bytes + header_allowance {
+        return Err(Rejection::Quarantine(format!(
+            "file is {} bytes, more than spool.max_capture_bytes = {}",
+            metadata.len(),
+            context.max_capture_bytes
+        )));
+    }
+    let budget_kib = ((metadata.len() / 1024) as u32).clamp(1, READ_BUDGET_KIB);
+    let _permit = context
+        .read_budget
+        .acquire_many(budget_kib)
+        .await
+        .map_err(|e| Rejection::Defer(e.to_string()))?;
+    let contents = match tokio::fs::read(path).await {
+        Ok(contents) => contents,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Rejection::Defer(e.to_string())),
+    };
+    if contents.len() as u64 != metadata.len() {
+        // Still being written in place (the producer did not rename in); the next event or rescan sees it whole.
+        return Err(Rejection::Defer("file changed while being read".into()));
+    }
+    let (header, payload) = if is_envelope {
+        parse_envelope(contents).map_err(Rejection::Quarantine)?
+    } else {
+        (EnvelopeHeader::default(), contents)
+    };
+    let mtime_ns =
+        (metadata.mtime() as u64).saturating_mul(1_000_000_000) + metadata.mtime_nsec() as u64;
+    let meta = CaptureMeta {
+        capture_id: capture_id_from_name(name).unwrap_or_else(Uuid::now_v7),
+        stream: stream.to_string(),
+        captured_at_ns: header.captured_at_ns.unwrap_or(mtime_ns),
+        labels: header.labels,
+        content_type: header.content_type,
+        source_name: Some(source_key(&relative, &metadata)),
+    };
+    capture::validate_meta(&meta).map_err(Rejection::Quarantine)?;
+    Ok(Some((meta, payload)))
+}
+
+async fn append_and_unlink(
+    context: &IngestContext,
+    path: &Path,
+    meta: CaptureMeta,
+    payload: Vec<u8>,
+) -> FileOutcome {
+    match context.writer.append(meta, payload).await {
+        Ok(_ack) => {
+            // The record is durable; only now may the source go. A crash before this unlink is handled by recovery.
+            if let Err(error) = durable::remove_durable(path) {
+                tracing::warn!(file = %path.display(), %error, "captured inbox file could not be removed");
+            }
+            FileOutcome::Ingested
+        }
+        Err(error @ (AppendError::TooLarge { .. } | AppendError::Invalid(_))) => {
+            quarantine(context, path, &error.to_string())
+        }
+        Err(error) => {
+            tracing::debug!(file = %path.display(), %error, "inbox file deferred");
+            FileOutcome::Deferred
+        }
+    }
+}
+
+fn quarantine(context: &IngestContext, path: &Path, reason: &str) -> FileOutcome {
+    let relative = relative_name(&context.paths.inbox, path);
+    match quarantine_file(&context.paths, "inbox", path, reason) {
+        Ok(moved) => {
+            tracing::warn!(file = %relative, quarantined_as = %moved.display(), reason, "inbox file quarantined");
+            FileOutcome::Quarantined
+        }
+        Err(error) => {
+            tracing::warn!(file = %relative, reason, %error, "inbox file rejected but could not be quarantined");
+            FileOutcome::Deferred
+        }
+    }
+}
+
+/// Split an envelope into its header and payload.
+pub fn parse_envelope(mut contents: Vec<u8>) -> Result<(EnvelopeHeader, Vec<u8>), String> {
+    if !contents.starts_with(ENVELOPE_MAGIC) {
+        return Err("envelope does not start with \"capenv1 \"".into());
+    }
+    let search_end = contents.len().min(MAX_ENVELOPE_HEADER);
+    let newline = contents[..search_end]
+        .iter()
+        .position(|&b| b == b'\n')
+        .ok_or_else(|| {
+            format!("envelope header has no newline within {MAX_ENVELOPE_HEADER} bytes")
+        })?;
+    let header: EnvelopeHeader = serde_json::from_slice(&contents[ENVELOPE_MAGIC.len()..newline])
+        .map_err(|e| format!("envelope header is not valid: {e}"))?;
+    let payload = contents.split_off(newline + 1);
+    Ok((header, payload))
+}
+
+pub fn encode_envelope_header(header: &EnvelopeHeader) -> Vec<u8> {
+    let mut bytes = ENVELOPE_MAGIC.to_vec();
+    bytes.extend(serde_json::to_vec(header).expect("envelope header serializes"));
+    bytes.push(b'\n');
+    bytes
+}
+
+/// `capstore put`: copy a file into the inbox atomically (temp name, fsync, rename, directory fsync) as an envelope.
+/// Works whether or not the daemon runs; the daemon (or its next start) ingests it.
+pub fn put_file(
+    inbox: &Path,
+    stream: &str,
+    capture_id: Uuid,
+    header: &EnvelopeHeader,
+    source: &mut dyn io::Read,
+) -> io::Result<PathBuf> {
+    capture::validate_stream(stream).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let dir = inbox.join(stream);
+    fs::create_dir_all(&dir)?;
+    let target = dir.join(format!("{capture_id}.{ENVELOPE_EXTENSION}"));
+    if target.exists() {
+        return Err(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            format!("{} is already in the inbox", target.display()),
+        ));
+    }
+    let temp = durable::temp_path_for(&target);
+    let result = (|| {
+        let mut file = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&temp)?;
+        file.write_all(&encode_envelope_header(header))?;
+        io::copy(source, &mut file)?;
+        file.sync_all()?;
+        drop(file);
+        durable::rename_durable(&temp, &target)
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&temp);
+    }
+    result.map(|()| target)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names() {
+        assert!(is_ignored_name(".partial"));
+        assert!(is_ignored_name("x.tmp"));
+        assert!(!is_ignored_name("x.bin"));
+        let id = Uuid::now_v7();
+        assert_eq!(capture_id_from_name(&id.to_string()), Some(id));
+        assert_eq!(capture_id_from_name(&format!("{id}.json")), Some(id));
+        assert_eq!(capture_id_from_name("frame-1.jpg"), None);
+        assert_eq!(capture_id_from_name(&id.simple().to_string()), None);
+    }
+
+    #[test]
+    fn envelopes_round_trip() {
+        let header = EnvelopeHeader {
+            labels: BTreeMap::from([("site".into(), "berlin".into())]),
+            content_type: Some("text/plain".into()),
+            captured_at_ns: Some(42),
+        };
+        let mut bytes = encode_envelope_header(&header);
+        bytes.extend_from_slice(b"payload\nwith newline");
+        let (parsed, payload) = parse_envelope(bytes).unwrap();
+        assert_eq!(parsed.labels, header.labels);
+        assert_eq!(parsed.captured_at_ns, Some(42));
+        assert_eq!(payload, b"payload\nwith newline");
+        assert!(parse_envelope(b"capenv1 {\"bogus\":1}\nx".to_vec())
+            .unwrap_err()
+            .contains("bogus"));
+        assert!(parse_envelope(b"plain".to_vec()).is_err());
+    }
+}

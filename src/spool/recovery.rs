@@ -1,0 +1,164 @@
+//! Start-time recovery: bring a spool left by a crashed (or cleanly stopped) process to a consistent state.
+//!
+//! Runs once, under the spool lock, before anything else touches the spool. Every step is idempotent, so a crash
+//! during recovery is recovered by the next start.
+//!
+//! 1. Leftover temporary files of our own crash-safe writes are removed.
+//! 2. Each `.open` pack is scanned: every complete record whose checksum verifies is kept, the torn tail is cut, footer
+//!    and trailer are written and the pack is renamed `.sealed`. A pack with no valid record is removed; a pack whose
+//!    header is unreadable but holds more than a header's worth of bytes is quarantined (it is not ours to delete).
+//! 3. Each `.sealed` and `.uploaded` pack has its trailer and footer checked; a pack that fails goes to quarantine.
+//! 4. Inbox exactly-once: an inbox file whose source key is already recorded in a pack was captured before the crash
+//!    (its unlink was lost), so it is removed instead of being ingested twice.
+
+use std::collections::HashSet;
+use std::fs;
+use std::io;
+use std::path::Path;
+
+use serde::Serialize;
+
+use super::pack::{self, PackFile, PackWriter};
+use super::{durable, inbox, list_packs, quarantine_file, PackState, SpoolPaths};
+
+#[derive(Debug, Default, Clone, Serialize, PartialEq, Eq)]
+pub struct RecoveryReport {
+    pub open_packs_sealed: u64,
+    pub records_recovered: u64,
+    pub bytes_cut: u64,
+    pub empty_packs_removed: u64,
+    pub packs_quarantined: u64,
+    pub inbox_duplicates_removed: u64,
+    pub temp_files_removed: u64,
+}
+
+impl RecoveryReport {
+    pub fn is_clean(&self) -> bool {
+        *self == RecoveryReport::default()
+    }
+}
+
+pub fn recover(paths: &SpoolPaths) -> io::Result<RecoveryReport> {
+    let mut report = RecoveryReport::default();
+    remove_temp_files(&paths.packs, &mut report)?;
+    remove_temp_files(&paths.root, &mut report)?;
+
+    let mut source_keys = HashSet::new();
+    for listing in list_packs(paths)? {
+        match listing.state {
+            PackState::Open => {
+                recover_open_pack(paths, &listing.path, &mut report, &mut source_keys)?
+            }
+            PackState::Sealed | PackState::Uploaded => match PackFile::open(&listing.path) {
+                Ok(pack_file) => collect_source_keys(pack_file.entries(), &mut source_keys),
+                Err(error) => {
+                    let reason = format!("unreadable {} pack: {error}", listing.state.extension());
+                    quarantine_pack(paths, &listing.path, &reason, &mut report)?;
+                }
+            },
+        }
+    }
+    report.inbox_duplicates_removed = inbox::remove_already_captured(paths, &source_keys)?;
+    if !report.is_clean() {
+        tracing::info!(
+            open_packs_sealed = report.open_packs_sealed,
+            records_recovered = report.records_recovered,
+            bytes_cut = report.bytes_cut,
+            empty_packs_removed = report.empty_packs_removed,
+            packs_quarantined = report.packs_quarantined,
+            inbox_duplicates_removed = report.inbox_duplicates_removed,
+            temp_files_removed = report.temp_files_removed,
+            "spool recovered"
+        );
+    }
+    Ok(report)
+}
+
+fn recover_open_pack(
+    paths: &SpoolPaths,
+    path: &Path,
+    report: &mut RecoveryReport,
+    source_keys: &mut HashSet<String>,
+) -> io::Result<()> {
+    match PackWriter::recover(path) {
+        Ok((writer, recovered)) if recovered.records_kept == 0 => {
+            drop(writer);
+            durable::remove_durable(path)?;
+            report.empty_packs_removed += 1;
+            report.bytes_cut += recovered.bytes_cut;
+            tracing::info!(pack = %path.display(), bytes_cut = recovered.bytes_cut, "removed open pack with no complete record");
+        }
+        Ok((writer, recovered)) => {
+            let pack_id = writer.pack_id();
+            let summary = writer.finish().map_err(pack_io_error)?;
+            durable::rename_durable(path, &paths.pack_path(pack_id, PackState::Sealed))?;
+            collect_source_keys(&recovered.entries, source_keys);
+            report.open_packs_sealed += 1;
+            report.records_recovered += recovered.records_kept;
+            report.bytes_cut += recovered.bytes_cut;
+            tracing::info!(
+                pack_id = %pack_id,
+                records = summary.records,
+                bytes_cut = recovered.bytes_cut,
+                "sealed open pack left by previous process"
+            );
+        }
+        Err(error) => {
+            let length = fs::metadata(path)?.len();
+            if length <= pack::HEADER_LEN as u64 {
+                // Torn while its header was being written: it never held a record.
+                durable::remove_durable(path)?;
+                report.empty_packs_removed += 1;
+                report.bytes_cut += length;
+            } else {
+                quarantine_pack(
+                    paths,
+                    path,
+                    &format!("unrecoverable open pack: {error}"),
+                    report,
+                )?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn quarantine_pack(
+    paths: &SpoolPaths,
+    path: &Path,
+    reason: &str,
+    report: &mut RecoveryReport,
+) -> io::Result<()> {
+    let moved = quarantine_file(paths, "packs", path, reason)?;
+    report.packs_quarantined += 1;
+    tracing::error!(pack = %path.display(), quarantined_as = %moved.display(), reason, "pack quarantined");
+    Ok(())
+}
+
+fn collect_source_keys(entries: &[pack::IndexEntry], source_keys: &mut HashSet<String>) {
+    source_keys.extend(
+        entries
+            .iter()
+            .filter_map(|entry| entry.meta.source_name.clone()),
+    );
+}
+
+fn remove_temp_files(dir: &Path, report: &mut RecoveryReport) -> io::Result<()> {
+    for entry in fs::read_dir(dir)? {
+        let entry = entry?;
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with('.')
+            && name.ends_with(durable::TEMP_SUFFIX)
+            && entry.file_type()?.is_file()
+        {
+            durable::remove_durable(&entry.path())?;
+            report.temp_files_removed += 1;
+        }
+    }
+    Ok(())
+}
+
+fn pack_io_error(error: pack::PackError) -> io::Error {
+    io::Error::other(error.to_string())
+}

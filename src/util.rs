@@ -1,0 +1,23 @@
+//! Small helpers shared by every module: wall-clock time in the forms the catalog and logs use.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// Nanoseconds since the Unix epoch (0 if the clock is before 1970, which no real host is).
+pub fn now_ns() -> u64 {
+    system_time_ns(SystemTime::now())
+}
+
+pub fn system_time_ns(time: SystemTime) -> u64 {
+    time.duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}
+
+pub fn now_rfc3339() -> String {
+    humantime::format_rfc3339_seconds(SystemTime::now()).to_string()
+}
+
+/// `2026-11-30T07:15:16Z` for a time in nanoseconds since the epoch.
+pub fn ns_to_rfc3339(ns: u64) -> String {
+    humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_nanos(ns)).to_string()
+}
