@@ -53,8 +53,7 @@ pub async fn spool_append(options: &SpoolBenchOptions) -> std::io::Result<Vec<Sp
         for _ in 0..options.repeats {
             // Alternate the two so drift in machine load hits both alike.
             dd_runs.push(run_dd(&options.dir, total_bytes)?);
-            let (seconds, run_fsyncs) =
-                run_spool(&options.dir, capture_bytes, captures, options.producers).await?;
+            let (seconds, run_fsyncs) = run_spool(&options.dir, capture_bytes, captures, options.producers).await?;
             spool_runs.push(seconds);
             fsyncs = run_fsyncs;
         }
@@ -75,6 +74,12 @@ pub async fn spool_append(options: &SpoolBenchOptions) -> std::io::Result<Vec<Sp
         });
     }
     Ok(rows)
+}
+
+/// Test payload derived from the capture id, so a crash test can check bytes without remembering them.
+pub fn expected_payload(capture_id: Uuid, len: usize) -> Vec<u8> {
+    let seed = capture_id.as_bytes();
+    (0..len).map(|i| seed[i % 16].wrapping_add((i / 16) as u8)).collect()
 }
 
 fn median(values: &mut [f64]) -> f64 {
@@ -103,12 +108,7 @@ fn run_dd(dir: &Path, total_bytes: u64) -> std::io::Result<f64> {
     Ok(seconds * total_bytes as f64 / (megabytes * 1024 * 1024) as f64)
 }
 
-async fn run_spool(
-    dir: &Path,
-    capture_bytes: u64,
-    captures: u64,
-    producers: usize,
-) -> std::io::Result<(f64, u64)> {
+async fn run_spool(dir: &Path, capture_bytes: u64, captures: u64, producers: usize) -> std::io::Result<(f64, u64)> {
     let spool_dir = dir.join(format!("spool-bench-{}", Uuid::now_v7()));
     let paths = SpoolPaths::new(&spool_dir);
     for sub in [&paths.root, &paths.packs] {
@@ -124,11 +124,8 @@ async fn run_spool(
     };
     let (writer, thread) = spawn_writer(paths, settings);
     // Incompressible, non-constant payload so checksums do real work.
-    let payload: Arc<Vec<u8>> = Arc::new(
-        (0..capture_bytes)
-            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
-            .collect(),
-    );
+    let payload: Arc<Vec<u8>> =
+        Arc::new((0..capture_bytes).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect());
     let next = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let started = Instant::now();
     let mut tasks = Vec::new();
@@ -146,10 +143,7 @@ async fn run_spool(
                     content_type: None,
                     source_name: None,
                 };
-                writer
-                    .append(meta, payload.to_vec())
-                    .await
-                    .map_err(std::io::Error::other)?;
+                writer.append(meta, payload.to_vec()).await.map_err(std::io::Error::other)?;
             }
             Ok::<(), std::io::Error>(())
         }));
@@ -160,9 +154,7 @@ async fn run_spool(
     let fsyncs = writer.stats().snapshot().fsyncs;
     writer.close();
     drop(writer);
-    tokio::task::spawn_blocking(move || thread.join())
-        .await
-        .map_err(std::io::Error::other)?;
+    tokio::task::spawn_blocking(move || thread.join()).await.map_err(std::io::Error::other)?;
     let seconds = started.elapsed().as_secs_f64();
     std::fs::remove_dir_all(&spool_dir)?;
     Ok((seconds, fsyncs))

@@ -18,27 +18,15 @@ pub fn validate_stream(stream: &str) -> Result<(), String> {
         return Err("stream name is empty (files must be under inbox/<stream>/)".into());
     }
     if stream.len() > MAX_STREAM_LEN {
-        return Err(format!(
-            "stream name is {} bytes, more than {MAX_STREAM_LEN}",
-            stream.len()
-        ));
+        return Err(format!("stream name is {} bytes, more than {MAX_STREAM_LEN}", stream.len()));
     }
     let segments: Vec<&str> = stream.split('/').collect();
     if segments.len() > MAX_STREAM_DEPTH {
-        return Err(format!(
-            "stream {stream:?} has {} segments, more than {MAX_STREAM_DEPTH}",
-            segments.len()
-        ));
+        return Err(format!("stream {stream:?} has {} segments, more than {MAX_STREAM_DEPTH}", segments.len()));
     }
     for segment in segments {
-        let valid_chars = segment
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
-        if segment.is_empty()
-            || segment.len() > MAX_SEGMENT_LEN
-            || segment.starts_with('.')
-            || !valid_chars
-        {
+        let valid_chars = segment.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+        if segment.is_empty() || segment.len() > MAX_SEGMENT_LEN || segment.starts_with('.') || !valid_chars {
             return Err(format!(
                 "stream {stream:?}: segment {segment:?} must be 1-{MAX_SEGMENT_LEN} characters of letters, digits, \
                  '.', '_' or '-', not starting with '.'"
@@ -53,19 +41,14 @@ pub fn validate_labels(labels: &BTreeMap<String, String>) -> Result<(), String> 
         return Err(format!("{} labels, more than {MAX_LABELS}", labels.len()));
     }
     for (key, value) in labels {
-        let valid_key = key
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | ':' | '/'));
+        let valid_key = key.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | ':' | '/'));
         if key.is_empty() || key.len() > MAX_LABEL_KEY_LEN || !valid_key {
             return Err(format!(
                 "label key {key:?} must be 1-{MAX_LABEL_KEY_LEN} characters of letters, digits, '.', '_', '-', ':' or '/'"
             ));
         }
         if value.len() > MAX_LABEL_VALUE_LEN {
-            return Err(format!(
-                "label {key:?} value is {} bytes, more than {MAX_LABEL_VALUE_LEN}",
-                value.len()
-            ));
+            return Err(format!("label {key:?} value is {} bytes, more than {MAX_LABEL_VALUE_LEN}", value.len()));
         }
     }
     Ok(())
@@ -76,9 +59,7 @@ pub fn validate_content_type(content_type: &str) -> Result<(), String> {
         || content_type.len() > MAX_CONTENT_TYPE_LEN
         || content_type.chars().any(char::is_control)
     {
-        return Err(format!(
-            "content type {content_type:?} must be 1-{MAX_CONTENT_TYPE_LEN} printable characters"
-        ));
+        return Err(format!("content type {content_type:?} must be 1-{MAX_CONTENT_TYPE_LEN} printable characters"));
     }
     Ok(())
 }
@@ -95,9 +76,7 @@ pub fn validate_meta(meta: &CaptureMeta) -> Result<(), String> {
 
 /// Parse a `key=value` label argument.
 pub fn parse_label(text: &str) -> Result<(String, String), String> {
-    let (key, value) = text
-        .split_once('=')
-        .ok_or_else(|| format!("label {text:?} must look like key=value"))?;
+    let (key, value) = text.split_once('=').ok_or_else(|| format!("label {text:?} must look like key=value"))?;
     let mut one = BTreeMap::new();
     one.insert(key.to_string(), value.to_string());
     validate_labels(&one)?;
@@ -113,28 +92,14 @@ mod tests {
         for good in ["a", "edge/cam-1", "x.y_z/1/2/3", "A9"] {
             validate_stream(good).unwrap();
         }
-        for bad in [
-            "",
-            "/a",
-            "a/",
-            "a//b",
-            ".hidden",
-            "a/.b",
-            "sp ace",
-            "ü",
-            &"x".repeat(65),
-            "1/2/3/4/5/6/7/8/9",
-        ] {
+        for bad in ["", "/a", "a/", "a//b", ".hidden", "a/.b", "sp ace", "ü", &"x".repeat(65), "1/2/3/4/5/6/7/8/9"] {
             assert!(validate_stream(bad).is_err(), "{bad:?} accepted");
         }
     }
 
     #[test]
     fn labels() {
-        assert_eq!(
-            parse_label("site=berlin").unwrap(),
-            ("site".into(), "berlin".into())
-        );
+        assert_eq!(parse_label("site=berlin").unwrap(), ("site".into(), "berlin".into()));
         assert_eq!(parse_label("k=a=b").unwrap(), ("k".into(), "a=b".into()));
         assert!(parse_label("novalue").unwrap_err().contains("key=value"));
         assert!(parse_label("bad key=1").unwrap_err().contains("bad key"));

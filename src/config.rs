@@ -200,11 +200,7 @@ impl Default for BucketConfig {
 
 impl Default for UploadConfig {
     fn default() -> Self {
-        UploadConfig {
-            batch_packs: 8,
-            concurrency: 4,
-            part_size: ByteSize(16 * MIB),
-        }
+        UploadConfig { batch_packs: 8, concurrency: 4, part_size: ByteSize(16 * MIB) }
     }
 }
 
@@ -241,19 +237,13 @@ impl Default for LeaseConfig {
 
 impl Default for HttpConfig {
     fn default() -> Self {
-        HttpConfig {
-            listen: "127.0.0.1:9464".into(),
-            token_file: None,
-        }
+        HttpConfig { listen: "127.0.0.1:9464".into(), token_file: None }
     }
 }
 
 impl Default for LogConfig {
     fn default() -> Self {
-        LogConfig {
-            level: "info".into(),
-            format: LogFormat::Text,
-        }
+        LogConfig { level: "info".into(), format: LogFormat::Text }
     }
 }
 
@@ -289,12 +279,7 @@ impl fmt::Display for ConfigError {
 
 impl ConfigError {
     fn one(key: impl Into<String>, problem: impl Into<String>) -> Self {
-        ConfigError {
-            problems: vec![ConfigProblem {
-                key: key.into(),
-                problem: problem.into(),
-            }],
-        }
+        ConfigError { problems: vec![ConfigProblem { key: key.into(), problem: problem.into() }] }
     }
 }
 
@@ -382,13 +367,11 @@ impl Config {
     /// Load from an explicit path, else `CAPSTORE_CONFIG`, else defaults; then apply the process environment.
     pub fn load(path_opt: Option<&Path>) -> Result<Config, ConfigError> {
         let env: Vec<(String, String)> = std::env::vars().collect();
-        let path_opt: Option<PathBuf> = path_opt
-            .map(Path::to_path_buf)
-            .or_else(|| std::env::var_os(CONFIG_PATH_ENV).map(PathBuf::from));
+        let path_opt: Option<PathBuf> =
+            path_opt.map(Path::to_path_buf).or_else(|| std::env::var_os(CONFIG_PATH_ENV).map(PathBuf::from));
         let text = match &path_opt {
-            Some(path) => std::fs::read_to_string(path).map_err(|e| {
-                ConfigError::one("--config", format!("cannot read {}: {e}", path.display()))
-            })?,
+            Some(path) => std::fs::read_to_string(path)
+                .map_err(|e| ConfigError::one("--config", format!("cannot read {}: {e}", path.display())))?,
             None => String::new(),
         };
         Config::from_sources(&text, &env)
@@ -396,12 +379,8 @@ impl Config {
 
     /// Build from TOML text and environment pairs (the testable core of [`Config::load`]); resolves `*_file` secrets.
     pub fn from_sources(toml_text: &str, env: &[(String, String)]) -> Result<Config, ConfigError> {
-        let mut table: toml::Table = toml::from_str(toml_text).map_err(|e| {
-            ConfigError::one(
-                "config file",
-                e.message().to_string() + &span_hint(toml_text, e.span()),
-            )
-        })?;
+        let mut table: toml::Table = toml::from_str(toml_text)
+            .map_err(|e| ConfigError::one("config file", e.message().to_string() + &span_hint(toml_text, e.span())))?;
         let mut problems = Vec::new();
         apply_env_overrides(&mut table, env, &mut problems);
         if !problems.is_empty() {
@@ -417,12 +396,7 @@ impl Config {
     }
 
     fn resolve_secret_files(&mut self, problems: &mut Vec<ConfigProblem>) {
-        resolve_secret(
-            &mut self.catalog.password,
-            &self.catalog.password_file,
-            "catalog.password",
-            problems,
-        );
+        resolve_secret(&mut self.catalog.password, &self.catalog.password_file, "catalog.password", problems);
         resolve_secret(
             &mut self.bucket.secret_access_key,
             &self.bucket.secret_access_key_file,
@@ -440,12 +414,7 @@ impl Config {
     /// Check every rule; returns all problems at once.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let mut problems = Vec::new();
-        let mut bad = |key: &str, problem: String| {
-            problems.push(ConfigProblem {
-                key: key.into(),
-                problem,
-            })
-        };
+        let mut bad = |key: &str, problem: String| problems.push(ConfigProblem { key: key.into(), problem });
 
         if !is_catalog_name(&self.catalog_name) {
             bad(
@@ -459,15 +428,10 @@ impl Config {
         if self.spool.dir.as_os_str().is_empty() {
             bad("spool.dir", "must not be empty".into());
         }
-        if self.spool.max_capture_bytes.0 == 0
-            || self.spool.max_capture_bytes.0 > pack::MAX_PAYLOAD_BYTES
-        {
+        if self.spool.max_capture_bytes.0 == 0 || self.spool.max_capture_bytes.0 > pack::MAX_PAYLOAD_BYTES {
             bad(
                 "spool.max_capture_bytes",
-                format!(
-                    "must be between 1 byte and the pack format limit of {} bytes",
-                    pack::MAX_PAYLOAD_BYTES
-                ),
+                format!("must be between 1 byte and the pack format limit of {} bytes", pack::MAX_PAYLOAD_BYTES),
             );
         }
         if self.spool.pack_max_bytes.0 < MIB {
@@ -476,20 +440,14 @@ impl Config {
         if self.spool.pack_max_records == 0 || self.spool.pack_max_records > pack::MAX_RECORDS {
             bad(
                 "spool.pack_max_records",
-                format!(
-                    "must be between 1 and the pack format limit of {}",
-                    pack::MAX_RECORDS
-                ),
+                format!("must be between 1 and the pack format limit of {}", pack::MAX_RECORDS),
             );
         }
         if self.spool.pack_max_age.0.is_zero() {
             bad("spool.pack_max_age", "must be greater than 0s".into());
         }
         if self.spool.inbox_rescan_interval.0 < Duration::from_millis(100) {
-            bad(
-                "spool.inbox_rescan_interval",
-                "must be at least 100ms".into(),
-            );
+            bad("spool.inbox_rescan_interval", "must be at least 100ms".into());
         }
         if let Err(problem) = check_bucket_url(&self.bucket.url) {
             bad("bucket.url", problem);
@@ -504,37 +462,27 @@ impl Config {
             bad("upload.concurrency", "must be between 1 and 64".into());
         }
         if self.upload.part_size.0 < 5 * MIB || self.upload.part_size.0 > 5 * GIB {
-            bad(
-                "upload.part_size",
-                "must be between 5MiB and 5GiB (the S3 multipart limits)".into(),
-            );
+            bad("upload.part_size", "must be between 5MiB and 5GiB (the S3 multipart limits)".into());
         }
         if !(self.catalog.url.starts_with("http://") || self.catalog.url.starts_with("https://")) {
-            bad(
-                "catalog.url",
-                format!("{:?} must start with http:// or https://", self.catalog.url),
-            );
+            bad("catalog.url", format!("{:?} must start with http:// or https://", self.catalog.url));
         }
         if self.catalog.ca_file.is_some() && !self.catalog.url.starts_with("https://") {
-            bad(
-                "catalog.ca_file",
-                "only applies to an https:// catalog.url".into(),
-            );
+            bad("catalog.ca_file", "only applies to an https:// catalog.url".into());
         }
-        for (key, value) in [
-            ("catalog.database", &self.catalog.database),
-            ("catalog.table_prefix", &self.catalog.table_prefix),
-        ] {
+        for (key, value) in
+            [("catalog.database", &self.catalog.database), ("catalog.table_prefix", &self.catalog.table_prefix)]
+        {
             if !is_identifier(value) {
-                bad(key, format!("{value:?} must be an identifier: a letter or '_' followed by letters, digits or '_'"));
+                bad(
+                    key,
+                    format!("{value:?} must be an identifier: a letter or '_' followed by letters, digits or '_'"),
+                );
             }
         }
         if let Some(cluster) = &self.catalog.cluster {
             if !is_identifier(cluster) {
-                bad(
-                    "catalog.cluster",
-                    format!("{cluster:?} must be an identifier"),
-                );
+                bad("catalog.cluster", format!("{cluster:?} must be an identifier"));
             }
         }
         if self.catalog.user.is_empty() {
@@ -568,7 +516,10 @@ impl Config {
         if lease.publish_timeout.0.subsec_nanos() != 0 || lease.publish_timeout.0.is_zero() {
             bad(
                 "lease.publish_timeout",
-                format!("{} must be a whole number of seconds, at least 1s (it is sent as max_execution_time)", lease.publish_timeout),
+                format!(
+                    "{} must be a whole number of seconds, at least 1s (it is sent as max_execution_time)",
+                    lease.publish_timeout
+                ),
             );
         }
         if self.catalog.request_timeout.0 < lease.publish_timeout.0 * 2 {
@@ -585,21 +536,12 @@ impl Config {
             bad("shutdown_grace", "must be greater than 0s".into());
         }
         if self.http.listen.parse::<SocketAddr>().is_err() {
-            bad(
-                "http.listen",
-                format!(
-                    "{:?} must be an address like 127.0.0.1:9464",
-                    self.http.listen
-                ),
-            );
+            bad("http.listen", format!("{:?} must be an address like 127.0.0.1:9464", self.http.listen));
         }
         if tracing_subscriber::EnvFilter::try_new(&self.log.level).is_err() {
             bad(
                 "log.level",
-                format!(
-                    "{:?} is not a level (error, warn, info, debug, trace) or filter",
-                    self.log.level
-                ),
+                format!("{:?} is not a level (error, warn, info, debug, trace) or filter", self.log.level),
             );
         }
         if problems.is_empty() {
@@ -621,8 +563,7 @@ impl Config {
     pub fn to_redacted_toml(&self) -> String {
         let mut shown = self.clone();
         shown.lease.start_wait = Some(HumanDuration(self.start_wait()));
-        toml::to_string_pretty(&shown)
-            .unwrap_or_else(|e| format!("# cannot render configuration: {e}\n"))
+        toml::to_string_pretty(&shown).unwrap_or_else(|e| format!("# cannot render configuration: {e}\n"))
     }
 }
 
@@ -636,17 +577,12 @@ fn span_hint(text: &str, span_opt: Option<std::ops::Range<usize>>) -> String {
     }
 }
 
-fn apply_env_overrides(
-    table: &mut toml::Table,
-    env: &[(String, String)],
-    problems: &mut Vec<ConfigProblem>,
-) {
+fn apply_env_overrides(table: &mut toml::Table, env: &[(String, String)], problems: &mut Vec<ConfigProblem>) {
     for (name, text) in env {
         if !name.starts_with("CAPSTORE_") || NON_KEY_ENV.contains(&name.as_str()) {
             continue;
         }
-        let Some(&(section, key, kind)) = KEYS.iter().find(|(s, k, _)| env_name(s, k) == *name)
-        else {
+        let Some(&(section, key, kind)) = KEYS.iter().find(|(s, k, _)| env_name(s, k) == *name) else {
             problems.push(ConfigProblem {
                 key: name.clone(),
                 problem: "unknown environment override: no such config key".into(),
@@ -679,10 +615,7 @@ fn apply_env_overrides(
             ValueKind::Table => {
                 problems.push(ConfigProblem {
                     key: name.clone(),
-                    problem: format!(
-                        "{} is a table and cannot be set from the environment",
-                        dotted(section, key)
-                    ),
+                    problem: format!("{} is a table and cannot be set from the environment", dotted(section, key)),
                 });
                 continue;
             }
@@ -691,17 +624,12 @@ fn apply_env_overrides(
             table.insert(key.to_string(), value);
             continue;
         }
-        let section_table = table
-            .entry(section.to_string())
-            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        let section_table = table.entry(section.to_string()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
         match section_table {
             toml::Value::Table(inner) => {
                 inner.insert(key.to_string(), value);
             }
-            _ => problems.push(ConfigProblem {
-                key: section.to_string(),
-                problem: "must be a table".into(),
-            }),
+            _ => problems.push(ConfigProblem { key: section.to_string(), problem: "must be a table".into() }),
         }
     }
 }
@@ -740,34 +668,22 @@ fn is_identifier(value: &str) -> bool {
 pub fn is_catalog_name(value: &str) -> bool {
     !value.is_empty()
         && value.len() <= 64
-        && value
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+        && value.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
         && value != "."
         && value != ".."
 }
 
 fn check_bucket_url(url: &str) -> Result<(), String> {
     let Some((scheme, rest)) = url.split_once("://") else {
-        return Err(format!(
-            "{url:?} must be a URL like file:///var/lib/capstore/bucket or s3://name"
-        ));
+        return Err(format!("{url:?} must be a URL like file:///var/lib/capstore/bucket or s3://name"));
     };
     match scheme {
         "file" if rest.starts_with('/') => Ok(()),
         "file" => Err(format!("{url:?} must name an absolute path (file:///...)")),
-        "s3" | "s3a" | "gs" | "az" | "azure" | "abfs" | "abfss"
-            if !rest.trim_matches('/').is_empty() =>
-        {
-            Ok(())
-        }
-        "s3" | "s3a" | "gs" | "az" | "azure" | "abfs" | "abfss" => {
-            Err(format!("{url:?} names no bucket"))
-        }
+        "s3" | "s3a" | "gs" | "az" | "azure" | "abfs" | "abfss" if !rest.trim_matches('/').is_empty() => Ok(()),
+        "s3" | "s3a" | "gs" | "az" | "azure" | "abfs" | "abfss" => Err(format!("{url:?} names no bucket")),
         "memory" => Ok(()),
-        other => Err(format!(
-            "scheme {other:?} is not one of file, s3, gs, az, memory"
-        )),
+        other => Err(format!("scheme {other:?} is not one of file, s3, gs, az, memory")),
     }
 }
 
@@ -812,9 +728,7 @@ impl FromStr for ByteSize {
         trimmed
             .parse::<bytesize::ByteSize>()
             .map(|size| ByteSize(size.as_u64()))
-            .map_err(|_| {
-                format!("{text:?} is not a size like \"64MiB\", \"512KiB\" or a number of bytes")
-            })
+            .map_err(|_| format!("{text:?} is not a size like \"64MiB\", \"512KiB\" or a number of bytes"))
     }
 }
 
@@ -866,9 +780,7 @@ impl FromStr for HumanDuration {
     fn from_str(text: &str) -> Result<Self, Self::Err> {
         humantime::parse_duration(text.trim())
             .map(HumanDuration)
-            .map_err(|_| {
-                format!("{text:?} is not a duration like \"15s\", \"250ms\" or \"1m 30s\"")
-            })
+            .map_err(|_| format!("{text:?} is not a duration like \"15s\", \"250ms\" or \"1m 30s\""))
     }
 }
 
@@ -899,10 +811,7 @@ mod tests {
     use super::*;
 
     fn load(text: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
-        let env: Vec<(String, String)> = env
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
+        let env: Vec<(String, String)> = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         Config::from_sources(text, &env)
     }
 
@@ -919,9 +828,7 @@ mod tests {
 
     #[test]
     fn the_example_config_loads_and_validates() {
-        let text =
-            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/capstore.toml"))
-                .unwrap();
+        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/capstore.toml")).unwrap();
         let config = load(&text, &[]).unwrap();
         config.validate().unwrap();
         assert_eq!(config.catalog_name, "edge-7");
@@ -978,18 +885,8 @@ mod tests {
 
     #[test]
     fn unknown_or_malformed_environment_overrides_are_errors() {
-        let error = load(
-            "",
-            &[
-                ("CAPSTORE_SPOOL_DIRR", "/x"),
-                ("CAPSTORE_UPLOAD_CONCURRENCY", "many"),
-            ],
-        )
-        .unwrap_err();
-        assert_eq!(
-            problem_keys(error),
-            vec!["CAPSTORE_SPOOL_DIRR", "CAPSTORE_UPLOAD_CONCURRENCY"]
-        );
+        let error = load("", &[("CAPSTORE_SPOOL_DIRR", "/x"), ("CAPSTORE_UPLOAD_CONCURRENCY", "many")]).unwrap_err();
+        assert_eq!(problem_keys(error), vec!["CAPSTORE_SPOOL_DIRR", "CAPSTORE_UPLOAD_CONCURRENCY"]);
     }
 
     #[test]
@@ -1005,10 +902,7 @@ mod tests {
                         );
                     }
                 }
-                _ => assert!(
-                    KEYS.iter().any(|(s, k, _)| s.is_empty() && k == section),
-                    "{section} missing"
-                ),
+                _ => assert!(KEYS.iter().any(|(s, k, _)| s.is_empty() && k == section), "{section} missing"),
             }
         }
     }
@@ -1022,44 +916,22 @@ mod tests {
         .unwrap();
         let error = config.validate().unwrap_err();
         let text = error.to_string();
-        assert!(
-            text.contains("lease.ttl")
-                && text.contains("publish_timeout + lease.clock_skew + 0.1s"),
-            "{text}"
-        );
-        assert!(
-            text.contains("lease.publish_timeout") && text.contains("whole number of seconds"),
-            "{text}"
-        );
-        assert!(
-            text.contains("catalog.request_timeout") && text.contains("2 x lease.publish_timeout"),
-            "{text}"
-        );
+        assert!(text.contains("lease.ttl") && text.contains("publish_timeout + lease.clock_skew + 0.1s"), "{text}");
+        assert!(text.contains("lease.publish_timeout") && text.contains("whole number of seconds"), "{text}");
+        assert!(text.contains("catalog.request_timeout") && text.contains("2 x lease.publish_timeout"), "{text}");
     }
 
     #[test]
     fn the_lease_rule_boundary_is_strict() {
-        let ok = load(
-            "[lease]\nttl = \"3s\"\npublish_timeout = \"1s\"\nclock_skew = \"1899ms\"\n",
-            &[],
-        )
-        .unwrap();
+        let ok = load("[lease]\nttl = \"3s\"\npublish_timeout = \"1s\"\nclock_skew = \"1899ms\"\n", &[]).unwrap();
         ok.validate().unwrap();
-        let bad = load(
-            "[lease]\nttl = \"3s\"\npublish_timeout = \"1s\"\nclock_skew = \"1900ms\"\n",
-            &[],
-        )
-        .unwrap();
+        let bad = load("[lease]\nttl = \"3s\"\npublish_timeout = \"1s\"\nclock_skew = \"1900ms\"\n", &[]).unwrap();
         assert_eq!(problem_keys(bad.validate().unwrap_err()), vec!["lease.ttl"]);
     }
 
     #[test]
     fn start_wait_defaults_to_ttl_plus_publish_timeout_plus_skew() {
-        let config = load(
-            "[lease]\nttl = \"3s\"\npublish_timeout = \"1s\"\nclock_skew = \"500ms\"\n",
-            &[],
-        )
-        .unwrap();
+        let config = load("[lease]\nttl = \"3s\"\npublish_timeout = \"1s\"\nclock_skew = \"500ms\"\n", &[]).unwrap();
         assert_eq!(config.start_wait(), Duration::from_millis(4500));
         let config = load("[lease]\nstart_wait = \"0s\"\n", &[]).unwrap();
         assert_eq!(config.start_wait(), Duration::ZERO);
@@ -1073,15 +945,7 @@ mod tests {
         )
         .unwrap();
         let keys = problem_keys(config.validate().unwrap_err());
-        assert_eq!(
-            keys,
-            vec![
-                "catalog_name",
-                "bucket.url",
-                "upload.concurrency",
-                "http.listen"
-            ]
-        );
+        assert_eq!(keys, vec!["catalog_name", "bucket.url", "upload.concurrency", "http.listen"]);
     }
 
     #[test]
@@ -1089,44 +953,24 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let secret_path = dir.path().join("password");
         std::fs::write(&secret_path, "hunter2\n").unwrap();
-        let text = format!(
-            "[catalog]\npassword_file = {:?}\n",
-            secret_path.to_str().unwrap()
-        );
+        let text = format!("[catalog]\npassword_file = {:?}\n", secret_path.to_str().unwrap());
         let config = load(&text, &[("CAPSTORE_BUCKET_SECRET_ACCESS_KEY", "s3cr3t")]).unwrap();
-        assert_eq!(
-            config.catalog.password.as_ref().unwrap().expose(),
-            "hunter2"
-        );
-        assert_eq!(
-            config.bucket.secret_access_key.as_ref().unwrap().expose(),
-            "s3cr3t"
-        );
+        assert_eq!(config.catalog.password.as_ref().unwrap().expose(), "hunter2");
+        assert_eq!(config.bucket.secret_access_key.as_ref().unwrap().expose(), "s3cr3t");
         let shown = format!("{}{:?}", config.to_redacted_toml(), config);
-        assert!(
-            !shown.contains("hunter2") && !shown.contains("s3cr3t"),
-            "{shown}"
-        );
+        assert!(!shown.contains("hunter2") && !shown.contains("s3cr3t"), "{shown}");
         assert!(shown.contains("<redacted>"));
     }
 
     #[test]
     fn a_secret_and_its_file_together_are_an_error() {
-        let error = load(
-            "[catalog]\npassword = \"a\"\npassword_file = \"/nonexistent\"\n",
-            &[],
-        )
-        .unwrap_err();
+        let error = load("[catalog]\npassword = \"a\"\npassword_file = \"/nonexistent\"\n", &[]).unwrap_err();
         assert_eq!(problem_keys(error), vec!["catalog.password_file"]);
     }
 
     #[test]
     fn the_rendered_config_reads_back_to_the_same_values() {
-        let config = load(
-            "[spool]\npack_max_bytes = \"3MiB\"\n[lease]\nclock_skew = \"1500ms\"\n",
-            &[],
-        )
-        .unwrap();
+        let config = load("[spool]\npack_max_bytes = \"3MiB\"\n[lease]\nclock_skew = \"1500ms\"\n", &[]).unwrap();
         let again = load(&config.to_redacted_toml(), &[]).unwrap();
         assert_eq!(again.spool.pack_max_bytes, config.spool.pack_max_bytes);
         assert_eq!(again.lease.clock_skew, config.lease.clock_skew);

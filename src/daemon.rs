@@ -38,19 +38,19 @@ impl DaemonError {
 
 /// Run until a shutdown signal; returns the exit code.
 pub async fn run(config: Config) -> Result<i32, DaemonError> {
+    // Signals first: a SIGTERM that arrives during recovery must still mean "stop cleanly", not death by default action.
+    let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    spawn_signal_thread(shutdown_tx).map_err(DaemonError::Signals)?;
     let (spool, recovery) = Spool::open(&config.spool)?;
     let paths = spool.paths().clone();
-    let (writer, writer_thread) =
-        spawn_writer(paths.clone(), WriterSettings::from_config(&config.spool));
+    let (writer, writer_thread) = spawn_writer(paths.clone(), WriterSettings::from_config(&config.spool));
     let ingestor = Ingestor::new(
         paths.clone(),
         writer.clone(),
         config.spool.max_capture_bytes.0,
         config.spool.inbox_rescan_interval.0,
     );
-    let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let ingest_task = tokio::spawn(ingestor.run(shutdown_rx));
-    spawn_signal_thread(shutdown_tx).map_err(DaemonError::Signals)?;
     tracing::info!(
         catalog = %config.catalog_name,
         spool = %paths.root.display(),
@@ -63,9 +63,7 @@ pub async fn run(config: Config) -> Result<i32, DaemonError> {
     tracing::info!("shutting down: intake stopped, sealing the open pack");
     writer.close();
     drop(writer);
-    tokio::task::spawn_blocking(move || writer_thread.join())
-        .await
-        .ok();
+    tokio::task::spawn_blocking(move || writer_thread.join()).await.ok();
     tracing::info!("stopped cleanly");
     drop(spool);
     Ok(crate::exit_code::CLEAN)
@@ -76,23 +74,19 @@ fn spawn_signal_thread(shutdown_tx: watch::Sender<bool>) -> std::io::Result<()> 
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
     let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP])?;
     let stopping = Arc::new(AtomicBool::new(false));
-    std::thread::Builder::new()
-        .name("signals".into())
-        .spawn(move || {
-            for signal in signals.forever() {
-                if signal == SIGHUP {
-                    tracing::info!(
-                        "SIGHUP ignored: configuration is read at start; restart to apply changes"
-                    );
-                    continue;
-                }
-                if stopping.swap(true, Ordering::SeqCst) {
-                    tracing::warn!(signal, "second signal: exiting at once");
-                    std::process::exit(crate::exit_code::FATAL);
-                }
-                tracing::info!(signal, "shutdown requested");
-                let _ = shutdown_tx.send(true);
+    std::thread::Builder::new().name("signals".into()).spawn(move || {
+        for signal in signals.forever() {
+            if signal == SIGHUP {
+                tracing::info!("SIGHUP ignored: configuration is read at start; restart to apply changes");
+                continue;
             }
-        })?;
+            if stopping.swap(true, Ordering::SeqCst) {
+                tracing::warn!(signal, "second signal: exiting at once");
+                std::process::exit(crate::exit_code::FATAL);
+            }
+            tracing::info!(signal, "shutdown requested");
+            let _ = shutdown_tx.send(true);
+        }
+    })?;
     Ok(())
 }

@@ -8,9 +8,7 @@ pub fn now_ns() -> u64 {
 }
 
 pub fn system_time_ns(time: SystemTime) -> u64 {
-    time.duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0)
+    time.duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
 }
 
 pub fn now_rfc3339() -> String {

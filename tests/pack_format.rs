@@ -14,9 +14,9 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use capstore::spool::pack::{
-    decode_footer, decode_header, decode_pack, decode_record, decode_trailer, scan_bytes,
-    CaptureMeta, IndexEntry, PackError, PackFile, PackWriter, FORMAT_MAJOR, FORMAT_MINOR,
-    HEADER_LEN, PACK_MAGIC, RECORD_HEADER_LEN, TRAILER_LEN, TRAILER_MAGIC,
+    decode_footer, decode_header, decode_pack, decode_record, decode_trailer, scan_bytes, CaptureMeta, IndexEntry,
+    PackError, PackFile, PackWriter, FORMAT_MAJOR, FORMAT_MINOR, HEADER_LEN, PACK_MAGIC, RECORD_HEADER_LEN,
+    TRAILER_LEN, TRAILER_MAGIC,
 };
 use proptest::prelude::*;
 use uuid::Uuid;
@@ -29,10 +29,7 @@ fn golden_path() -> PathBuf {
 }
 
 fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-    pairs
-        .iter()
-        .map(|(key, value)| (key.to_string(), value.to_string()))
-        .collect()
+    pairs.iter().map(|(key, value)| (key.to_string(), value.to_string())).collect()
 }
 
 /// The three captures of the golden vector: labels, a content_type, an empty payload and source names.
@@ -74,12 +71,7 @@ fn golden_captures() -> Vec<(CaptureMeta, Vec<u8>)> {
     ]
 }
 
-fn write_pack(
-    path: &Path,
-    pack_id: Uuid,
-    created_at_ns: u64,
-    captures: &[(CaptureMeta, Vec<u8>)],
-) -> Vec<u8> {
+fn write_pack(path: &Path, pack_id: Uuid, created_at_ns: u64, captures: &[(CaptureMeta, Vec<u8>)]) -> Vec<u8> {
     let mut writer = PackWriter::create(path, pack_id, created_at_ns).unwrap();
     for (meta, payload) in captures {
         writer.append(meta, payload).unwrap();
@@ -106,8 +98,7 @@ fn golden_vector_is_reproduced_byte_for_byte() {
         std::fs::write(golden_path(), &built).unwrap();
         eprintln!("regenerated {}", golden_path().display());
     }
-    let checked_in = std::fs::read(golden_path())
-        .expect("tests/data/golden-v1.cpk is missing; see this file's doc");
+    let checked_in = std::fs::read(golden_path()).expect("tests/data/golden-v1.cpk is missing; see this file's doc");
     assert_eq!(
         built, checked_in,
         "the writer no longer produces the golden v1 bytes: a format change needs a version bump and a spec update"
@@ -129,8 +120,7 @@ fn golden_vector_reads_back() {
     assert_eq!(header.created_at_ns, GOLDEN_CREATED_AT_NS);
     // Listing needs two range reads: the trailer, then the footer.
     let trailer = decode_trailer(&bytes[bytes.len() - TRAILER_LEN..]).unwrap();
-    let footer = &bytes
-        [trailer.footer_offset as usize..(trailer.footer_offset + trailer.footer_len) as usize];
+    let footer = &bytes[trailer.footer_offset as usize..(trailer.footer_offset + trailer.footer_len) as usize];
     let entries = decode_footer(footer, &trailer).unwrap();
     let captures = golden_captures();
     assert_eq!(entries.len(), captures.len());
@@ -139,14 +129,10 @@ fn golden_vector_reads_back() {
         assert_eq!(&entry.meta, meta);
         assert_eq!(entry.payload_len, payload.len() as u64);
         // Reading one capture needs one range read: its record.
-        let (decoded_meta, decoded_payload) =
-            decode_record(record_bytes(&bytes, entry), entry).unwrap();
+        let (decoded_meta, decoded_payload) = decode_record(record_bytes(&bytes, entry), entry).unwrap();
         assert_eq!(&decoded_meta, meta);
         assert_eq!(&decoded_payload, payload);
-        assert_eq!(
-            entry.payload_offset,
-            entry.record_offset + entry.record_len - entry.payload_len
-        );
+        assert_eq!(entry.payload_offset, entry.record_offset + entry.record_len - entry.payload_len);
         assert!(entry.payload_offset >= entry.record_offset + RECORD_HEADER_LEN as u64);
     }
 
@@ -162,10 +148,7 @@ fn golden_vector_reads_back() {
     assert_eq!(summary.last_captured_at_ns, GOLDEN_CREATED_AT_NS + 2_000);
     for (index, (meta, payload)) in captures.iter().enumerate() {
         assert_eq!(pack.find(meta.capture_id), Some(index));
-        assert_eq!(
-            pack.read_capture(index).unwrap(),
-            (meta.clone(), payload.clone())
-        );
+        assert_eq!(pack.read_capture(index).unwrap(), (meta.clone(), payload.clone()));
     }
 }
 
@@ -176,22 +159,10 @@ fn unknown_major_version_is_rejected_everywhere() {
     // Major 2 in both the header and the trailer; CRCs are not even reached.
     bytes[8..10].copy_from_slice(&2u16.to_le_bytes());
     bytes[trailer_start + 64..trailer_start + 66].copy_from_slice(&2u16.to_le_bytes());
-    assert!(matches!(
-        decode_header(&bytes),
-        Err(PackError::UnsupportedVersion { major: 2, .. })
-    ));
-    assert!(matches!(
-        decode_trailer(&bytes[trailer_start..]),
-        Err(PackError::UnsupportedVersion { major: 2, .. })
-    ));
-    assert!(matches!(
-        decode_pack(&bytes),
-        Err(PackError::UnsupportedVersion { .. })
-    ));
-    assert!(matches!(
-        scan_bytes(&bytes),
-        Err(PackError::UnsupportedVersion { .. })
-    ));
+    assert!(matches!(decode_header(&bytes), Err(PackError::UnsupportedVersion { major: 2, .. })));
+    assert!(matches!(decode_trailer(&bytes[trailer_start..]), Err(PackError::UnsupportedVersion { major: 2, .. })));
+    assert!(matches!(decode_pack(&bytes), Err(PackError::UnsupportedVersion { .. })));
+    assert!(matches!(scan_bytes(&bytes), Err(PackError::UnsupportedVersion { .. })));
 }
 
 // -------------------------------------------------------------------------------------------------------------------
@@ -206,29 +177,18 @@ fn arb_meta() -> impl Strategy<Value = CaptureMeta> {
         proptest::option::of("[a-z]{1,8}/[a-z0-9.+-]{1,12}"),
         proptest::option::of("[A-Za-z0-9._-]{1,24}"),
     )
-        .prop_map(
-            |(id, stream, captured_at_ns, labels, content_type, source_name)| CaptureMeta {
-                capture_id: Uuid::from_u128(id),
-                stream,
-                captured_at_ns,
-                labels,
-                content_type,
-                source_name,
-            },
-        )
+        .prop_map(|(id, stream, captured_at_ns, labels, content_type, source_name)| CaptureMeta {
+            capture_id: Uuid::from_u128(id),
+            stream,
+            captured_at_ns,
+            labels,
+            content_type,
+            source_name,
+        })
 }
 
-fn arb_captures(
-    max_records: usize,
-    max_payload: usize,
-) -> impl Strategy<Value = Vec<(CaptureMeta, Vec<u8>)>> {
-    proptest::collection::vec(
-        (
-            arb_meta(),
-            proptest::collection::vec(any::<u8>(), 0..max_payload),
-        ),
-        0..max_records,
-    )
+fn arb_captures(max_records: usize, max_payload: usize) -> impl Strategy<Value = Vec<(CaptureMeta, Vec<u8>)>> {
+    proptest::collection::vec((arb_meta(), proptest::collection::vec(any::<u8>(), 0..max_payload)), 0..max_records)
 }
 
 /// Builds a pack in memory by way of a temporary file, returning its bytes and footer entries.
@@ -249,10 +209,8 @@ fn assert_scan_is_prefix(
     prop_assert!(scanned.len() <= written.len());
     for (index, entry) in scanned.iter().enumerate() {
         prop_assert_eq!(entry, &written[index]);
-        let (meta, payload) =
-            decode_record(record_bytes(scanned_bytes, entry), entry).map_err(|error| {
-                TestCaseError::fail(format!("scanned record {index} does not decode: {error}"))
-            })?;
+        let (meta, payload) = decode_record(record_bytes(scanned_bytes, entry), entry)
+            .map_err(|error| TestCaseError::fail(format!("scanned record {index} does not decode: {error}")))?;
         prop_assert_eq!(&meta, &captures[index].0);
         prop_assert_eq!(&payload, &captures[index].1);
     }

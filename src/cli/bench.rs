@@ -47,14 +47,7 @@ pub enum DebugCommand {
 }
 
 pub fn run(command: BenchCommand) -> anyhow::Result<i32> {
-    let BenchCommand::Spool {
-        dir,
-        total,
-        sizes,
-        producers,
-        repeats,
-        json,
-    } = command;
+    let BenchCommand::Spool { dir, total, sizes, producers, repeats, json } = command;
     let options = SpoolBenchOptions {
         dir,
         capture_sizes: sizes.iter().map(|s| s.0).collect(),
@@ -93,14 +86,6 @@ pub fn debug(config: &Config, command: DebugCommand) -> anyhow::Result<i32> {
     runtime.block_on(append_stream(config, max, producers))
 }
 
-/// The payload of the n-th byte-length for a capture id: derived from the id, so a reader can check it.
-pub fn expected_payload(capture_id: uuid::Uuid, len: usize) -> Vec<u8> {
-    let seed = capture_id.as_bytes();
-    (0..len)
-        .map(|i| seed[i % 16].wrapping_add((i / 16) as u8))
-        .collect()
-}
-
 async fn append_stream(config: &Config, max: Option<u64>, producers: usize) -> anyhow::Result<i32> {
     use capstore::spool::pack::CaptureMeta;
     use capstore::spool::writer::{spawn_writer, WriterSettings};
@@ -112,10 +97,7 @@ async fn append_stream(config: &Config, max: Option<u64>, producers: usize) -> a
         }
         Err(error) => return Err(error.into()),
     };
-    let (writer, thread) = spawn_writer(
-        spool.paths().clone(),
-        WriterSettings::from_config(&config.spool),
-    );
+    let (writer, thread) = spawn_writer(spool.paths().clone(), WriterSettings::from_config(&config.spool));
     let next = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let stdout = std::sync::Arc::new(std::sync::Mutex::new(std::io::stdout()));
     let mut tasks = Vec::new();
@@ -138,9 +120,7 @@ async fn append_stream(config: &Config, max: Option<u64>, producers: usize) -> a
                     content_type: None,
                     source_name: None,
                 };
-                writer
-                    .append(meta, expected_payload(capture_id, len))
-                    .await?;
+                writer.append(meta, capstore::bench::expected_payload(capture_id, len)).await?;
                 let mut out = stdout.lock().expect("stdout lock");
                 writeln!(out, "ACK {capture_id} {len}")?;
                 out.flush()?;

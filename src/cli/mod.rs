@@ -14,11 +14,7 @@ use capstore::config::{Config, LogFormat};
 use capstore::exit_code;
 
 #[derive(Parser)]
-#[command(
-    name = "capstore",
-    version,
-    about = "Capture storage daemon: spool, packs, bucket, ClickHouse catalog"
-)]
+#[command(name = "capstore", version, about = "Capture storage daemon: spool, packs, bucket, ClickHouse catalog")]
 pub struct Cli {
     /// Config file (default: $CAPSTORE_CONFIG, else built-in defaults); every key can be overridden by
     /// CAPSTORE_<SECTION>_<KEY> environment variables.
@@ -89,9 +85,7 @@ pub fn load_config(path: Option<&std::path::Path>) -> Result<Config, i32> {
 fn init_logging(config: &Config) {
     let filter = tracing_subscriber::EnvFilter::try_new(&config.log.level)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     let _ = match config.log.format {
         LogFormat::Json => builder.json().try_init(),
         LogFormat::Text => builder.try_init(),

@@ -38,10 +38,7 @@ pub fn put(config: &Config, args: PutArgs) -> anyhow::Result<i32> {
         return Ok(exit_code::CONFIG_OR_USAGE);
     }
     if args.id.is_some() && args.files.len() != 1 {
-        eprintln!(
-            "capstore put: --id applies to exactly one FILE, got {}",
-            args.files.len()
-        );
+        eprintln!("capstore put: --id applies to exactly one FILE, got {}", args.files.len());
         return Ok(exit_code::CONFIG_OR_USAGE);
     }
     if let Some(content_type) = &args.content_type {
@@ -66,8 +63,7 @@ pub fn put(config: &Config, args: PutArgs) -> anyhow::Result<i32> {
         let mut source: Box<dyn std::io::Read> = if file.as_os_str() == "-" {
             Box::new(std::io::stdin().lock())
         } else {
-            let metadata = std::fs::metadata(file)
-                .with_context(|| format!("cannot read {}", file.display()))?;
+            let metadata = std::fs::metadata(file).with_context(|| format!("cannot read {}", file.display()))?;
             if metadata.len() > config.spool.max_capture_bytes.0 {
                 anyhow::bail!(
                     "{} is {} bytes, more than spool.max_capture_bytes = {}",
@@ -76,20 +72,10 @@ pub fn put(config: &Config, args: PutArgs) -> anyhow::Result<i32> {
                     config.spool.max_capture_bytes
                 );
             }
-            Box::new(
-                std::fs::File::open(file)
-                    .with_context(|| format!("cannot open {}", file.display()))?,
-            )
+            Box::new(std::fs::File::open(file).with_context(|| format!("cannot open {}", file.display()))?)
         };
-        put_file(&paths.inbox, &args.stream, capture_id, &header, &mut source).with_context(
-            || {
-                format!(
-                    "cannot put {} into {}",
-                    file.display(),
-                    paths.inbox.display()
-                )
-            },
-        )?;
+        put_file(&paths.inbox, &args.stream, capture_id, &header, &mut source)
+            .with_context(|| format!("cannot put {} into {}", file.display(), paths.inbox.display()))?;
         println!("{capture_id}\t{}", file.display());
     }
     Ok(exit_code::CLEAN)

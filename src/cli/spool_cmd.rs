@@ -58,10 +58,7 @@ struct StateTotal {
 pub fn run(config: &Config, command: SpoolCommand) -> anyhow::Result<i32> {
     let paths = SpoolPaths::new(&config.spool.dir);
     if !paths.packs.is_dir() {
-        eprintln!(
-            "capstore spool: {} is not a spool (no packs/ directory)",
-            paths.root.display()
-        );
+        eprintln!("capstore spool: {} is not a spool (no packs/ directory)", paths.root.display());
         return Ok(exit_code::FATAL);
     }
     match command {
@@ -74,19 +71,14 @@ fn inventory(paths: &SpoolPaths, full_check: bool) -> anyhow::Result<Inventory> 
     let now = SystemTime::now();
     let mut packs = Vec::new();
     for listing in list_packs(paths)? {
-        let age_seconds = now
-            .duration_since(listing.modified)
-            .map(|d| d.as_secs_f64())
-            .unwrap_or(0.0);
+        let age_seconds = now.duration_since(listing.modified).map(|d| d.as_secs_f64()).unwrap_or(0.0);
         let (records, problem) = match listing.state {
             PackState::Open => (None, None),
-            PackState::Sealed | PackState::Uploaded => {
-                match check_pack(&listing.path, full_check) {
-                    Ok(records) => (Some(records), None),
-                    Err(PackError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => continue,
-                    Err(error) => (None, Some(error.to_string())),
-                }
-            }
+            PackState::Sealed | PackState::Uploaded => match check_pack(&listing.path, full_check) {
+                Ok(records) => (Some(records), None),
+                Err(PackError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(error) => (None, Some(error.to_string())),
+            },
         };
         packs.push(PackRow {
             pack_id: listing.pack_id.to_string(),
@@ -122,12 +114,7 @@ fn inventory(paths: &SpoolPaths, full_check: bool) -> anyhow::Result<Inventory> 
 
 fn walk_quarantine(dir: &std::path::Path) -> usize {
     walk_inbox(dir)
-        .map(|files| {
-            files
-                .iter()
-                .filter(|f| f.extension().is_none_or(|e| e != "reason"))
-                .count()
-        })
+        .map(|files| files.iter().filter(|f| f.extension().is_none_or(|e| e != "reason")).count())
         .unwrap_or(0)
 }
 
@@ -145,22 +132,11 @@ fn inspect(paths: &SpoolPaths, json: bool) -> anyhow::Result<i32> {
         println!("{}", serde_json::to_string_pretty(&inventory)?);
         return Ok(exit_code::CLEAN);
     }
-    println!(
-        "spool {} (id {})",
-        inventory.spool,
-        inventory.spool_id.as_deref().unwrap_or("none yet")
-    );
-    println!(
-        "{:<36}  {:<8}  {:>12}  {:>8}  {:>9}",
-        "pack_id", "state", "bytes", "records", "age"
-    );
+    println!("spool {} (id {})", inventory.spool, inventory.spool_id.as_deref().unwrap_or("none yet"));
+    println!("{:<36}  {:<8}  {:>12}  {:>8}  {:>9}", "pack_id", "state", "bytes", "records", "age");
     for pack in &inventory.packs {
         let records = pack.records.map_or("-".to_string(), |r| r.to_string());
-        let problem = pack
-            .problem
-            .as_deref()
-            .map(|p| format!("  PROBLEM: {p}"))
-            .unwrap_or_default();
+        let problem = pack.problem.as_deref().map(|p| format!("  PROBLEM: {p}")).unwrap_or_default();
         println!(
             "{:<36}  {:<8}  {:>12}  {:>8}  {:>8.1}s{problem}",
             pack.pack_id,
@@ -179,25 +155,14 @@ fn inspect(paths: &SpoolPaths, json: bool) -> anyhow::Result<i32> {
             total.records
         );
     }
-    println!(
-        "inbox files waiting: {}   quarantined files: {}",
-        inventory.inbox_files, inventory.quarantined_files
-    );
+    println!("inbox files waiting: {}   quarantined files: {}", inventory.inbox_files, inventory.quarantined_files);
     Ok(exit_code::CLEAN)
 }
 
 fn verify(paths: &SpoolPaths, json: bool) -> anyhow::Result<i32> {
     let inventory = inventory(paths, true)?;
-    let problems: Vec<&PackRow> = inventory
-        .packs
-        .iter()
-        .filter(|p| p.problem.is_some())
-        .collect();
-    let checked = inventory
-        .packs
-        .iter()
-        .filter(|p| p.state != PackState::Open)
-        .count();
+    let problems: Vec<&PackRow> = inventory.packs.iter().filter(|p| p.problem.is_some()).collect();
+    let checked = inventory.packs.iter().filter(|p| p.state != PackState::Open).count();
     if json {
         println!(
             "{}",
@@ -209,12 +174,7 @@ fn verify(paths: &SpoolPaths, json: bool) -> anyhow::Result<i32> {
         );
     } else {
         for pack in &problems {
-            println!(
-                "BAD  {} ({}): {}",
-                pack.pack_id,
-                pack.state.extension(),
-                pack.problem.as_deref().unwrap_or("")
-            );
+            println!("BAD  {} ({}): {}", pack.pack_id, pack.state.extension(), pack.problem.as_deref().unwrap_or(""));
         }
         println!(
             "checked {checked} packs: {} bad; {} files in quarantine",
@@ -222,9 +182,5 @@ fn verify(paths: &SpoolPaths, json: bool) -> anyhow::Result<i32> {
             inventory.quarantined_files
         );
     }
-    Ok(if problems.is_empty() {
-        exit_code::CLEAN
-    } else {
-        exit_code::FATAL
-    })
+    Ok(if problems.is_empty() { exit_code::CLEAN } else { exit_code::FATAL })
 }

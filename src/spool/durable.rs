@@ -29,11 +29,7 @@ pub fn rename_durable(from: &Path, to: &Path) -> io::Result<()> {
 /// Write `contents` to `path` atomically: temp file, fsync, rename, fsync the directory.
 pub fn write_file_durable(path: &Path, contents: &[u8]) -> io::Result<()> {
     let temp = temp_path_for(path);
-    let mut file = OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(&temp)?;
+    let mut file = OpenOptions::new().write(true).create(true).truncate(true).open(&temp)?;
     file.write_all(contents)?;
     file.sync_all()?;
     drop(file);
@@ -51,10 +47,7 @@ pub fn remove_durable(path: &Path) -> io::Result<()> {
 
 /// `dir/.name.<random>.tmp`: hidden and suffixed, so neither the inbox watcher nor recovery mistakes it for data.
 pub fn temp_path_for(path: &Path) -> PathBuf {
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let nonce: u64 = rand::random();
     parent_of(path).join(format!(".{name}.{nonce:016x}{TEMP_SUFFIX}"))
 }
@@ -105,10 +98,7 @@ mod tests {
         write_file_durable(&path, b"one").unwrap();
         write_file_durable(&path, b"two").unwrap();
         assert_eq!(fs::read(&path).unwrap(), b"two");
-        let names: Vec<_> = fs::read_dir(dir.path())
-            .unwrap()
-            .map(|e| e.unwrap().file_name())
-            .collect();
+        let names: Vec<_> = fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names, vec![std::ffi::OsString::from("state")]);
     }
 

@@ -72,11 +72,7 @@ pub fn is_ignored_name(name: &str) -> bool {
 /// Identity of one inbox file for exactly-once ingest.
 pub fn source_key(relative_path: &str, metadata: &fs::Metadata) -> String {
     let mtime_ns = metadata.mtime() as i128 * 1_000_000_000 + metadata.mtime_nsec() as i128;
-    format!(
-        "{relative_path}@{}:{}:{mtime_ns}",
-        metadata.ino(),
-        metadata.len()
-    )
+    format!("{relative_path}@{}:{}:{mtime_ns}", metadata.ino(), metadata.len())
 }
 
 /// The capture_id a file name asks for: `<uuid>` or `<uuid>.<ext>`.
@@ -114,10 +110,7 @@ pub fn walk_inbox(inbox: &Path) -> io::Result<Vec<PathBuf>> {
 }
 
 /// Recovery step: remove inbox files whose source key is already in a pack. Returns how many were removed.
-pub fn remove_already_captured(
-    paths: &SpoolPaths,
-    source_keys: &HashSet<String>,
-) -> io::Result<u64> {
+pub fn remove_already_captured(paths: &SpoolPaths, source_keys: &HashSet<String>) -> io::Result<u64> {
     if source_keys.is_empty() {
         return Ok(0);
     }
@@ -137,10 +130,7 @@ pub fn remove_already_captured(
 }
 
 fn relative_name(inbox: &Path, path: &Path) -> String {
-    path.strip_prefix(inbox)
-        .unwrap_or(path)
-        .to_string_lossy()
-        .into_owned()
+    path.strip_prefix(inbox).unwrap_or(path).to_string_lossy().into_owned()
 }
 
 /// Counters of the ingest loop, read by status and metrics.
@@ -177,12 +167,7 @@ pub struct Ingestor {
 }
 
 impl Ingestor {
-    pub fn new(
-        paths: SpoolPaths,
-        writer: SpoolWriter,
-        max_capture_bytes: u64,
-        rescan_interval: Duration,
-    ) -> Ingestor {
+    pub fn new(paths: SpoolPaths, writer: SpoolWriter, max_capture_bytes: u64, rescan_interval: Duration) -> Ingestor {
         let context = IngestContext {
             paths,
             writer,
@@ -190,10 +175,7 @@ impl Ingestor {
             stats: Arc::new(IngestStats::default()),
             read_budget: Semaphore::new(READ_BUDGET_KIB as usize),
         };
-        Ingestor {
-            context: Arc::new(context),
-            rescan_interval,
-        }
+        Ingestor { context: Arc::new(context), rescan_interval }
     }
 
     pub fn stats(&self) -> Arc<IngestStats> {
@@ -269,13 +251,8 @@ impl Ingestor {
         in_flight: &mut HashSet<PathBuf>,
         done_tx: &mpsc::UnboundedSender<(PathBuf, FileOutcome)>,
     ) {
-        let name_ignored = path
-            .file_name()
-            .is_none_or(|name| is_ignored_name(&name.to_string_lossy()));
-        if name_ignored
-            || !path.starts_with(&self.context.paths.inbox)
-            || !in_flight.insert(path.clone())
-        {
+        let name_ignored = path.file_name().is_none_or(|name| is_ignored_name(&name.to_string_lossy()));
+        if name_ignored || !path.starts_with(&self.context.paths.inbox) || !in_flight.insert(path.clone()) {
             return;
         }
         let context = self.context.clone();
@@ -287,10 +264,7 @@ impl Ingestor {
     }
 }
 
-fn start_watcher(
-    inbox: &Path,
-    events_tx: mpsc::Sender<Vec<PathBuf>>,
-) -> Option<notify::RecommendedWatcher> {
+fn start_watcher(inbox: &Path, events_tx: mpsc::Sender<Vec<PathBuf>>) -> Option<notify::RecommendedWatcher> {
     use notify::event::{AccessKind, AccessMode, CreateKind, ModifyKind};
     use notify::{EventKind, RecursiveMode, Watcher};
     let handler = move |result: notify::Result<notify::Event>| {
@@ -345,10 +319,7 @@ enum Rejection {
 }
 
 /// Read and validate one inbox file. `Ok(None)`: nothing to ingest (gone, or not a regular file).
-async fn prepare(
-    context: &IngestContext,
-    path: &Path,
-) -> Result<Option<(CaptureMeta, Vec<u8>)>, Rejection> {
+async fn prepare(context: &IngestContext, path: &Path) -> Result<Option<(CaptureMeta, Vec<u8>)>, Rejection> {
     let metadata = match tokio::fs::symlink_metadata(path).await {
         Ok(metadata) if metadata.is_file() => metadata,
         Ok(_) => return Ok(None),
@@ -357,17 +328,11 @@ async fn prepare(
     };
     let relative = relative_name(&context.paths.inbox, path);
     let Some((stream, name)) = relative.rsplit_once('/') else {
-        return Err(Rejection::Quarantine(
-            "file is directly in inbox/; put it under inbox/<stream>/".into(),
-        ));
+        return Err(Rejection::Quarantine("file is directly in inbox/; put it under inbox/<stream>/".into()));
     };
     capture::validate_stream(stream).map_err(Rejection::Quarantine)?;
     let is_envelope = name.ends_with(&format!(".{ENVELOPE_EXTENSION}"));
-    let header_allowance = if is_envelope {
-        MAX_ENVELOPE_HEADER as u64
-    } else {
-        0
-    };
+    let header_allowance = if is_envelope { MAX_ENVELOPE_HEADER as u64 } else { 0 };
     if metadata.len() > context.max_capture_bytes + header_allowance {
         return Err(Rejection::Quarantine(format!(
             "file is {} bytes, more than spool.max_capture_bytes = {}",
@@ -376,11 +341,7 @@ async fn prepare(
         )));
     }
     let budget_kib = ((metadata.len() / 1024) as u32).clamp(1, READ_BUDGET_KIB);
-    let _permit = context
-        .read_budget
-        .acquire_many(budget_kib)
-        .await
-        .map_err(|e| Rejection::Defer(e.to_string()))?;
+    let _permit = context.read_budget.acquire_many(budget_kib).await.map_err(|e| Rejection::Defer(e.to_string()))?;
     let contents = match tokio::fs::read(path).await {
         Ok(contents) => contents,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
@@ -395,8 +356,7 @@ async fn prepare(
     } else {
         (EnvelopeHeader::default(), contents)
     };
-    let mtime_ns =
-        (metadata.mtime() as u64).saturating_mul(1_000_000_000) + metadata.mtime_nsec() as u64;
+    let mtime_ns = (metadata.mtime() as u64).saturating_mul(1_000_000_000) + metadata.mtime_nsec() as u64;
     let meta = CaptureMeta {
         capture_id: capture_id_from_name(name).unwrap_or_else(Uuid::now_v7),
         stream: stream.to_string(),
@@ -409,12 +369,7 @@ async fn prepare(
     Ok(Some((meta, payload)))
 }
 
-async fn append_and_unlink(
-    context: &IngestContext,
-    path: &Path,
-    meta: CaptureMeta,
-    payload: Vec<u8>,
-) -> FileOutcome {
+async fn append_and_unlink(context: &IngestContext, path: &Path, meta: CaptureMeta, payload: Vec<u8>) -> FileOutcome {
     match context.writer.append(meta, payload).await {
         Ok(_ack) => {
             // The record is durable; only now may the source go. A crash before this unlink is handled by recovery.
@@ -456,9 +411,7 @@ pub fn parse_envelope(mut contents: Vec<u8>) -> Result<(EnvelopeHeader, Vec<u8>)
     let newline = contents[..search_end]
         .iter()
         .position(|&b| b == b'\n')
-        .ok_or_else(|| {
-            format!("envelope header has no newline within {MAX_ENVELOPE_HEADER} bytes")
-        })?;
+        .ok_or_else(|| format!("envelope header has no newline within {MAX_ENVELOPE_HEADER} bytes"))?;
     let header: EnvelopeHeader = serde_json::from_slice(&contents[ENVELOPE_MAGIC.len()..newline])
         .map_err(|e| format!("envelope header is not valid: {e}"))?;
     let payload = contents.split_off(newline + 1);
@@ -493,10 +446,7 @@ pub fn put_file(
     }
     let temp = durable::temp_path_for(&target);
     let result = (|| {
-        let mut file = fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&temp)?;
+        let mut file = fs::OpenOptions::new().write(true).create_new(true).open(&temp)?;
         file.write_all(&encode_envelope_header(header))?;
         io::copy(source, &mut file)?;
         file.sync_all()?;
@@ -538,9 +488,7 @@ mod tests {
         assert_eq!(parsed.labels, header.labels);
         assert_eq!(parsed.captured_at_ns, Some(42));
         assert_eq!(payload, b"payload\nwith newline");
-        assert!(parse_envelope(b"capenv1 {\"bogus\":1}\nx".to_vec())
-            .unwrap_err()
-            .contains("bogus"));
+        assert!(parse_envelope(b"capenv1 {\"bogus\":1}\nx".to_vec()).unwrap_err().contains("bogus"));
         assert!(parse_envelope(b"plain".to_vec()).is_err());
     }
 }

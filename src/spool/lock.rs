@@ -17,15 +17,8 @@ pub const LOCK_FILE: &str = "LOCK";
 
 #[derive(Debug, thiserror::Error)]
 pub enum LockError {
-    #[error(
-        "spool {dir} is owned by another process: pid {pid} on host {host} (started {started_at})"
-    )]
-    Held {
-        dir: PathBuf,
-        pid: String,
-        host: String,
-        started_at: String,
-    },
+    #[error("spool {dir} is owned by another process: pid {pid} on host {host} (started {started_at})")]
+    Held { dir: PathBuf, pid: String, host: String, started_at: String },
     #[error("cannot lock spool {dir}: {source}")]
     Io { dir: PathBuf, source: io::Error },
 }
@@ -38,18 +31,10 @@ pub struct SpoolLock {
 
 impl SpoolLock {
     pub fn acquire(spool_dir: &Path) -> Result<SpoolLock, LockError> {
-        let io_error = |source| LockError::Io {
-            dir: spool_dir.to_path_buf(),
-            source,
-        };
+        let io_error = |source| LockError::Io { dir: spool_dir.to_path_buf(), source };
         let path = spool_dir.join(LOCK_FILE);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&path)
-            .map_err(io_error)?;
+        let file =
+            OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(io_error)?;
         let mut flock = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
             Ok(flock) => flock,
             Err((mut file, errno)) if errno == nix::errno::Errno::EWOULDBLOCK => {
@@ -66,12 +51,7 @@ impl SpoolLock {
             }
             Err((_, errno)) => return Err(io_error(io::Error::from(errno))),
         };
-        let holder = format!(
-            "{} {} {}\n",
-            std::process::id(),
-            host_name(),
-            crate::util::now_rfc3339()
-        );
+        let holder = format!("{} {} {}\n", std::process::id(), host_name(), crate::util::now_rfc3339());
         flock.set_len(0).map_err(io_error)?;
         flock.seek(SeekFrom::Start(0)).map_err(io_error)?;
         flock.write_all(holder.as_bytes()).map_err(io_error)?;
@@ -81,9 +61,7 @@ impl SpoolLock {
 }
 
 pub fn host_name() -> String {
-    nix::unistd::gethostname()
-        .map(|h| h.to_string_lossy().into_owned())
-        .unwrap_or_else(|_| "unknown-host".into())
+    nix::unistd::gethostname().map(|h| h.to_string_lossy().into_owned()).unwrap_or_else(|_| "unknown-host".into())
 }
 
 #[cfg(test)]
@@ -96,10 +74,7 @@ mod tests {
         let _held = SpoolLock::acquire(dir.path()).unwrap();
         let error = SpoolLock::acquire(dir.path()).unwrap_err();
         let text = error.to_string();
-        assert!(
-            text.contains(&format!("pid {}", std::process::id())),
-            "{text}"
-        );
+        assert!(text.contains(&format!("pid {}", std::process::id())), "{text}");
         assert!(text.contains(&host_name()), "{text}");
     }
 

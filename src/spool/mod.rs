@@ -91,9 +91,7 @@ impl PackState {
     }
 
     fn from_extension(extension: &str) -> Option<PackState> {
-        PackState::ALL
-            .into_iter()
-            .find(|state| state.extension() == extension)
+        PackState::ALL.into_iter().find(|state| state.extension() == extension)
     }
 }
 
@@ -139,10 +137,7 @@ pub fn list_packs(paths: &SpoolPaths) -> io::Result<Vec<PackListing>> {
 fn parse_pack_file_name(path: &Path) -> Option<(Uuid, PackState)> {
     let name = path.file_name()?.to_str()?;
     let (stem, extension) = name.rsplit_once('.')?;
-    Some((
-        Uuid::parse_str(stem).ok()?,
-        PackState::from_extension(extension)?,
-    ))
+    Some((Uuid::parse_str(stem).ok()?, PackState::from_extension(extension)?))
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -173,30 +168,17 @@ impl Spool {
     /// then recovery of whatever a crashed predecessor left. Nothing else may touch the spool before this returns.
     pub fn open(config: &SpoolConfig) -> Result<(Spool, RecoveryReport), SpoolError> {
         let paths = SpoolPaths::new(&config.dir);
-        let io_error = |source| SpoolError::Io {
-            dir: config.dir.clone(),
-            source,
-        };
+        let io_error = |source| SpoolError::Io { dir: config.dir.clone(), source };
         paths.create_dirs().map_err(io_error)?;
         if !config.allow_shared_filesystem {
             if let Some(fs_name) = durable::shared_filesystem_name(&paths.root).map_err(io_error)? {
-                return Err(SpoolError::SharedFilesystem {
-                    dir: paths.root.clone(),
-                    fs_name,
-                });
+                return Err(SpoolError::SharedFilesystem { dir: paths.root.clone(), fs_name });
             }
         }
         let lock = SpoolLock::acquire(&paths.root)?;
         let spool_id = read_or_create_spool_id(&paths.root)?;
         let report = recovery::recover(&paths).map_err(io_error)?;
-        Ok((
-            Spool {
-                paths,
-                spool_id,
-                _lock: lock,
-            },
-            report,
-        ))
+        Ok((Spool { paths, spool_id, _lock: lock }, report))
     }
 
     pub fn paths(&self) -> &SpoolPaths {
@@ -214,18 +196,11 @@ fn read_or_create_spool_id(root: &Path) -> Result<Uuid, SpoolError> {
         Ok(text) => Uuid::parse_str(text.trim()).map_err(|_| SpoolError::BadSpoolId { path, text }),
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
             let spool_id = Uuid::new_v4();
-            durable::write_file_durable(&path, format!("{spool_id}\n").as_bytes()).map_err(
-                |source| SpoolError::Io {
-                    dir: root.to_path_buf(),
-                    source,
-                },
-            )?;
+            durable::write_file_durable(&path, format!("{spool_id}\n").as_bytes())
+                .map_err(|source| SpoolError::Io { dir: root.to_path_buf(), source })?;
             Ok(spool_id)
         }
-        Err(source) => Err(SpoolError::Io {
-            dir: root.to_path_buf(),
-            source,
-        }),
+        Err(source) => Err(SpoolError::Io { dir: root.to_path_buf(), source }),
     }
 }
 
@@ -236,32 +211,19 @@ pub fn peek_spool_id(root: &Path) -> Option<Uuid> {
 }
 
 /// Move a file into `quarantine/<subdir>/` with a `.reason` file beside it; never overwrites an earlier quarantined file.
-pub fn quarantine_file(
-    paths: &SpoolPaths,
-    subdir: &str,
-    file: &Path,
-    reason: &str,
-) -> io::Result<PathBuf> {
+pub fn quarantine_file(paths: &SpoolPaths, subdir: &str, file: &Path, reason: &str) -> io::Result<PathBuf> {
     let target_dir = paths.quarantine.join(subdir);
     fs::create_dir_all(&target_dir)?;
-    let name = file
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "unnamed".into());
+    let name = file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "unnamed".into());
     // A time prefix keeps quarantined files unique and sorted by when they arrived.
     let target = target_dir.join(format!("{}-{name}", crate::util::now_ns()));
-    durable::write_file_durable(
-        &target.with_file_name(format!("{}.reason", file_name(&target))),
-        reason.as_bytes(),
-    )?;
+    durable::write_file_durable(&target.with_file_name(format!("{}.reason", file_name(&target))), reason.as_bytes())?;
     durable::rename_durable(file, &target)?;
     Ok(target)
 }
 
 fn file_name(path: &Path) -> String {
-    path.file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default()
+    path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
 }
 
 #[cfg(test)]
@@ -269,10 +231,7 @@ mod tests {
     use super::*;
 
     fn spool_config(dir: &Path) -> SpoolConfig {
-        SpoolConfig {
-            dir: dir.to_path_buf(),
-            ..SpoolConfig::default()
-        }
+        SpoolConfig { dir: dir.to_path_buf(), ..SpoolConfig::default() }
     }
 
     #[test]
@@ -289,19 +248,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let _owner = Spool::open(&spool_config(dir.path())).unwrap();
         let error = Spool::open(&spool_config(dir.path())).unwrap_err();
-        assert!(
-            matches!(error, SpoolError::Locked(LockError::Held { .. })),
-            "{error}"
-        );
+        assert!(matches!(error, SpoolError::Locked(LockError::Held { .. })), "{error}");
     }
 
     #[test]
     fn pack_file_names_parse_and_others_are_skipped() {
         let id = Uuid::now_v7();
-        assert_eq!(
-            parse_pack_file_name(Path::new(&format!("{id}.sealed"))),
-            Some((id, PackState::Sealed))
-        );
+        assert_eq!(parse_pack_file_name(Path::new(&format!("{id}.sealed"))), Some((id, PackState::Sealed)));
         assert_eq!(parse_pack_file_name(Path::new(&format!("{id}.bak"))), None);
         assert_eq!(parse_pack_file_name(Path::new("notes.sealed")), None);
     }
@@ -316,9 +269,7 @@ mod tests {
         let moved = quarantine_file(&paths, "inbox", &file, "no stream").unwrap();
         assert!(!file.exists());
         assert_eq!(fs::read(&moved).unwrap(), b"payload");
-        let reason =
-            fs::read_to_string(moved.with_file_name(format!("{}.reason", file_name(&moved))))
-                .unwrap();
+        let reason = fs::read_to_string(moved.with_file_name(format!("{}.reason", file_name(&moved)))).unwrap();
         assert_eq!(reason, "no stream");
     }
 }

@@ -164,34 +164,14 @@ pub enum PackError {
     Io(#[from] io::Error),
     #[error("bad {what} magic at offset {offset}")]
     BadMagic { what: &'static str, offset: u64 },
-    #[error(
-        "unsupported pack format version {major}.{minor}: this build reads major {supported_major}"
-    )]
-    UnsupportedVersion {
-        major: u16,
-        minor: u16,
-        supported_major: u16,
-    },
+    #[error("unsupported pack format version {major}.{minor}: this build reads major {supported_major}")]
+    UnsupportedVersion { major: u16, minor: u16, supported_major: u16 },
     #[error("{what} checksum mismatch at offset {offset}: stored {stored}, computed {computed}")]
-    Checksum {
-        what: &'static str,
-        offset: u64,
-        stored: String,
-        computed: String,
-    },
+    Checksum { what: &'static str, offset: u64, stored: String, computed: String },
     #[error("truncated {what} at offset {offset}: need {needed} bytes, have {available}")]
-    Truncated {
-        what: &'static str,
-        offset: u64,
-        needed: u64,
-        available: u64,
-    },
+    Truncated { what: &'static str, offset: u64, needed: u64, available: u64 },
     #[error("{what} is {value}, over the limit of {max}")]
-    Limit {
-        what: &'static str,
-        value: u64,
-        max: u64,
-    },
+    Limit { what: &'static str, value: u64, max: u64 },
     #[error("corrupt pack at offset {offset}: {reason}")]
     Corrupt { offset: u64, reason: String },
     /// The caller passed something the format cannot hold (for example an empty stream name).
@@ -218,28 +198,16 @@ impl PackError {
 }
 
 fn corrupt(offset: u64, reason: impl Into<String>) -> PackError {
-    PackError::Corrupt {
-        offset,
-        reason: reason.into(),
-    }
+    PackError::Corrupt { offset, reason: reason.into() }
 }
 
 fn crc_mismatch(what: &'static str, offset: u64, stored: u32, computed: u32) -> PackError {
-    PackError::Checksum {
-        what,
-        offset,
-        stored: format!("{stored:08x}"),
-        computed: format!("{computed:08x}"),
-    }
+    PackError::Checksum { what, offset, stored: format!("{stored:08x}"), computed: format!("{computed:08x}") }
 }
 
 fn check_version(major: u16, minor: u16) -> Result<(), PackError> {
     if major != FORMAT_MAJOR {
-        return Err(PackError::UnsupportedVersion {
-            major,
-            minor,
-            supported_major: FORMAT_MAJOR,
-        });
+        return Err(PackError::UnsupportedVersion { major, minor, supported_major: FORMAT_MAJOR });
     }
     Ok(())
 }
@@ -269,11 +237,7 @@ struct FieldReader<'a> {
 
 impl<'a> FieldReader<'a> {
     fn new(bytes: &'a [u8], base_offset: u64) -> Self {
-        FieldReader {
-            bytes,
-            position: 0,
-            base_offset,
-        }
+        FieldReader { bytes, position: 0, base_offset }
     }
 
     fn offset(&self) -> u64 {
@@ -288,10 +252,7 @@ impl<'a> FieldReader<'a> {
         if self.remaining() < len {
             return Err(corrupt(
                 self.offset(),
-                format!(
-                    "{field} needs {len} bytes, block has {} left",
-                    self.remaining()
-                ),
+                format!("{field} needs {len} bytes, block has {} left", self.remaining()),
             ));
         }
         let slice = &self.bytes[self.position..self.position + len];
@@ -314,30 +275,19 @@ impl<'a> FieldReader<'a> {
     fn string(&mut self, field: &'static str, max_len: usize) -> Result<String, PackError> {
         let len = self.u32(field)? as usize;
         if len > max_len {
-            return Err(PackError::Limit {
-                what: field,
-                value: len as u64,
-                max: max_len as u64,
-            });
+            return Err(PackError::Limit { what: field, value: len as u64, max: max_len as u64 });
         }
         let at = self.offset();
         let raw = self.take(len, field)?;
         String::from_utf8(raw.to_vec()).map_err(|_| corrupt(at, format!("{field} is not utf-8")))
     }
 
-    fn optional_string(
-        &mut self,
-        field: &'static str,
-        max_len: usize,
-    ) -> Result<Option<String>, PackError> {
+    fn optional_string(&mut self, field: &'static str, max_len: usize) -> Result<Option<String>, PackError> {
         let at = self.offset();
         match self.u8(field)? {
             0 => Ok(None),
             1 => Ok(Some(self.string(field, max_len)?)),
-            other => Err(corrupt(
-                at,
-                format!("{field} presence byte is {other}, expected 0 or 1"),
-            )),
+            other => Err(corrupt(at, format!("{field} presence byte is {other}, expected 0 or 1"))),
         }
     }
 }
@@ -355,11 +305,7 @@ fn optional_field_len(value_opt: &Option<String>) -> u64 {
 
 /// Size of `meta` once encoded, without encoding it.
 pub fn encoded_meta_len(meta: &CaptureMeta) -> u64 {
-    let labels_len: u64 = meta
-        .labels
-        .iter()
-        .map(|(key, value)| string_field_len(key) + string_field_len(value))
-        .sum();
+    let labels_len: u64 = meta.labels.iter().map(|(key, value)| string_field_len(key) + string_field_len(value)).sum();
     16 + 8
         + string_field_len(&meta.stream)
         + optional_field_len(&meta.content_type)
@@ -372,53 +318,31 @@ pub fn encoded_meta_len(meta: &CaptureMeta) -> u64 {
 pub fn validate_meta(meta: &CaptureMeta) -> Result<(), PackError> {
     fn check_len(what: &'static str, len: usize, max: usize) -> Result<(), PackError> {
         if len > max {
-            return Err(PackError::Limit {
-                what,
-                value: len as u64,
-                max: max as u64,
-            });
+            return Err(PackError::Limit { what, value: len as u64, max: max as u64 });
         }
         Ok(())
     }
     if meta.stream.is_empty() {
-        return Err(PackError::Invalid {
-            what: "stream",
-            reason: "must not be empty".into(),
-        });
+        return Err(PackError::Invalid { what: "stream", reason: "must not be empty".into() });
     }
     check_len("stream length", meta.stream.len(), MAX_STREAM_BYTES)?;
     check_len("label count", meta.labels.len(), MAX_LABELS)?;
     for (key, value) in &meta.labels {
         if key.is_empty() {
-            return Err(PackError::Invalid {
-                what: "label key",
-                reason: "must not be empty".into(),
-            });
+            return Err(PackError::Invalid { what: "label key", reason: "must not be empty".into() });
         }
         check_len("label key length", key.len(), MAX_LABEL_KEY_BYTES)?;
         check_len("label value length", value.len(), MAX_LABEL_VALUE_BYTES)?;
     }
     if let Some(content_type) = &meta.content_type {
-        check_len(
-            "content_type length",
-            content_type.len(),
-            MAX_CONTENT_TYPE_BYTES,
-        )?;
+        check_len("content_type length", content_type.len(), MAX_CONTENT_TYPE_BYTES)?;
     }
     if let Some(source_name) = &meta.source_name {
-        check_len(
-            "source_name length",
-            source_name.len(),
-            MAX_SOURCE_NAME_BYTES,
-        )?;
+        check_len("source_name length", source_name.len(), MAX_SOURCE_NAME_BYTES)?;
     }
     let meta_len = encoded_meta_len(meta);
     if meta_len > MAX_METADATA_BYTES {
-        return Err(PackError::Limit {
-            what: "metadata bytes",
-            value: meta_len,
-            max: MAX_METADATA_BYTES,
-        });
+        return Err(PackError::Limit { what: "metadata bytes", value: meta_len, max: MAX_METADATA_BYTES });
     }
     Ok(())
 }
@@ -459,30 +383,17 @@ pub fn encode_meta(meta: &CaptureMeta, out: &mut Vec<u8>) {
 /// known fields are ignored (minor-version extension point).
 pub fn decode_meta(bytes: &[u8], base_offset: u64) -> Result<CaptureMeta, PackError> {
     if bytes.len() as u64 > MAX_METADATA_BYTES {
-        return Err(PackError::Limit {
-            what: "metadata bytes",
-            value: bytes.len() as u64,
-            max: MAX_METADATA_BYTES,
-        });
+        return Err(PackError::Limit { what: "metadata bytes", value: bytes.len() as u64, max: MAX_METADATA_BYTES });
     }
     let mut reader = FieldReader::new(bytes, base_offset);
-    let capture_id = Uuid::from_bytes(
-        reader
-            .take(16, "capture_id")?
-            .try_into()
-            .expect("16-byte slice"),
-    );
+    let capture_id = Uuid::from_bytes(reader.take(16, "capture_id")?.try_into().expect("16-byte slice"));
     let captured_at_ns = reader.u64("captured_at_ns")?;
     let stream = reader.string("stream length", MAX_STREAM_BYTES)?;
     let content_type = reader.optional_string("content_type length", MAX_CONTENT_TYPE_BYTES)?;
     let source_name = reader.optional_string("source_name length", MAX_SOURCE_NAME_BYTES)?;
     let label_count = reader.u32("label count")? as usize;
     if label_count > MAX_LABELS {
-        return Err(PackError::Limit {
-            what: "label count",
-            value: label_count as u64,
-            max: MAX_LABELS as u64,
-        });
+        return Err(PackError::Limit { what: "label count", value: label_count as u64, max: MAX_LABELS as u64 });
     }
     let mut labels = BTreeMap::new();
     let mut previous_key_opt: Option<String> = None;
@@ -492,23 +403,13 @@ pub fn decode_meta(bytes: &[u8], base_offset: u64) -> Result<CaptureMeta, PackEr
         let value = reader.string("label value length", MAX_LABEL_VALUE_BYTES)?;
         if let Some(previous_key) = &previous_key_opt {
             if previous_key.as_bytes() >= key.as_bytes() {
-                return Err(corrupt(
-                    key_offset,
-                    "label keys are not in strictly ascending order",
-                ));
+                return Err(corrupt(key_offset, "label keys are not in strictly ascending order"));
             }
         }
         previous_key_opt = Some(key.clone());
         labels.insert(key, value);
     }
-    let meta = CaptureMeta {
-        capture_id,
-        stream,
-        captured_at_ns,
-        labels,
-        content_type,
-        source_name,
-    };
+    let meta = CaptureMeta { capture_id, stream, captured_at_ns, labels, content_type, source_name };
     validate_meta(&meta).map_err(|error| match error {
         PackError::Invalid { what, reason } => corrupt(base_offset, format!("{what} {reason}")),
         other => other,
@@ -542,10 +443,7 @@ pub fn decode_header(bytes: &[u8]) -> Result<PackHeader, PackError> {
         });
     }
     if bytes[0..8] != PACK_MAGIC {
-        return Err(PackError::BadMagic {
-            what: "pack header",
-            offset: 0,
-        });
+        return Err(PackError::BadMagic { what: "pack header", offset: 0 });
     }
     // Magic, major and minor keep their place in every major version, so check the version before the CRC.
     let major = u16_at(bytes, 8);
@@ -596,17 +494,11 @@ pub fn decode_trailer(bytes: &[u8]) -> Result<Trailer, PackError> {
     if bytes.len() > TRAILER_LEN {
         return Err(PackError::Invalid {
             what: "trailer slice",
-            reason: format!(
-                "{} bytes given, the trailer is exactly {TRAILER_LEN}",
-                bytes.len()
-            ),
+            reason: format!("{} bytes given, the trailer is exactly {TRAILER_LEN}", bytes.len()),
         });
     }
     if bytes[68..76] != TRAILER_MAGIC {
-        return Err(PackError::BadMagic {
-            what: "trailer",
-            offset: 68,
-        });
+        return Err(PackError::BadMagic { what: "trailer", offset: 68 });
     }
     let major = u16_at(bytes, 64);
     let minor = u16_at(bytes, 66);
@@ -626,42 +518,18 @@ pub fn decode_trailer(bytes: &[u8]) -> Result<Trailer, PackError> {
         minor,
     };
     if trailer.record_count > MAX_RECORDS {
-        return Err(PackError::Limit {
-            what: "record count",
-            value: trailer.record_count,
-            max: MAX_RECORDS,
-        });
+        return Err(PackError::Limit { what: "record count", value: trailer.record_count, max: MAX_RECORDS });
     }
     if trailer.footer_len > MAX_FOOTER_BYTES {
-        return Err(PackError::Limit {
-            what: "footer bytes",
-            value: trailer.footer_len,
-            max: MAX_FOOTER_BYTES,
-        });
+        return Err(PackError::Limit { what: "footer bytes", value: trailer.footer_len, max: MAX_FOOTER_BYTES });
     }
     if trailer.footer_len < FOOTER_HEADER_LEN as u64 {
-        return Err(corrupt(
-            16,
-            format!(
-                "footer_len {} is shorter than a footer header",
-                trailer.footer_len
-            ),
-        ));
+        return Err(corrupt(16, format!("footer_len {} is shorter than a footer header", trailer.footer_len)));
     }
     if trailer.footer_offset < HEADER_LEN as u64 {
-        return Err(corrupt(
-            8,
-            format!(
-                "footer_offset {} is inside the header",
-                trailer.footer_offset
-            ),
-        ));
+        return Err(corrupt(8, format!("footer_offset {} is inside the header", trailer.footer_offset)));
     }
-    if trailer
-        .footer_offset
-        .checked_add(trailer.footer_len)
-        .is_none()
-    {
+    if trailer.footer_offset.checked_add(trailer.footer_len).is_none() {
         return Err(corrupt(8, "footer_offset + footer_len overflows"));
     }
     Ok(trailer)
@@ -725,37 +593,22 @@ pub fn decode_footer(bytes: &[u8], trailer: &Trailer) -> Result<Vec<IndexEntry>,
     if bytes.len() as u64 > trailer.footer_len {
         return Err(PackError::Invalid {
             what: "footer slice",
-            reason: format!(
-                "{} bytes given, the trailer says {}",
-                bytes.len(),
-                trailer.footer_len
-            ),
+            reason: format!("{} bytes given, the trailer says {}", bytes.len(), trailer.footer_len),
         });
     }
     let computed_crc = crc32c::crc32c(bytes);
     if computed_crc != trailer.footer_crc32c {
-        return Err(crc_mismatch(
-            "footer",
-            footer_offset,
-            trailer.footer_crc32c,
-            computed_crc,
-        ));
+        return Err(crc_mismatch("footer", footer_offset, trailer.footer_crc32c, computed_crc));
     }
     let mut reader = FieldReader::new(bytes, footer_offset);
     if reader.take(4, "footer magic")? != FOOTER_MAGIC {
-        return Err(PackError::BadMagic {
-            what: "footer",
-            offset: footer_offset,
-        });
+        return Err(PackError::BadMagic { what: "footer", offset: footer_offset });
     }
     let entry_count = reader.u64("footer entry count")?;
     if entry_count != trailer.record_count {
         return Err(corrupt(
             footer_offset + 4,
-            format!(
-                "footer holds {entry_count} entries but the trailer says {}",
-                trailer.record_count
-            ),
+            format!("footer holds {entry_count} entries but the trailer says {}", trailer.record_count),
         ));
     }
     // The count is checked against MAX_RECORDS by decode_trailer; cap the allocation by what the bytes can hold.
@@ -779,10 +632,7 @@ pub fn decode_footer(bytes: &[u8], trailer: &Trailer) -> Result<Vec<IndexEntry>,
         if entry.record_offset > expected_offset {
             return Err(corrupt(
                 entry_at,
-                format!(
-                    "gap before record {index} at offset {} (expected {expected_offset})",
-                    entry.record_offset
-                ),
+                format!("gap before record {index} at offset {} (expected {expected_offset})", entry.record_offset),
             ));
         }
         let record_end = entry.record_offset + entry.record_len;
@@ -805,11 +655,7 @@ pub fn decode_footer(bytes: &[u8], trailer: &Trailer) -> Result<Vec<IndexEntry>,
     Ok(entries)
 }
 
-fn decode_footer_entry(
-    bytes: &[u8],
-    base_offset: u64,
-    index: u64,
-) -> Result<IndexEntry, PackError> {
+fn decode_footer_entry(bytes: &[u8], base_offset: u64, index: u64) -> Result<IndexEntry, PackError> {
     let mut reader = FieldReader::new(bytes, base_offset);
     let record_offset = reader.u64("record_offset")?;
     let record_len = reader.u64("record_len")?;
@@ -818,18 +664,10 @@ fn decode_footer_entry(
     let crc32c = reader.u32("crc32c")?;
     let meta_len = reader.u32("meta_len")? as u64;
     if meta_len > MAX_METADATA_BYTES {
-        return Err(PackError::Limit {
-            what: "metadata bytes",
-            value: meta_len,
-            max: MAX_METADATA_BYTES,
-        });
+        return Err(PackError::Limit { what: "metadata bytes", value: meta_len, max: MAX_METADATA_BYTES });
     }
     if payload_len > MAX_PAYLOAD_BYTES {
-        return Err(PackError::Limit {
-            what: "payload bytes",
-            value: payload_len,
-            max: MAX_PAYLOAD_BYTES,
-        });
+        return Err(PackError::Limit { what: "payload bytes", value: payload_len, max: MAX_PAYLOAD_BYTES });
     }
     let meta_at = reader.offset();
     let meta = decode_meta(reader.take(meta_len as usize, "entry metadata")?, meta_at)?;
@@ -838,32 +676,22 @@ fn decode_footer_entry(
     if record_len != expected_record_len {
         return Err(corrupt(
             base_offset,
-            format!("record {index} length {record_len} disagrees with header + metadata + payload {expected_record_len}"),
+            format!(
+                "record {index} length {record_len} disagrees with header + metadata + payload {expected_record_len}"
+            ),
         ));
     }
     let expected_payload_offset = record_offset.checked_add(RECORD_HEADER_LEN as u64 + meta_len);
     if expected_payload_offset != Some(payload_offset) {
         return Err(corrupt(
             base_offset,
-            format!(
-                "record {index} payload_offset {payload_offset} disagrees with its record layout"
-            ),
+            format!("record {index} payload_offset {payload_offset} disagrees with its record layout"),
         ));
     }
     if record_offset.checked_add(record_len).is_none() {
-        return Err(corrupt(
-            base_offset,
-            format!("record {index} extent overflows"),
-        ));
+        return Err(corrupt(base_offset, format!("record {index} extent overflows")));
     }
-    Ok(IndexEntry {
-        meta,
-        record_offset,
-        record_len,
-        payload_offset,
-        payload_len,
-        crc32c,
-    })
+    Ok(IndexEntry { meta, record_offset, record_len, payload_offset, payload_len, crc32c })
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
@@ -880,10 +708,7 @@ fn record_header_bytes(meta_len: u32, payload_len: u32, crc: u32) -> [u8; RECORD
 
 /// Verifies a whole record against its footer entry and returns its metadata and the payload's range in
 /// `record_bytes`.
-fn verify_record(
-    record_bytes: &[u8],
-    entry: &IndexEntry,
-) -> Result<(CaptureMeta, Range<usize>), PackError> {
+fn verify_record(record_bytes: &[u8], entry: &IndexEntry) -> Result<(CaptureMeta, Range<usize>), PackError> {
     let record_offset = entry.record_offset;
     if (record_bytes.len() as u64) < entry.record_len {
         return Err(PackError::Truncated {
@@ -896,21 +721,14 @@ fn verify_record(
     if record_bytes.len() as u64 != entry.record_len {
         return Err(PackError::Invalid {
             what: "record slice",
-            reason: format!(
-                "{} bytes given, the entry says {}",
-                record_bytes.len(),
-                entry.record_len
-            ),
+            reason: format!("{} bytes given, the entry says {}", record_bytes.len(), entry.record_len),
         });
     }
     if record_bytes.len() < RECORD_HEADER_LEN {
         return Err(corrupt(record_offset, "record shorter than its header"));
     }
     if record_bytes[0..4] != RECORD_MAGIC {
-        return Err(PackError::BadMagic {
-            what: "record",
-            offset: record_offset,
-        });
+        return Err(PackError::BadMagic { what: "record", offset: record_offset });
     }
     let meta_len = u32_at(record_bytes, 4) as usize;
     let payload_len = u32_at(record_bytes, 8) as usize;
@@ -918,58 +736,30 @@ fn verify_record(
     if (RECORD_HEADER_LEN + meta_len + payload_len) as u64 != entry.record_len
         || payload_len as u64 != entry.payload_len
     {
-        return Err(corrupt(
-            record_offset,
-            "record header lengths disagree with the footer entry",
-        ));
+        return Err(corrupt(record_offset, "record header lengths disagree with the footer entry"));
     }
     let meta_range = RECORD_HEADER_LEN..RECORD_HEADER_LEN + meta_len;
     let payload_range = meta_range.end..record_bytes.len();
-    let computed_crc = crc32c::crc32c_append(
-        crc32c::crc32c(&record_bytes[0..12]),
-        &record_bytes[meta_range.start..],
-    );
+    let computed_crc = crc32c::crc32c_append(crc32c::crc32c(&record_bytes[0..12]), &record_bytes[meta_range.start..]);
     if computed_crc != stored_crc {
-        return Err(crc_mismatch(
-            "record",
-            record_offset,
-            stored_crc,
-            computed_crc,
-        ));
+        return Err(crc_mismatch("record", record_offset, stored_crc, computed_crc));
     }
     if stored_crc != entry.crc32c {
-        return Err(crc_mismatch(
-            "footer entry record",
-            record_offset,
-            entry.crc32c,
-            stored_crc,
-        ));
+        return Err(crc_mismatch("footer entry record", record_offset, entry.crc32c, stored_crc));
     }
     if record_offset + meta_range.end as u64 != entry.payload_offset {
-        return Err(corrupt(
-            record_offset,
-            "payload_offset disagrees with the record's metadata length",
-        ));
+        return Err(corrupt(record_offset, "payload_offset disagrees with the record's metadata length"));
     }
-    let meta = decode_meta(
-        &record_bytes[meta_range],
-        record_offset + RECORD_HEADER_LEN as u64,
-    )?;
+    let meta = decode_meta(&record_bytes[meta_range], record_offset + RECORD_HEADER_LEN as u64)?;
     if meta != entry.meta {
-        return Err(corrupt(
-            record_offset,
-            "record metadata disagrees with its footer entry",
-        ));
+        return Err(corrupt(record_offset, "record metadata disagrees with its footer entry"));
     }
     Ok((meta, payload_range))
 }
 
 /// Decodes one record (exactly the `entry.record_len` bytes at `entry.record_offset`), verifying its CRC and that its
 /// metadata matches the footer entry.
-pub fn decode_record(
-    record_bytes: &[u8],
-    entry: &IndexEntry,
-) -> Result<(CaptureMeta, Vec<u8>), PackError> {
+pub fn decode_record(record_bytes: &[u8], entry: &IndexEntry) -> Result<(CaptureMeta, Vec<u8>), PackError> {
     let (meta, payload_range) = verify_record(record_bytes, entry)?;
     Ok((meta, record_bytes[payload_range].to_vec()))
 }
@@ -1025,9 +815,7 @@ fn scan_stream<R: Read>(reader: &mut R, total_len: u64) -> Result<ScanState, Pac
     let mut cut_reason = None;
     while position < total_len {
         if entries.len() as u64 >= MAX_RECORDS {
-            cut_reason = Some(format!(
-                "record limit {MAX_RECORDS} reached at offset {position}"
-            ));
+            cut_reason = Some(format!("record limit {MAX_RECORDS} reached at offset {position}"));
             break;
         }
         // Hash the record tentatively; the running hash takes it only if the record turns out good.
@@ -1038,13 +826,10 @@ fn scan_stream<R: Read>(reader: &mut R, total_len: u64) -> Result<ScanState, Pac
                 break;
             }
             RecordScan::Complete(entry) => {
-                let entry_footer_len = footer_entry_len(
-                    entry.payload_offset - entry.record_offset - RECORD_HEADER_LEN as u64,
-                );
+                let entry_footer_len =
+                    footer_entry_len(entry.payload_offset - entry.record_offset - RECORD_HEADER_LEN as u64);
                 if footer_len + entry_footer_len > MAX_FOOTER_BYTES {
-                    cut_reason = Some(format!(
-                        "footer limit {MAX_FOOTER_BYTES} reached at offset {position}"
-                    ));
+                    cut_reason = Some(format!("footer limit {MAX_FOOTER_BYTES} reached at offset {position}"));
                     break;
                 }
                 footer_len += entry_footer_len;
@@ -1055,13 +840,7 @@ fn scan_stream<R: Read>(reader: &mut R, total_len: u64) -> Result<ScanState, Pac
         }
     }
     Ok(ScanState {
-        report: ScanReport {
-            header,
-            entries,
-            valid_len: position,
-            total_len,
-            cut_reason,
-        },
+        report: ScanReport { header, entries, valid_len: position, total_len, cut_reason },
         hasher,
         footer_len,
     })
@@ -1130,9 +909,7 @@ fn scan_one_record<R: Read>(
     let meta = match decode_meta(&meta_bytes, meta_offset) {
         Ok(meta) => meta,
         Err(error) => {
-            return Ok(RecordScan::Stop(format!(
-                "undecodable metadata in record at offset {record_offset}: {error}"
-            )))
+            return Ok(RecordScan::Stop(format!("undecodable metadata in record at offset {record_offset}: {error}")))
         }
     };
     Ok(RecordScan::Complete(IndexEntry {
@@ -1206,16 +983,8 @@ pub struct PackSummary {
 }
 
 fn summarize(header: &PackHeader, trailer: &Trailer, entries: &[IndexEntry]) -> PackSummary {
-    let first_captured_at_ns = entries
-        .iter()
-        .map(|entry| entry.meta.captured_at_ns)
-        .min()
-        .unwrap_or(0);
-    let last_captured_at_ns = entries
-        .iter()
-        .map(|entry| entry.meta.captured_at_ns)
-        .max()
-        .unwrap_or(0);
+    let first_captured_at_ns = entries.iter().map(|entry| entry.meta.captured_at_ns).min().unwrap_or(0);
+    let last_captured_at_ns = entries.iter().map(|entry| entry.meta.captured_at_ns).max().unwrap_or(0);
     PackSummary {
         pack_id: header.pack_id,
         bytes: trailer.footer_offset + trailer.footer_len + TRAILER_LEN as u64,
@@ -1268,12 +1037,7 @@ impl PackWriter {
     /// Creates a new pack file (`create_new`: an existing file is an error) and buffers its header.
     pub fn create(path: &Path, pack_id: Uuid, created_at_ns: u64) -> Result<Self, PackError> {
         let file = OpenOptions::new().write(true).create_new(true).open(path)?;
-        let header = PackHeader {
-            major: FORMAT_MAJOR,
-            minor: FORMAT_MINOR,
-            pack_id,
-            created_at_ns,
-        };
+        let header = PackHeader { major: FORMAT_MAJOR, minor: FORMAT_MINOR, pack_id, created_at_ns };
         let header_bytes = encode_header(&header);
         let mut hasher = Sha256::new();
         hasher.update(header_bytes);
@@ -1303,8 +1067,7 @@ impl PackWriter {
         let mut file = OpenOptions::new().read(true).write(true).open(path)?;
         let total_len = file.metadata()?.len();
         let scan = {
-            let mut reader =
-                BufReader::with_capacity(READ_BUFFER_BYTES, PositionedReader::new(&file, 0));
+            let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, PositionedReader::new(&file, 0));
             scan_stream(&mut reader, total_len)?
         };
         let valid_len = scan.report.valid_len;
@@ -1354,10 +1117,7 @@ impl PackWriter {
     fn check_usable(&self) -> Result<(), PackError> {
         match &self.poisoned_opt {
             None => Ok(()),
-            Some(reason) => Err(PackError::Poisoned {
-                path: self.path.clone(),
-                reason: reason.clone(),
-            }),
+            Some(reason) => Err(PackError::Poisoned { path: self.path.clone(), reason: reason.clone() }),
         }
     }
 
@@ -1385,11 +1145,7 @@ impl PackWriter {
         validate_meta(meta)?;
         let payload_len = payload.len() as u64;
         if payload_len > self.max_payload_bytes {
-            return Err(PackError::Limit {
-                what: "payload bytes",
-                value: payload_len,
-                max: self.max_payload_bytes,
-            });
+            return Err(PackError::Limit { what: "payload bytes", value: payload_len, max: self.max_payload_bytes });
         }
         if self.entries.len() as u64 >= MAX_RECORDS {
             return Err(PackError::Limit {
@@ -1542,19 +1298,13 @@ pub fn decode_pack(bytes: &[u8]) -> Result<(PackHeader, Trailer, Vec<IndexEntry>
     let object_len = bytes.len() as u64;
     let minimum_len = (HEADER_LEN + FOOTER_HEADER_LEN + TRAILER_LEN) as u64;
     if object_len < minimum_len {
-        return Err(PackError::Truncated {
-            what: "pack",
-            offset: 0,
-            needed: minimum_len,
-            available: object_len,
-        });
+        return Err(PackError::Truncated { what: "pack", offset: 0, needed: minimum_len, available: object_len });
     }
     let header = decode_header(&bytes[..HEADER_LEN])?;
     let trailer = decode_trailer(&bytes[bytes.len() - TRAILER_LEN..])?;
     check_header_matches_trailer(&header, &trailer)?;
     check_trailer_fits(&trailer, object_len)?;
-    let footer_range =
-        trailer.footer_offset as usize..(trailer.footer_offset + trailer.footer_len) as usize;
+    let footer_range = trailer.footer_offset as usize..(trailer.footer_offset + trailer.footer_len) as usize;
     let entries = decode_footer(&bytes[footer_range], &trailer)?;
     Ok((header, trailer, entries))
 }
@@ -1589,12 +1339,7 @@ impl PackFile {
         let object_len = file.metadata()?.len();
         let minimum_len = (HEADER_LEN + FOOTER_HEADER_LEN + TRAILER_LEN) as u64;
         if object_len < minimum_len {
-            return Err(PackError::Truncated {
-                what: "pack",
-                offset: 0,
-                needed: minimum_len,
-                available: object_len,
-            });
+            return Err(PackError::Truncated { what: "pack", offset: 0, needed: minimum_len, available: object_len });
         }
         let mut header_bytes = [0u8; HEADER_LEN];
         file.read_exact_at(&mut header_bytes, 0)?;
@@ -1607,13 +1352,7 @@ impl PackFile {
         let mut footer_bytes = vec![0u8; trailer.footer_len as usize];
         file.read_exact_at(&mut footer_bytes, trailer.footer_offset)?;
         let entries = decode_footer(&footer_bytes, &trailer)?;
-        Ok(PackFile {
-            path: path.to_path_buf(),
-            file,
-            header,
-            trailer,
-            entries,
-        })
+        Ok(PackFile { path: path.to_path_buf(), file, header, trailer, entries })
     }
 
     pub fn path(&self) -> &Path {
@@ -1640,14 +1379,10 @@ impl PackFile {
     pub fn read_capture(&self, index: usize) -> Result<(CaptureMeta, Vec<u8>), PackError> {
         let entry = self.entries.get(index).ok_or_else(|| PackError::Invalid {
             what: "capture index",
-            reason: format!(
-                "{index} is out of range for a pack of {} records",
-                self.entries.len()
-            ),
+            reason: format!("{index} is out of range for a pack of {} records", self.entries.len()),
         })?;
         let mut record_bytes = vec![0u8; entry.record_len as usize];
-        self.file
-            .read_exact_at(&mut record_bytes, entry.record_offset)?;
+        self.file.read_exact_at(&mut record_bytes, entry.record_offset)?;
         let (meta, payload_range) = verify_record(&record_bytes, entry)?;
         // Reuse the record's allocation for the payload rather than copying it.
         record_bytes.truncate(payload_range.end);
@@ -1657,17 +1392,14 @@ impl PackFile {
 
     /// Index of the first record with this capture_id.
     pub fn find(&self, capture_id: Uuid) -> Option<usize> {
-        self.entries
-            .iter()
-            .position(|entry| entry.meta.capture_id == capture_id)
+        self.entries.iter().position(|entry| entry.meta.capture_id == capture_id)
     }
 
     /// Full offline check in one sequential pass: header CRC, every record CRC, footer entries equal to the records,
     /// and the SHA-256 over everything before the trailer.
     pub fn verify(&self) -> Result<(), PackError> {
         let footer_offset = self.trailer.footer_offset;
-        let mut reader =
-            BufReader::with_capacity(READ_BUFFER_BYTES, PositionedReader::new(&self.file, 0));
+        let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, PositionedReader::new(&self.file, 0));
         let scan = scan_stream(&mut reader, footer_offset)?;
         if let Some(reason) = scan.report.cut_reason {
             return Err(corrupt(scan.report.valid_len, reason));
@@ -1685,8 +1417,7 @@ impl PackFile {
                 ),
             ));
         }
-        for (index, (scanned, listed)) in scan.report.entries.iter().zip(&self.entries).enumerate()
-        {
+        for (index, (scanned, listed)) in scan.report.entries.iter().zip(&self.entries).enumerate() {
             if scanned != listed {
                 return Err(corrupt(
                     listed.record_offset,
@@ -1724,16 +1455,8 @@ mod tests {
             stream: format!("cam/{index}"),
             captured_at_ns: 1_000 + index as u64,
             labels,
-            content_type: if index % 2 == 0 {
-                Some("image/png".into())
-            } else {
-                None
-            },
-            source_name: if index % 3 == 0 {
-                Some(format!("file-{index}"))
-            } else {
-                None
-            },
+            content_type: if index % 2 == 0 { Some("image/png".into()) } else { None },
+            source_name: if index % 3 == 0 { Some(format!("file-{index}")) } else { None },
         }
     }
 
@@ -1748,9 +1471,7 @@ mod tests {
     }
 
     fn sample_records(count: u8) -> Vec<(CaptureMeta, Vec<u8>)> {
-        (0..count)
-            .map(|index| (sample_meta(index), vec![index; index as usize * 10]))
-            .collect()
+        (0..count).map(|index| (sample_meta(index), vec![index; index as usize * 10])).collect()
     }
 
     #[test]
@@ -1786,10 +1507,7 @@ mod tests {
             put_string(&mut bytes, key);
             put_string(&mut bytes, "v");
         }
-        assert!(matches!(
-            decode_meta(&bytes, 0),
-            Err(PackError::Corrupt { .. })
-        ));
+        assert!(matches!(decode_meta(&bytes, 0), Err(PackError::Corrupt { .. })));
 
         let mut presence_bytes = Vec::new();
         encode_meta(&sample_meta(1), &mut presence_bytes);
@@ -1803,78 +1521,36 @@ mod tests {
     fn validate_meta_enforces_limits() {
         let mut meta = sample_meta(1);
         meta.stream = String::new();
-        assert!(matches!(
-            validate_meta(&meta),
-            Err(PackError::Invalid { what: "stream", .. })
-        ));
+        assert!(matches!(validate_meta(&meta), Err(PackError::Invalid { what: "stream", .. })));
         meta.stream = "s".repeat(MAX_STREAM_BYTES + 1);
-        assert!(matches!(
-            validate_meta(&meta),
-            Err(PackError::Limit {
-                what: "stream length",
-                ..
-            })
-        ));
+        assert!(matches!(validate_meta(&meta), Err(PackError::Limit { what: "stream length", .. })));
         let mut labels_meta = sample_meta(1);
         for index in 0..=MAX_LABELS {
-            labels_meta
-                .labels
-                .insert(format!("k{index}"), String::new());
+            labels_meta.labels.insert(format!("k{index}"), String::new());
         }
-        assert!(matches!(
-            validate_meta(&labels_meta),
-            Err(PackError::Limit {
-                what: "label count",
-                ..
-            })
-        ));
+        assert!(matches!(validate_meta(&labels_meta), Err(PackError::Limit { what: "label count", .. })));
         let mut big_meta = sample_meta(1);
         big_meta.labels.clear();
         for index in 0..MAX_LABELS {
-            big_meta
-                .labels
-                .insert(format!("k{index}"), "v".repeat(MAX_LABEL_VALUE_BYTES));
+            big_meta.labels.insert(format!("k{index}"), "v".repeat(MAX_LABEL_VALUE_BYTES));
         }
-        assert!(matches!(
-            validate_meta(&big_meta),
-            Err(PackError::Limit {
-                what: "metadata bytes",
-                ..
-            })
-        ));
+        assert!(matches!(validate_meta(&big_meta), Err(PackError::Limit { what: "metadata bytes", .. })));
     }
 
     #[test]
     fn header_round_trips_and_rejects_damage() {
-        let header = PackHeader {
-            major: FORMAT_MAJOR,
-            minor: 3,
-            pack_id: Uuid::from_u128(99),
-            created_at_ns: 123,
-        };
+        let header = PackHeader { major: FORMAT_MAJOR, minor: 3, pack_id: Uuid::from_u128(99), created_at_ns: 123 };
         let bytes = encode_header(&header);
         assert_eq!(decode_header(&bytes).unwrap(), header);
-        assert!(matches!(
-            decode_header(&bytes[..39]),
-            Err(PackError::Truncated { .. })
-        ));
+        assert!(matches!(decode_header(&bytes[..39]), Err(PackError::Truncated { .. })));
         let mut bad_magic = bytes;
         bad_magic[0] ^= 1;
-        assert!(matches!(
-            decode_header(&bad_magic),
-            Err(PackError::BadMagic { .. })
-        ));
+        assert!(matches!(decode_header(&bad_magic), Err(PackError::BadMagic { .. })));
         let mut bad_crc = bytes;
         bad_crc[20] ^= 1;
-        assert!(matches!(
-            decode_header(&bad_crc),
-            Err(PackError::Checksum { .. })
-        ));
+        assert!(matches!(decode_header(&bad_crc), Err(PackError::Checksum { .. })));
         let future = encode_header(&PackHeader { major: 2, ..header });
-        assert!(matches!(
-            decode_header(&future),
-            Err(PackError::UnsupportedVersion { major: 2, .. })
-        ));
+        assert!(matches!(decode_header(&future), Err(PackError::UnsupportedVersion { major: 2, .. })));
     }
 
     #[test]
@@ -1892,46 +1568,16 @@ mod tests {
         assert_eq!(decode_trailer(&bytes).unwrap(), trailer);
         check_trailer_fits(&trailer, 150 + TRAILER_LEN as u64).unwrap();
         assert!(check_trailer_fits(&trailer, 151 + TRAILER_LEN as u64).is_err());
-        assert!(matches!(
-            decode_trailer(&bytes[1..]),
-            Err(PackError::Truncated { .. })
-        ));
+        assert!(matches!(decode_trailer(&bytes[1..]), Err(PackError::Truncated { .. })));
         let mut bad_crc = bytes;
         bad_crc[40] ^= 0x80;
-        assert!(matches!(
-            decode_trailer(&bad_crc),
-            Err(PackError::Checksum { .. })
-        ));
-        let future = encode_trailer(&Trailer {
-            major: 9,
-            ..trailer.clone()
-        });
-        assert!(matches!(
-            decode_trailer(&future),
-            Err(PackError::UnsupportedVersion { major: 9, .. })
-        ));
-        let too_many = encode_trailer(&Trailer {
-            record_count: MAX_RECORDS + 1,
-            ..trailer.clone()
-        });
-        assert!(matches!(
-            decode_trailer(&too_many),
-            Err(PackError::Limit {
-                what: "record count",
-                ..
-            })
-        ));
-        let huge_footer = encode_trailer(&Trailer {
-            footer_len: MAX_FOOTER_BYTES + 1,
-            ..trailer
-        });
-        assert!(matches!(
-            decode_trailer(&huge_footer),
-            Err(PackError::Limit {
-                what: "footer bytes",
-                ..
-            })
-        ));
+        assert!(matches!(decode_trailer(&bad_crc), Err(PackError::Checksum { .. })));
+        let future = encode_trailer(&Trailer { major: 9, ..trailer.clone() });
+        assert!(matches!(decode_trailer(&future), Err(PackError::UnsupportedVersion { major: 9, .. })));
+        let too_many = encode_trailer(&Trailer { record_count: MAX_RECORDS + 1, ..trailer.clone() });
+        assert!(matches!(decode_trailer(&too_many), Err(PackError::Limit { what: "record count", .. })));
+        let huge_footer = encode_trailer(&Trailer { footer_len: MAX_FOOTER_BYTES + 1, ..trailer });
+        assert!(matches!(decode_trailer(&huge_footer), Err(PackError::Limit { what: "footer bytes", .. })));
     }
 
     /// Builds a trailer that is valid for `footer` so that the footer checks themselves are exercised.
@@ -1958,51 +1604,30 @@ mod tests {
     fn footer_rejects_bad_layouts() {
         let (entries, footer_offset) = sample_entries();
         let good = encode_footer(&entries);
-        assert_eq!(
-            decode_footer(&good, &trailer_for(&good, footer_offset, 3)).unwrap(),
-            entries
-        );
+        assert_eq!(decode_footer(&good, &trailer_for(&good, footer_offset, 3)).unwrap(), entries);
 
-        let count_mismatch =
-            decode_footer(&good, &trailer_for(&good, footer_offset, 2)).unwrap_err();
-        assert!(
-            count_mismatch.to_string().contains("trailer says 2"),
-            "{count_mismatch}"
-        );
+        let count_mismatch = decode_footer(&good, &trailer_for(&good, footer_offset, 2)).unwrap_err();
+        assert!(count_mismatch.to_string().contains("trailer says 2"), "{count_mismatch}");
 
         let mut swapped = entries.clone();
         swapped.swap(1, 2);
         let swapped_footer = encode_footer(&swapped);
-        let error = decode_footer(
-            &swapped_footer,
-            &trailer_for(&swapped_footer, footer_offset, 3),
-        )
-        .unwrap_err();
+        let error = decode_footer(&swapped_footer, &trailer_for(&swapped_footer, footer_offset, 3)).unwrap_err();
         assert!(error.to_string().contains("gap before record 1"), "{error}");
 
         let mut overlapping = entries.clone();
         overlapping[1].record_offset -= 1;
         overlapping[1].payload_offset -= 1;
         let overlapping_footer = encode_footer(&overlapping);
-        let error = decode_footer(
-            &overlapping_footer,
-            &trailer_for(&overlapping_footer, footer_offset, 3),
-        )
-        .unwrap_err();
+        let error =
+            decode_footer(&overlapping_footer, &trailer_for(&overlapping_footer, footer_offset, 3)).unwrap_err();
         assert!(error.to_string().contains("overlaps"), "{error}");
 
         let outside = decode_footer(&good, &trailer_for(&good, footer_offset - 1, 3)).unwrap_err();
-        assert!(
-            outside.to_string().contains("past the data region"),
-            "{outside}"
-        );
+        assert!(outside.to_string().contains("past the data region"), "{outside}");
 
-        let short_region =
-            decode_footer(&good, &trailer_for(&good, footer_offset + 1, 3)).unwrap_err();
-        assert!(
-            short_region.to_string().contains("records end at"),
-            "{short_region}"
-        );
+        let short_region = decode_footer(&good, &trailer_for(&good, footer_offset + 1, 3)).unwrap_err();
+        assert!(short_region.to_string().contains("records end at"), "{short_region}");
 
         let mut bad_payload_offset = entries.clone();
         bad_payload_offset[0].payload_offset += 1;
@@ -2018,10 +1643,7 @@ mod tests {
 
         let mut extended = good.clone();
         extended.extend_from_slice(b"pack-level field of a newer minor");
-        assert_eq!(
-            decode_footer(&extended, &trailer_for(&extended, footer_offset, 3)).unwrap(),
-            entries
-        );
+        assert_eq!(decode_footer(&extended, &trailer_for(&extended, footer_offset, 3)).unwrap(), entries);
     }
 
     #[test]
@@ -2032,37 +1654,21 @@ mod tests {
         let bytes = std::fs::read(&path).unwrap();
         let (_, _, entries) = decode_pack(&bytes).unwrap();
         for (entry, (meta, payload)) in entries.iter().zip(&records) {
-            let record =
-                &bytes[entry.record_range().start as usize..entry.record_range().end as usize];
+            let record = &bytes[entry.record_range().start as usize..entry.record_range().end as usize];
             let (decoded_meta, decoded_payload) = decode_record(record, entry).unwrap();
             assert_eq!(&decoded_meta, meta);
             assert_eq!(&decoded_payload, payload);
-            assert_eq!(
-                &bytes[entry.payload_range().start as usize..entry.payload_range().end as usize],
-                payload
-            );
+            assert_eq!(&bytes[entry.payload_range().start as usize..entry.payload_range().end as usize], payload);
         }
-        let record = &bytes
-            [entries[1].record_range().start as usize..entries[1].record_range().end as usize];
+        let record = &bytes[entries[1].record_range().start as usize..entries[1].record_range().end as usize];
         let mut other_meta = entries[1].clone();
         other_meta.meta.captured_at_ns += 1;
         let error = decode_record(record, &other_meta).unwrap_err();
-        assert!(
-            error
-                .to_string()
-                .contains("disagrees with its footer entry"),
-            "{error}"
-        );
+        assert!(error.to_string().contains("disagrees with its footer entry"), "{error}");
         let mut other_crc = entries[1].clone();
         other_crc.crc32c ^= 1;
-        assert!(matches!(
-            decode_record(record, &other_crc),
-            Err(PackError::Checksum { .. })
-        ));
-        assert!(matches!(
-            decode_record(&record[1..], &entries[1]),
-            Err(PackError::Truncated { .. })
-        ));
+        assert!(matches!(decode_record(record, &other_crc), Err(PackError::Checksum { .. })));
+        assert!(matches!(decode_record(&record[1..], &entries[1]), Err(PackError::Truncated { .. })));
     }
 
     #[test]
@@ -2078,21 +1684,14 @@ mod tests {
         assert_eq!(summary.first_captured_at_ns, 1_000);
         assert_eq!(summary.last_captured_at_ns, 1_004);
         let file_sha: [u8; 32] =
-            Sha256::digest(&std::fs::read(&path).unwrap()[..summary.bytes as usize - TRAILER_LEN])
-                .into();
+            Sha256::digest(&std::fs::read(&path).unwrap()[..summary.bytes as usize - TRAILER_LEN]).into();
         assert_eq!(summary.sha256_hex, hex::encode(file_sha));
         for (index, (meta, payload)) in records.iter().enumerate() {
             assert_eq!(pack.find(meta.capture_id), Some(index));
-            assert_eq!(
-                &pack.read_capture(index).unwrap(),
-                &(meta.clone(), payload.clone())
-            );
+            assert_eq!(&pack.read_capture(index).unwrap(), &(meta.clone(), payload.clone()));
         }
         assert!(pack.find(Uuid::from_u128(12345)).is_none());
-        assert!(matches!(
-            pack.read_capture(5),
-            Err(PackError::Invalid { .. })
-        ));
+        assert!(matches!(pack.read_capture(5), Err(PackError::Invalid { .. })));
     }
 
     #[test]
@@ -2100,10 +1699,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (path, summary) = write_pack(dir.path(), &[]);
         assert_eq!(summary.records, 0);
-        assert_eq!(
-            summary.bytes,
-            (HEADER_LEN + FOOTER_HEADER_LEN + TRAILER_LEN) as u64
-        );
+        assert_eq!(summary.bytes, (HEADER_LEN + FOOTER_HEADER_LEN + TRAILER_LEN) as u64);
         let pack = PackFile::open(&path).unwrap();
         pack.verify().unwrap();
         assert!(pack.entries().is_empty());
@@ -2118,14 +1714,7 @@ mod tests {
         assert!(writer.set_max_payload_bytes(MAX_PAYLOAD_BYTES + 1).is_err());
         let before = writer.len_bytes();
         let error = writer.append(&sample_meta(1), &[0; 11]).unwrap_err();
-        assert!(matches!(
-            error,
-            PackError::Limit {
-                what: "payload bytes",
-                value: 11,
-                max: 10
-            }
-        ));
+        assert!(matches!(error, PackError::Limit { what: "payload bytes", value: 11, max: 10 }));
         let mut bad_meta = sample_meta(1);
         bad_meta.stream.clear();
         assert!(writer.append(&bad_meta, b"x").is_err());
@@ -2138,9 +1727,7 @@ mod tests {
     #[test]
     fn large_payloads_are_written_directly_and_read_back() {
         let dir = tempfile::tempdir().unwrap();
-        let big_payload: Vec<u8> = (0..3 * WRITE_BUFFER_FLUSH_BYTES)
-            .map(|index| (index % 251) as u8)
-            .collect();
+        let big_payload: Vec<u8> = (0..3 * WRITE_BUFFER_FLUSH_BYTES).map(|index| (index % 251) as u8).collect();
         let records = vec![
             (sample_meta(1), vec![1; 100]),
             (sample_meta(2), big_payload),
@@ -2157,10 +1744,7 @@ mod tests {
         let pack = PackFile::open(&path).unwrap();
         pack.verify().unwrap();
         for (index, (meta, payload)) in records.iter().enumerate() {
-            assert_eq!(
-                &pack.read_capture(index).unwrap(),
-                &(meta.clone(), payload.clone())
-            );
+            assert_eq!(&pack.read_capture(index).unwrap(), &(meta.clone(), payload.clone()));
         }
     }
 
@@ -2181,24 +1765,12 @@ mod tests {
         // Tear the last record in half, as a crash during its write would.
         let full_len = std::fs::metadata(&path).unwrap().len();
         let torn_len = synced_len + (full_len - synced_len) / 2;
-        OpenOptions::new()
-            .write(true)
-            .open(&path)
-            .unwrap()
-            .set_len(torn_len)
-            .unwrap();
+        OpenOptions::new().write(true).open(&path).unwrap().set_len(torn_len).unwrap();
 
         let (mut recovered, report) = PackWriter::recover(&path).unwrap();
         assert_eq!(report.records_kept, 3);
         assert_eq!(report.bytes_cut, torn_len - synced_len);
-        assert!(
-            report
-                .cut_reason
-                .as_deref()
-                .unwrap()
-                .contains("torn record"),
-            "{report:?}"
-        );
+        assert!(report.cut_reason.as_deref().unwrap().contains("torn record"), "{report:?}");
         assert_eq!(std::fs::metadata(&path).unwrap().len(), synced_len);
         assert_eq!(recovered.len_bytes(), synced_len);
         assert_eq!(recovered.pack_id(), Uuid::from_u128(7));
@@ -2210,10 +1782,7 @@ mod tests {
         let clean_dir = tempfile::tempdir().unwrap();
         let (clean_path, clean_summary) = write_pack(clean_dir.path(), &records);
         assert_eq!(summary, clean_summary);
-        assert_eq!(
-            std::fs::read(&path).unwrap(),
-            std::fs::read(&clean_path).unwrap()
-        );
+        assert_eq!(std::fs::read(&path).unwrap(), std::fs::read(&clean_path).unwrap());
     }
 
     #[test]
@@ -2224,14 +1793,7 @@ mod tests {
         let original = std::fs::read(&path).unwrap();
         let (recovered, report) = PackWriter::recover(&path).unwrap();
         assert_eq!(report.records_kept, 3);
-        assert!(
-            report
-                .cut_reason
-                .as_deref()
-                .unwrap()
-                .contains("footer at offset"),
-            "{report:?}"
-        );
+        assert!(report.cut_reason.as_deref().unwrap().contains("footer at offset"), "{report:?}");
         assert_eq!(recovered.finish().unwrap(), summary);
         assert_eq!(std::fs::read(&path).unwrap(), original);
     }
@@ -2251,17 +1813,11 @@ mod tests {
         assert!(report.cut_reason.unwrap().contains("checksum mismatch"));
 
         std::fs::write(&path, &bytes[..HEADER_LEN - 1]).unwrap();
-        assert!(matches!(
-            PackWriter::recover(&path),
-            Err(PackError::Truncated { what: "header", .. })
-        ));
+        assert!(matches!(PackWriter::recover(&path), Err(PackError::Truncated { what: "header", .. })));
         let mut bad_header = bytes[..HEADER_LEN].to_vec();
         bad_header[30] ^= 1;
         std::fs::write(&path, &bad_header).unwrap();
-        assert!(matches!(
-            PackWriter::recover(&path),
-            Err(PackError::Checksum { .. })
-        ));
+        assert!(matches!(PackWriter::recover(&path), Err(PackError::Checksum { .. })));
     }
 
     #[test]
@@ -2287,10 +1843,7 @@ mod tests {
         let pack = PackFile::open(&path).unwrap();
         assert_eq!(pack.header(), &header);
         let error = pack.verify().unwrap_err();
-        assert!(
-            error.to_string().contains("footer entry 0 disagrees"),
-            "{error}"
-        );
+        assert!(error.to_string().contains("footer entry 0 disagrees"), "{error}");
         assert!(pack.read_capture(0).is_err());
     }
 
@@ -2299,56 +1852,18 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("p.open");
         let mut writer = PackWriter::create(&path, Uuid::from_u128(1), 1).unwrap();
-        assert!(matches!(
-            PackWriter::create(&path, Uuid::from_u128(1), 1),
-            Err(PackError::Io(_))
-        ));
+        assert!(matches!(PackWriter::create(&path, Uuid::from_u128(1), 1), Err(PackError::Io(_))));
         writer.poisoned_opt = Some("disk on fire".into());
-        assert!(matches!(
-            writer.append(&sample_meta(1), b"x"),
-            Err(PackError::Poisoned { .. })
-        ));
+        assert!(matches!(writer.append(&sample_meta(1), b"x"), Err(PackError::Poisoned { .. })));
         assert!(matches!(writer.sync(), Err(PackError::Poisoned { .. })));
     }
 
     #[test]
     fn error_messages_are_lowercase_and_name_the_field() {
-        let error = PackError::Limit {
-            what: "payload bytes",
-            value: 5,
-            max: 4,
-        };
+        let error = PackError::Limit { what: "payload bytes", value: 5, max: 4 };
         assert_eq!(error.to_string(), "payload bytes is 5, over the limit of 4");
         assert!(error.is_data_error());
-        let invalid = PackError::Invalid {
-            what: "stream",
-            reason: "must not be empty".into(),
-        };
+        let invalid = PackError::Invalid { what: "stream", reason: "must not be empty".into() };
         assert!(!invalid.is_data_error());
-    }
-
-    /// Manual throughput check: `cargo test --release --lib append_throughput -- --ignored --nocapture`.
-    #[test]
-    #[ignore]
-    fn append_throughput() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("p.open");
-        let mut writer = PackWriter::create(&path, Uuid::from_u128(1), 1).unwrap();
-        let payload = vec![7u8; 1024];
-        let meta = sample_meta(1);
-        let count = 200_000;
-        let started = std::time::Instant::now();
-        for index in 0..count {
-            writer.append(&meta, &payload).unwrap();
-            if index % 1000 == 999 {
-                writer.sync().unwrap();
-            }
-        }
-        writer.sync().unwrap();
-        let elapsed = started.elapsed();
-        println!(
-            "{count} appends of 1 KiB in {elapsed:?}: {:.0}/s",
-            count as f64 / elapsed.as_secs_f64()
-        );
     }
 }

@@ -46,9 +46,7 @@ pub fn recover(paths: &SpoolPaths) -> io::Result<RecoveryReport> {
     let mut source_keys = HashSet::new();
     for listing in list_packs(paths)? {
         match listing.state {
-            PackState::Open => {
-                recover_open_pack(paths, &listing.path, &mut report, &mut source_keys)?
-            }
+            PackState::Open => recover_open_pack(paths, &listing.path, &mut report, &mut source_keys)?,
             PackState::Sealed | PackState::Uploaded => match PackFile::open(&listing.path) {
                 Ok(pack_file) => collect_source_keys(pack_file.entries(), &mut source_keys),
                 Err(error) => {
@@ -111,24 +109,14 @@ fn recover_open_pack(
                 report.empty_packs_removed += 1;
                 report.bytes_cut += length;
             } else {
-                quarantine_pack(
-                    paths,
-                    path,
-                    &format!("unrecoverable open pack: {error}"),
-                    report,
-                )?;
+                quarantine_pack(paths, path, &format!("unrecoverable open pack: {error}"), report)?;
             }
         }
     }
     Ok(())
 }
 
-fn quarantine_pack(
-    paths: &SpoolPaths,
-    path: &Path,
-    reason: &str,
-    report: &mut RecoveryReport,
-) -> io::Result<()> {
+fn quarantine_pack(paths: &SpoolPaths, path: &Path, reason: &str, report: &mut RecoveryReport) -> io::Result<()> {
     let moved = quarantine_file(paths, "packs", path, reason)?;
     report.packs_quarantined += 1;
     tracing::error!(pack = %path.display(), quarantined_as = %moved.display(), reason, "pack quarantined");
@@ -136,11 +124,7 @@ fn quarantine_pack(
 }
 
 fn collect_source_keys(entries: &[pack::IndexEntry], source_keys: &mut HashSet<String>) {
-    source_keys.extend(
-        entries
-            .iter()
-            .filter_map(|entry| entry.meta.source_name.clone()),
-    );
+    source_keys.extend(entries.iter().filter_map(|entry| entry.meta.source_name.clone()));
 }
 
 fn remove_temp_files(dir: &Path, report: &mut RecoveryReport) -> io::Result<()> {
@@ -148,10 +132,7 @@ fn remove_temp_files(dir: &Path, report: &mut RecoveryReport) -> io::Result<()> 
         let entry = entry?;
         let name = entry.file_name();
         let name = name.to_string_lossy();
-        if name.starts_with('.')
-            && name.ends_with(durable::TEMP_SUFFIX)
-            && entry.file_type()?.is_file()
-        {
+        if name.starts_with('.') && name.ends_with(durable::TEMP_SUFFIX) && entry.file_type()?.is_file() {
             durable::remove_durable(&entry.path())?;
             report.temp_files_removed += 1;
         }

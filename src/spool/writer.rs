@@ -123,14 +123,8 @@ impl WriterStats {
 }
 
 enum Request {
-    Append {
-        meta: CaptureMeta,
-        payload: Vec<u8>,
-        reply: oneshot::Sender<Result<Ack, AppendError>>,
-    },
-    Seal {
-        reply: oneshot::Sender<Result<Option<PackSummary>, AppendError>>,
-    },
+    Append { meta: CaptureMeta, payload: Vec<u8>, reply: oneshot::Sender<Result<Ack, AppendError>> },
+    Seal { reply: oneshot::Sender<Result<Option<PackSummary>, AppendError>> },
     Close,
 }
 
@@ -170,37 +164,21 @@ impl SpoolWriter {
     /// Append one capture; resolves once it is fsynced (or refused).
     pub async fn append(&self, meta: CaptureMeta, payload: Vec<u8>) -> Result<Ack, AppendError> {
         let (reply, reply_rx) = oneshot::channel();
-        self.requests_tx
-            .send_async(Request::Append {
-                meta,
-                payload,
-                reply,
-            })
-            .await
-            .map_err(|_| AppendError::Closed)?;
+        self.requests_tx.send_async(Request::Append { meta, payload, reply }).await.map_err(|_| AppendError::Closed)?;
         reply_rx.await.map_err(|_| AppendError::Closed)?
     }
 
     /// Blocking form of [`SpoolWriter::append`], for callers outside an async runtime.
     pub fn append_blocking(&self, meta: CaptureMeta, payload: Vec<u8>) -> Result<Ack, AppendError> {
         let (reply, reply_rx) = oneshot::channel();
-        self.requests_tx
-            .send(Request::Append {
-                meta,
-                payload,
-                reply,
-            })
-            .map_err(|_| AppendError::Closed)?;
+        self.requests_tx.send(Request::Append { meta, payload, reply }).map_err(|_| AppendError::Closed)?;
         reply_rx.blocking_recv().map_err(|_| AppendError::Closed)?
     }
 
     /// Seal the open pack now (if it has records); returns what was sealed.
     pub async fn seal(&self) -> Result<Option<PackSummary>, AppendError> {
         let (reply, reply_rx) = oneshot::channel();
-        self.requests_tx
-            .send_async(Request::Seal { reply })
-            .await
-            .map_err(|_| AppendError::Closed)?;
+        self.requests_tx.send_async(Request::Seal { reply }).await.map_err(|_| AppendError::Closed)?;
         reply_rx.await.map_err(|_| AppendError::Closed)?
     }
 
@@ -245,11 +223,7 @@ impl WriterState {
             settings,
             stats,
             open_pack: None,
-            quota: QuotaReadings {
-                spool_bytes: 0,
-                free_bytes: u64::MAX,
-                read_at: None,
-            },
+            quota: QuotaReadings { spool_bytes: 0, free_bytes: u64::MAX, read_at: None },
             batch_io_failed: false,
         }
     }
@@ -257,12 +231,8 @@ impl WriterState {
     fn run(&mut self, requests_rx: flume::Receiver<Request>) {
         loop {
             let received = match self.open_pack.as_ref() {
-                Some(open) => {
-                    requests_rx.recv_deadline(open.first_append_at + self.settings.pack_max_age)
-                }
-                None => requests_rx
-                    .recv()
-                    .map_err(|_| flume::RecvTimeoutError::Disconnected),
+                Some(open) => requests_rx.recv_deadline(open.first_append_at + self.settings.pack_max_age),
+                None => requests_rx.recv().map_err(|_| flume::RecvTimeoutError::Disconnected),
             };
             let first = match received {
                 Ok(request) => request,
@@ -294,17 +264,12 @@ impl WriterState {
 
     /// Returns false once a close request was seen.
     fn process_batch(&mut self, batch: Vec<Request>) -> bool {
-        let mut pending_acks: Vec<(oneshot::Sender<Result<Ack, AppendError>>, Ack)> =
-            Vec::with_capacity(batch.len());
+        let mut pending_acks: Vec<(oneshot::Sender<Result<Ack, AppendError>>, Ack)> = Vec::with_capacity(batch.len());
         let mut keep_running = true;
         self.batch_io_failed = false;
         for request in batch {
             match request {
-                Request::Append {
-                    meta,
-                    payload,
-                    reply,
-                } => match self.append_one(&meta, &payload) {
+                Request::Append { meta, payload, reply } => match self.append_one(&meta, &payload) {
                     Ok(ack) => pending_acks.push((reply, ack)),
                     Err(error) => {
                         self.stats.appends_refused.fetch_add(1, Ordering::Relaxed);
@@ -315,10 +280,7 @@ impl WriterState {
                     // Records appended earlier in this batch are made durable by the seal's own fsync.
                     let sealed = self.seal().map_err(|e| AppendError::Io(e.to_string()));
                     let failed = sealed.is_err();
-                    Self::answer(
-                        &mut pending_acks,
-                        &sealed.as_ref().map(|_| ()).map_err(Clone::clone),
-                    );
+                    Self::answer(&mut pending_acks, &sealed.as_ref().map(|_| ()).map_err(Clone::clone));
                     let _ = reply.send(sealed);
                     if failed {
                         self.reset_after_io_error();
@@ -334,9 +296,7 @@ impl WriterState {
         if synced.is_err() {
             self.reset_after_io_error();
         } else if self.batch_io_failed {
-            synced = Err(AppendError::Io(
-                "an earlier write of this batch failed".into(),
-            ));
+            synced = Err(AppendError::Io("an earlier write of this batch failed".into()));
         }
         Self::answer(&mut pending_acks, &synced);
         self.seal_if_full();
@@ -355,10 +315,7 @@ impl WriterState {
     fn append_one(&mut self, meta: &CaptureMeta, payload: &[u8]) -> Result<Ack, AppendError> {
         let size = payload.len() as u64;
         if size > self.settings.max_capture_bytes {
-            return Err(AppendError::TooLarge {
-                size,
-                limit: self.settings.max_capture_bytes,
-            });
+            return Err(AppendError::TooLarge { size, limit: self.settings.max_capture_bytes });
         }
         self.check_quota(size)?;
         let pack_would_overflow = self.open_pack.as_ref().is_some_and(|open| {
@@ -374,13 +331,9 @@ impl WriterState {
             }
         }
         if self.open_pack.is_none() {
-            self.open_new_pack()
-                .map_err(|e| AppendError::Io(e.to_string()))?;
+            self.open_new_pack().map_err(|e| AppendError::Io(e.to_string()))?;
         }
-        let open = self
-            .open_pack
-            .as_mut()
-            .expect("an open pack exists after open_new_pack");
+        let open = self.open_pack.as_mut().expect("an open pack exists after open_new_pack");
         let before = open.writer.len_bytes();
         let appended = open.writer.append(meta, payload);
         let written = open.writer.len_bytes() - before;
@@ -397,17 +350,11 @@ impl WriterState {
         self.quota.free_bytes = self.quota.free_bytes.saturating_sub(written);
         self.stats.records_appended.fetch_add(1, Ordering::Relaxed);
         self.stats.bytes_appended.fetch_add(size, Ordering::Relaxed);
-        Ok(Ack {
-            capture_id: meta.capture_id,
-            pack_id,
-        })
+        Ok(Ack { capture_id: meta.capture_id, pack_id })
     }
 
     fn check_quota(&mut self, size: u64) -> Result<(), AppendError> {
-        let stale = self
-            .quota
-            .read_at
-            .is_none_or(|at| at.elapsed() >= QUOTA_REFRESH);
+        let stale = self.quota.read_at.is_none_or(|at| at.elapsed() >= QUOTA_REFRESH);
         if stale {
             self.refresh_quota();
         }
@@ -449,11 +396,7 @@ impl WriterState {
         let path = self.paths.pack_path(pack_id, PackState::Open);
         let writer = PackWriter::create(&path, pack_id, crate::util::now_ns())?;
         durable::fsync_dir(&self.paths.packs)?;
-        self.open_pack = Some(OpenPack {
-            writer,
-            path,
-            first_append_at: Instant::now(),
-        });
+        self.open_pack = Some(OpenPack { writer, path, first_append_at: Instant::now() });
         Ok(())
     }
 
@@ -461,9 +404,7 @@ impl WriterState {
         let Some(open) = &mut self.open_pack else {
             return Ok(());
         };
-        open.writer
-            .sync()
-            .map_err(|e| AppendError::Io(e.to_string()))?;
+        open.writer.sync().map_err(|e| AppendError::Io(e.to_string()))?;
         self.stats.fsyncs.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
@@ -497,10 +438,7 @@ impl WriterState {
         }
         let pack_id = open.writer.pack_id();
         let summary = open.writer.finish()?;
-        durable::rename_durable(
-            &open.path,
-            &self.paths.pack_path(pack_id, PackState::Sealed),
-        )?;
+        durable::rename_durable(&open.path, &self.paths.pack_path(pack_id, PackState::Sealed))?;
         self.stats.packs_sealed.fetch_add(1, Ordering::Relaxed);
         self.stats.fsyncs.fetch_add(1, Ordering::Relaxed);
         self.stats.sealed_notify.notify_waiters();
@@ -521,11 +459,7 @@ impl WriterState {
         drop(open.writer);
         match PackWriter::recover(&open.path) {
             Ok((writer, _)) => {
-                self.open_pack = Some(OpenPack {
-                    writer,
-                    path: open.path,
-                    first_append_at: open.first_append_at,
-                })
+                self.open_pack = Some(OpenPack { writer, path: open.path, first_append_at: open.first_append_at })
             }
             Err(error) => tracing::error!(
                 pack = %open.path.display(), %error,
@@ -599,10 +533,7 @@ mod tests {
             expected.push(task.await.unwrap());
         }
         let fsyncs = writer.stats().snapshot().fsyncs;
-        assert!(
-            fsyncs < 200,
-            "group commit should batch fsyncs, got {fsyncs} for 200 appends"
-        );
+        assert!(fsyncs < 200, "group commit should batch fsyncs, got {fsyncs} for 200 appends");
         writer.close();
         thread.join();
         let packs = sealed_packs(&paths);
@@ -616,27 +547,18 @@ mod tests {
     #[tokio::test]
     async fn packs_seal_on_record_and_byte_limits() {
         let (_dir, paths) = new_spool();
-        let limits = WriterSettings {
-            pack_max_records: 3,
-            ..settings()
-        };
+        let limits = WriterSettings { pack_max_records: 3, ..settings() };
         let (writer, thread) = spawn_writer(paths.clone(), limits);
         for _ in 0..7 {
             writer.append(meta("s"), vec![7; 10]).await.unwrap();
         }
         writer.close();
         thread.join();
-        let counts: Vec<u64> = sealed_packs(&paths)
-            .iter()
-            .map(|p| p.entries().len() as u64)
-            .collect();
+        let counts: Vec<u64> = sealed_packs(&paths).iter().map(|p| p.entries().len() as u64).collect();
         assert_eq!(counts, vec![3, 3, 1]);
 
         let (_dir, paths) = new_spool();
-        let limits = WriterSettings {
-            pack_max_bytes: 1024 * 1024,
-            ..settings()
-        };
+        let limits = WriterSettings { pack_max_bytes: 1024 * 1024, ..settings() };
         let (writer, thread) = spawn_writer(paths.clone(), limits);
         for _ in 0..5 {
             writer.append(meta("s"), vec![1; 250 * 1024]).await.unwrap();
@@ -644,22 +566,14 @@ mod tests {
         writer.close();
         thread.join();
         let packs = sealed_packs(&paths);
-        assert!(
-            packs.len() >= 2,
-            "five 250 KiB captures must not fit one 1 MiB pack"
-        );
-        assert!(packs
-            .iter()
-            .all(|p| p.summary().bytes <= 1024 * 1024 + 64 * 1024));
+        assert!(packs.len() >= 2, "five 250 KiB captures must not fit one 1 MiB pack");
+        assert!(packs.iter().all(|p| p.summary().bytes <= 1024 * 1024 + 64 * 1024));
     }
 
     #[tokio::test]
     async fn a_pack_seals_when_it_is_old_enough() {
         let (_dir, paths) = new_spool();
-        let limits = WriterSettings {
-            pack_max_age: Duration::from_millis(100),
-            ..settings()
-        };
+        let limits = WriterSettings { pack_max_age: Duration::from_millis(100), ..settings() };
         let (writer, thread) = spawn_writer(paths.clone(), limits);
         writer.append(meta("s"), b"x".to_vec()).await.unwrap();
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -674,21 +588,12 @@ mod tests {
     #[tokio::test]
     async fn oversized_captures_and_quota_are_refused_and_resume() {
         let (_dir, paths) = new_spool();
-        let limits = WriterSettings {
-            max_bytes: 64 * 1024,
-            ..settings()
-        };
+        let limits = WriterSettings { max_bytes: 64 * 1024, ..settings() };
         let (writer, thread) = spawn_writer(paths.clone(), limits);
-        let error = writer
-            .append(meta("s"), vec![0; 300 * 1024])
-            .await
-            .unwrap_err();
+        let error = writer.append(meta("s"), vec![0; 300 * 1024]).await.unwrap_err();
         assert!(matches!(error, AppendError::TooLarge { .. }), "{error}");
         writer.append(meta("s"), vec![0; 40 * 1024]).await.unwrap();
-        let error = writer
-            .append(meta("s"), vec![0; 40 * 1024])
-            .await
-            .unwrap_err();
+        let error = writer.append(meta("s"), vec![0; 40 * 1024]).await.unwrap_err();
         assert!(matches!(error, AppendError::QuotaExceeded(_)), "{error}");
         // Space returns (here: the sealed pack is removed, as the indexer would after publishing).
         writer.seal().await.unwrap().unwrap();
