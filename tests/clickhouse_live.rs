@@ -379,3 +379,21 @@ async fn the_s3_server_stores_reads_and_refuses_a_second_create() {
         "{second:?}"
     );
 }
+
+#[tokio::test]
+async fn a_delaying_proxy_slows_requests_without_failing_them() {
+    let proxy = FaultProxy::start(shared_server().http_addr);
+    let client = CatalogClient::connect(&config_for(proxy.url(), Duration::from_secs(5)))
+        .await
+        .unwrap();
+    proxy.delay(Duration::from_millis(300));
+    let started = Instant::now();
+    let answer: Vec<u8> = client.fetch_all("SELECT 7").await.unwrap();
+    assert_eq!(answer, vec![7]);
+    // At least one chunk each way is held back.
+    assert!(
+        started.elapsed() >= Duration::from_millis(600),
+        "{:?}",
+        started.elapsed()
+    );
+}

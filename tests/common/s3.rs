@@ -42,7 +42,8 @@ impl S3Server {
         Arc::new(self.builder().build().expect("valid S3 settings"))
     }
 
-    /// The builder `store()` uses, for tests that tweak settings (timeouts, retries).
+    /// The builder `store()` uses, for tests that tweak settings (timeouts, retries). Note that
+    /// `with_client_options` replaces `allow_http`: set it again in the options.
     pub fn builder(&self) -> AmazonS3Builder {
         AmazonS3Builder::new()
             .with_endpoint(self.endpoint())
