@@ -16,6 +16,9 @@
 //!   - [`spool::inbox`]: the inbox watcher and `capstore put`.
 //!   - [`spool::lock`]: the flock that makes one process the owner of a spool.
 //!   - [`spool::durable`]: temp-file + fsync + rename + directory-fsync helpers every state change uses.
+//! - [`catalog`]: the ClickHouse catalog.
+//!   - [`catalog::client`]: the one ClickHouse client layer: per-request timeouts, version-dependent settings, and
+//!     the classification of every failure into definitely-failed / outcome-unknown.
 //! - [`daemon`]: `capstore run`: start order, signals, shutdown.
 //! - [`bench`]: throughput benchmarks with same-run baselines (`capstore bench`).
 //!
@@ -26,6 +29,7 @@
 
 pub mod bench;
 pub mod capture;
+pub mod catalog;
 pub mod config;
 pub mod daemon;
 pub mod spool;

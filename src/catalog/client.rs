@@ -1,0 +1,704 @@
+//! The one way capstore talks to ClickHouse: a thin layer over the `clickhouse` crate that adds a timeout to every
+//! request, old-server settings chosen from the detected version, and one classification of every failure.
+//!
+//! # Outcomes
+//!
+//! Every failed request becomes a [`CatalogError`] whose [`ErrorKind`] says what the caller may assume:
+//!
+//! - [`ErrorKind::DefinitelyFailed`]: the statement did nothing. The connection could not be made (refused, DNS, TLS
+//!   handshake, connect timeout), or the server rejected the statement before executing it (parse, analysis,
+//!   authentication and existence errors: see [`DEFINITELY_FAILED_CODES`]). Safe to retry blindly.
+//! - [`ErrorKind::OutcomeUnknown`]: the statement may have run, wholly or in part. The request timed out, the
+//!   connection broke after the request was sent, the server failed during execution (`Code: 159` timeout, memory,
+//!   a bad block mid-INSERT, ...), or the failure is not one we recognise. An INSERT whose reply was lost can still
+//!   commit, so the caller must read back before it decides anything.
+//! - [`ErrorKind::LeaseLost`]: reserved for the lease layer (the fence refused a publishing statement). This module
+//!   never produces it.
+//!
+//! [`classify`] is the only place that decides between them.
+//!
+//! # Server versions
+//!
+//! [`CatalogClient::connect`] runs `SELECT version()` and picks settings from the answer. Servers older than
+//! [`MODERN_MAJOR`] (tests run 18.16; production runs 23-25) get:
+//! - no HTTP compression: `compress=1` returns an empty 200 reply on 18.16;
+//! - no `RowBinaryWithNamesAndTypes` schema validation: the format does not exist there, so rows travel as plain
+//!   `RowBinary` and a struct that does not match its table shows up as a decode error, not a schema message;
+//! - one extra second of clock uncertainty ([`CatalogClient::clock_resolution_extra`]): `now()` has whole-second
+//!   resolution and there is no `now64()`.
+//!
+//! # Statements and databases
+//!
+//! The database is never set on the underlying client: every statement names its tables as `database.table`. That
+//! way the same client runs the `CREATE DATABASE` that makes the catalog's database and everything after it, and
+//! no request depends on a database that may not exist yet. [`CatalogClient::database`] gives the configured name.
+//!
+//! Every request carries `wait_end_of_query=1`, so an error raised while a result is streaming comes back as an
+//! HTTP error instead of a 200 reply with `Code: N` appended to the body (which 18.16 otherwise does).
+//!
+//! Values go into SQL through the crate's client-side `?` binding ([`CatalogClient::query`] with `.bind()`, and the
+//! `*_query` methods) or through [`sql_string_literal`]; server-side `{name:Type}` parameters do not exist on 18.16.
+//! The methods that take `sql: &str` send it verbatim: a `?` in it is a question mark, not a placeholder.
+//!
+//! # Labels
+//!
+//! 18.16 has no `Map` type, and it silently flattens an `Array(Tuple(String, String))` column named `labels` into two
+//! columns `labels.1` and `labels.2` (`DESCRIBE` shows them; an INSERT naming `labels` fails with `Code: 16`). So
+//! capture labels are stored as two parallel columns, `label_keys Array(String)` and `label_values Array(String)`
+//! (same length, pair i is `label_keys[i] = label_values[i]`), carried as two `Vec<String>` fields in a row struct.
+//! That layout means the same on every server version; the live tests round-trip it on 18.16. Keys are kept in the
+//! order written (the capture layer sorts labels by key, so equal label sets have equal encodings); readers zip the
+//! two vectors back into a map client-side.
+
+use std::fmt;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clickhouse::{Compression, RowOwned, RowRead, RowWrite};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client as HyperClient;
+use hyper_util::rt::TokioExecutor;
+
+use crate::config::CatalogConfig;
+
+/// Servers at or above this major version get compression and schema validation.
+pub const MODERN_MAJOR: u32 = 23;
+
+/// ClickHouse error codes raised before a statement starts executing: the statement did nothing.
+///
+/// Parse, analysis, name resolution, authentication, access and "already exists" errors, plus the concurrency limit
+/// checked when a query is registered. Codes that can be raised while data is being written (data parse errors
+/// inside a multi-block INSERT, memory and size limits, too many parts, quorum and replica errors, timeouts) are
+/// deliberately absent: earlier blocks of the same INSERT may already have committed.
+pub const DEFINITELY_FAILED_CODES: &[(u32, &str)] = &[
+    (1, "UNSUPPORTED_METHOD"),
+    (2, "UNSUPPORTED_PARAMETER"),
+    (8, "THERE_IS_NO_COLUMN"),
+    (10, "NOT_FOUND_COLUMN_IN_BLOCK"),
+    (16, "NO_SUCH_COLUMN_IN_TABLE"),
+    (34, "TOO_MANY_ARGUMENTS_FOR_FUNCTION"),
+    (35, "TOO_FEW_ARGUMENTS_FOR_FUNCTION"),
+    (42, "NUMBER_OF_ARGUMENTS_DOESNT_MATCH"),
+    (43, "ILLEGAL_TYPE_OF_ARGUMENT"),
+    (46, "UNKNOWN_FUNCTION"),
+    (47, "UNKNOWN_IDENTIFIER"),
+    (48, "NOT_IMPLEMENTED"),
+    (50, "UNKNOWN_TYPE"),
+    (51, "EMPTY_LIST_OF_COLUMNS_QUERIED"),
+    (52, "COLUMN_QUERIED_MORE_THAN_ONCE"),
+    (53, "TYPE_MISMATCH"),
+    (57, "TABLE_ALREADY_EXISTS"),
+    (60, "UNKNOWN_TABLE"),
+    (62, "SYNTAX_ERROR"),
+    (63, "UNKNOWN_AGGREGATE_FUNCTION"),
+    (73, "UNKNOWN_FORMAT"),
+    (80, "INCORRECT_QUERY"),
+    (81, "UNKNOWN_DATABASE"),
+    (82, "DATABASE_ALREADY_EXISTS"),
+    (115, "UNKNOWN_SETTING"),
+    (164, "READONLY"),
+    (179, "MULTIPLE_EXPRESSIONS_FOR_ALIAS"),
+    (184, "ILLEGAL_AGGREGATION"),
+    (192, "UNKNOWN_USER"),
+    (193, "WRONG_PASSWORD"),
+    (194, "REQUIRED_PASSWORD"),
+    (195, "IP_ADDRESS_NOT_ALLOWED"),
+    (202, "TOO_MANY_SIMULTANEOUS_QUERIES"),
+    (215, "NOT_AN_AGGREGATE"),
+    (352, "AMBIGUOUS_COLUMN_NAME"),
+    (386, "NO_COMMON_TYPE"),
+    (497, "ACCESS_DENIED"),
+    (516, "AUTHENTICATION_FAILED"),
+];
+
+/// What a caller may assume about a failed statement. See the module doc.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// Nothing happened: retry freely.
+    DefinitelyFailed,
+    /// The statement may have run, wholly or in part: read back before deciding.
+    OutcomeUnknown,
+    /// The lease fence refused the statement (produced by the lease layer only).
+    LeaseLost,
+}
+
+impl fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ErrorKind::DefinitelyFailed => "definitely failed",
+            ErrorKind::OutcomeUnknown => "outcome unknown",
+            ErrorKind::LeaseLost => "lease lost",
+        })
+    }
+}
+
+/// A failed catalog request. `message` never contains the password.
+#[derive(Debug, thiserror::Error)]
+#[error("catalog {kind}: {message}")]
+pub struct CatalogError {
+    pub kind: ErrorKind,
+    pub message: String,
+    /// The ClickHouse error code, when the server sent one.
+    pub server_code: Option<u32>,
+    #[source]
+    pub source: Option<clickhouse::error::Error>,
+}
+
+impl CatalogError {
+    /// An error with a kind decided by the caller (the lease layer's `LeaseLost`, or a local precondition).
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        CatalogError {
+            kind,
+            message: message.into(),
+            server_code: None,
+            source: None,
+        }
+    }
+
+    fn from_client(context: &str, error: clickhouse::error::Error) -> Self {
+        CatalogError {
+            kind: classify(&error),
+            message: format!("{context}: {error}"),
+            server_code: server_error_code(&error),
+            source: Some(error),
+        }
+    }
+}
+
+/// Decide what a failed request means. The one place capstore classifies ClickHouse failures.
+///
+/// A request timeout is passed in as `clickhouse::error::Error::TimedOut`.
+pub fn classify(error: &clickhouse::error::Error) -> ErrorKind {
+    use clickhouse::error::Error;
+    match error {
+        // Raised while building the request, before anything is sent.
+        Error::InvalidParams(_) | Error::Unsupported(_) => ErrorKind::DefinitelyFailed,
+        Error::Network(source) => {
+            let connect_failed = source
+                .downcast_ref::<hyper_util::client::legacy::Error>()
+                .is_some_and(|hyper_error| hyper_error.is_connect());
+            if connect_failed {
+                ErrorKind::DefinitelyFailed
+            } else {
+                ErrorKind::OutcomeUnknown
+            }
+        }
+        Error::BadResponse(text) => match parse_error_code(text) {
+            Some(code) if is_definitely_failed_code(code) => ErrorKind::DefinitelyFailed,
+            _ => ErrorKind::OutcomeUnknown,
+        },
+        _ => ErrorKind::OutcomeUnknown,
+    }
+}
+
+/// Whether a ClickHouse error code means "rejected before execution".
+pub fn is_definitely_failed_code(code: u32) -> bool {
+    DEFINITELY_FAILED_CODES
+        .iter()
+        .any(|(listed, _)| *listed == code)
+}
+
+/// The `N` of a server error text that starts with `Code: N` (18.16: `Code: 62, e.displayText() = ...`; current
+/// servers: `Code: 62. DB::Exception: ...`; an empty error body with an exception header: `Code: 62`).
+pub fn parse_error_code(text: &str) -> Option<u32> {
+    let rest = text.trim_start().strip_prefix("Code:")?.trim_start();
+    let digits_end = rest
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(rest.len());
+    rest[..digits_end].parse().ok()
+}
+
+fn server_error_code(error: &clickhouse::error::Error) -> Option<u32> {
+    match error {
+        clickhouse::error::Error::BadResponse(text) => parse_error_code(text),
+        _ => None,
+    }
+}
+
+/// Quote `value` as a ClickHouse string literal: `'...'` with backslash escapes, safe for any bytes of UTF-8.
+pub fn sql_string_literal(value: &str) -> String {
+    let mut quoted = String::with_capacity(value.len() + 2);
+    quoted.push('\'');
+    for character in value.chars() {
+        match character {
+            '\\' => quoted.push_str("\\\\"),
+            '\'' => quoted.push_str("\\'"),
+            '\0' => quoted.push_str("\\0"),
+            '\n' => quoted.push_str("\\n"),
+            '\r' => quoted.push_str("\\r"),
+            '\t' => quoted.push_str("\\t"),
+            other => quoted.push(other),
+        }
+    }
+    quoted.push('\'');
+    quoted
+}
+
+/// The server's `version()`: `18.16.1`, `24.3.2.23`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerVersion {
+    pub major: u32,
+    pub minor: u32,
+    pub patch: u32,
+    /// The fourth component of current versions; absent on 18.x.
+    pub build: Option<u32>,
+    /// The text as the server sent it.
+    pub text: String,
+}
+
+impl ServerVersion {
+    pub fn parse(text: &str) -> Option<ServerVersion> {
+        let trimmed = text.trim();
+        let mut parts = trimmed.split('.');
+        let mut next_number = || -> Option<Option<u32>> {
+            match parts.next() {
+                None => Some(None),
+                Some(part) => part.parse().ok().map(Some),
+            }
+        };
+        let major = next_number()??;
+        let minor = next_number()??;
+        let patch = next_number()?.unwrap_or(0);
+        let build = next_number()?;
+        Some(ServerVersion {
+            major,
+            minor,
+            patch,
+            build,
+            text: trimmed.to_string(),
+        })
+    }
+
+    /// Compression and `RowBinaryWithNamesAndTypes` validation are used from this version on.
+    pub fn is_modern(&self) -> bool {
+        self.major >= MODERN_MAJOR
+    }
+
+    /// `now()` is the only server clock before 20.1 (`now64` arrived there): whole seconds.
+    pub fn has_subsecond_clock(&self) -> bool {
+        self.major >= 20
+    }
+}
+
+impl fmt::Display for ServerVersion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+/// A connected catalog client. Cheap to clone (the HTTP pool is shared).
+#[derive(Clone)]
+pub struct CatalogClient {
+    client: clickhouse::Client,
+    database: String,
+    request_timeout: Duration,
+    server_version: Arc<ServerVersion>,
+}
+
+impl fmt::Debug for CatalogClient {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CatalogClient")
+            .field("database", &self.database)
+            .field("request_timeout", &self.request_timeout)
+            .field("server_version", &self.server_version.text)
+            .finish_non_exhaustive()
+    }
+}
+
+/// How long the pool keeps an idle connection: below the 3 s keep-alive of older servers, so the client never sends
+/// a request on a connection the server is about to close.
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(2);
+
+impl CatalogClient {
+    /// Build the client, detect the server version and choose settings for it.
+    ///
+    /// Fails with `DefinitelyFailed` when the server cannot be reached or refuses the credentials, and with
+    /// `OutcomeUnknown` when `SELECT version()` times out (harmless either way: it changes nothing).
+    pub async fn connect(config: &CatalogConfig) -> Result<CatalogClient, CatalogError> {
+        let request_timeout = config.request_timeout.0;
+        if request_timeout.is_zero() {
+            return Err(CatalogError::new(
+                ErrorKind::DefinitelyFailed,
+                "catalog.request_timeout must be more than zero",
+            ));
+        }
+        let mut client = build_http_client(config, request_timeout)?
+            .with_url(config.url.trim_end_matches('/'))
+            .with_user(config.user.clone())
+            .with_product_info("capstore", env!("CARGO_PKG_VERSION"))
+            .with_compression(Compression::None)
+            .with_validation(false)
+            .with_option("wait_end_of_query", "1");
+        if let Some(password) = &config.password {
+            client = client.with_password(password.expose());
+        }
+
+        let version_text: String = run_with_timeout(
+            request_timeout,
+            "select version()",
+            client.query("SELECT version()").fetch_one::<String>(),
+        )
+        .await?;
+        let server_version = ServerVersion::parse(&version_text).ok_or_else(|| {
+            CatalogError::new(
+                ErrorKind::DefinitelyFailed,
+                format!("cannot parse the server version {version_text:?}"),
+            )
+        })?;
+        if server_version.is_modern() {
+            client = client
+                .with_compression(Compression::Lz4)
+                .with_validation(true);
+        }
+        tracing::info!(url = %config.url, server_version = %server_version, "catalog connected");
+        Ok(CatalogClient {
+            client,
+            database: config.database.clone(),
+            request_timeout,
+            server_version: Arc::new(server_version),
+        })
+    }
+
+    pub fn server_version(&self) -> &ServerVersion {
+        &self.server_version
+    }
+
+    /// Extra uncertainty of server timestamps to add to the configured clock skew: 1 s where the server clock has
+    /// whole-second resolution (18.x and anything before 20.1), else zero.
+    pub fn clock_resolution_extra(&self) -> Duration {
+        if self.server_version.has_subsecond_clock() {
+            Duration::ZERO
+        } else {
+            Duration::from_secs(1)
+        }
+    }
+
+    /// The configured catalog database (not set on requests; statements name `database.table`).
+    pub fn database(&self) -> &str {
+        &self.database
+    }
+
+    pub fn request_timeout(&self) -> Duration {
+        self.request_timeout
+    }
+
+    /// A statement with client-side `?` binding, for [`CatalogClient::execute_query`] and
+    /// [`CatalogClient::fetch_all_query`]. `?` inside string literals must be written `??`.
+    pub fn query(&self, sql: &str) -> clickhouse::query::Query {
+        self.client.query(sql)
+    }
+
+    /// Run DDL or a statement whose outcome decides nothing. `sql` is sent verbatim.
+    pub async fn execute(&self, sql: &str) -> Result<(), CatalogError> {
+        self.execute_query(self.verbatim(sql)).await
+    }
+
+    /// A query whose text is sent as written: the crate's template syntax turns `??` back into `?`.
+    fn verbatim(&self, sql: &str) -> clickhouse::query::Query {
+        self.client.query(&sql.replace('?', "??"))
+    }
+
+    /// [`CatalogClient::execute`] for a statement built with [`CatalogClient::query`] and `.bind()`.
+    pub async fn execute_query(&self, query: clickhouse::query::Query) -> Result<(), CatalogError> {
+        run_with_timeout(self.request_timeout, "execute", query.execute()).await
+    }
+
+    /// Run a deciding statement (a fenced publish or lease claim): the server stops it after
+    /// `max_execution_time` (whole seconds, rounded up) and answers only once it has finished. `sql` is sent
+    /// verbatim.
+    pub async fn execute_deciding(
+        &self,
+        sql: &str,
+        max_execution_time: Duration,
+    ) -> Result<(), CatalogError> {
+        let query = self.verbatim(sql);
+        self.execute_deciding_query(query, max_execution_time).await
+    }
+
+    /// [`CatalogClient::execute_deciding`] for a statement built with [`CatalogClient::query`] and `.bind()`.
+    pub async fn execute_deciding_query(
+        &self,
+        query: clickhouse::query::Query,
+        max_execution_time: Duration,
+    ) -> Result<(), CatalogError> {
+        debug_assert!(
+            max_execution_time.subsec_nanos() == 0,
+            "max_execution_time is sent in whole seconds"
+        );
+        let whole_seconds = max_execution_time.as_secs_f64().ceil().max(1.0) as u64;
+        let query = query
+            .with_option("max_execution_time", whole_seconds.to_string())
+            .with_option("timeout_overflow_mode", "throw");
+        run_with_timeout(self.request_timeout, "execute deciding", query.execute()).await
+    }
+
+    /// Read every row of a SELECT. `sql` is sent verbatim; columns map to the row's fields by position.
+    pub async fn fetch_all<T>(&self, sql: &str) -> Result<Vec<T>, CatalogError>
+    where
+        T: RowOwned + RowRead,
+    {
+        self.fetch_all_query(self.verbatim(sql)).await
+    }
+
+    /// [`CatalogClient::fetch_all`] for a statement built with [`CatalogClient::query`] and `.bind()`;
+    /// `?fields` expands to the row type's column names.
+    pub async fn fetch_all_query<T>(
+        &self,
+        query: clickhouse::query::Query,
+    ) -> Result<Vec<T>, CatalogError>
+    where
+        T: RowOwned + RowRead,
+    {
+        run_with_timeout(self.request_timeout, "fetch", query.fetch_all::<T>()).await
+    }
+
+    /// Insert `rows` in one INSERT statement. `table` is SQL text (`database.table`) from validated configuration,
+    /// never from input; it may contain only identifier characters, dots and backquotes.
+    ///
+    /// One request carries every row, so the server commits the rows as one block (at most
+    /// `max_insert_block_size`, about a million rows, per block): a failure is all-or-nothing for batches below that.
+    pub async fn insert_rows<T>(&self, table: &str, rows: &[T]) -> Result<(), CatalogError>
+    where
+        T: RowOwned + RowWrite,
+    {
+        let table_is_plain = !table.is_empty()
+            && table
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '`'));
+        if !table_is_plain {
+            return Err(CatalogError::new(
+                ErrorKind::DefinitelyFailed,
+                format!("refusing to insert into {table:?}: not a plain table name"),
+            ));
+        }
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let insert_all = async {
+            let mut insert = self
+                .client
+                .insert_unescaped::<T>(table)
+                .await?
+                .with_option("wait_end_of_query", "1");
+            for row in rows {
+                insert.write(row).await?;
+            }
+            insert.end().await
+        };
+        run_with_timeout(self.request_timeout, "insert", insert_all).await
+    }
+}
+
+/// Run one whole request (send, wait, read the body) under `timeout`; a timeout is `OutcomeUnknown`.
+async fn run_with_timeout<T>(
+    timeout: Duration,
+    context: &str,
+    request: impl std::future::Future<Output = clickhouse::error::Result<T>>,
+) -> Result<T, CatalogError> {
+    match tokio::time::timeout(timeout, request).await {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(error)) => Err(CatalogError::from_client(context, error)),
+        Err(_elapsed) => {
+            let mut error = CatalogError::from_client(context, clickhouse::error::Error::TimedOut);
+            error.message = format!("{context}: no complete reply within {timeout:?}");
+            Err(error)
+        }
+    }
+}
+
+/// The hyper client under the crate: our own so https can use a custom CA, and so connecting has its own timeout
+/// (a connect timeout is a connect error, hence `DefinitelyFailed`, instead of an unknown whole-request timeout).
+fn build_http_client(
+    config: &CatalogConfig,
+    request_timeout: Duration,
+) -> Result<clickhouse::Client, CatalogError> {
+    let mut connector = HttpConnector::new();
+    connector.set_connect_timeout(Some(request_timeout / 2));
+    connector.set_nodelay(true);
+    connector.set_keepalive(Some(Duration::from_secs(60)));
+    let mut builder = HyperClient::builder(TokioExecutor::new());
+    builder.pool_idle_timeout(POOL_IDLE_TIMEOUT);
+
+    let is_https = config.url.starts_with("https://");
+    if !is_https {
+        if config.ca_file.is_some() {
+            tracing::warn!(url = %config.url, "catalog.ca_file is ignored for a plain http url");
+        }
+        return Ok(clickhouse::Client::with_http_client(
+            builder.build(connector),
+        ));
+    }
+    connector.enforce_http(false);
+    let tls_config = tls_client_config(config.ca_file.as_deref())?;
+    let https_connector = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls_config)
+        .https_only()
+        .enable_http1()
+        .wrap_connector(connector);
+    Ok(clickhouse::Client::with_http_client(
+        builder.build(https_connector),
+    ))
+}
+
+/// Trust exactly the CA in `ca_file` when given (a private CA), else the system's roots.
+fn tls_client_config(ca_file: Option<&Path>) -> Result<rustls::ClientConfig, CatalogError> {
+    let config_error = |message: String| CatalogError::new(ErrorKind::DefinitelyFailed, message);
+    let mut roots = rustls::RootCertStore::empty();
+    match ca_file {
+        Some(path) => {
+            let pem = std::fs::read(path).map_err(|error| {
+                config_error(format!(
+                    "cannot read catalog.ca_file {}: {error}",
+                    path.display()
+                ))
+            })?;
+            let certificates: Vec<_> = rustls_pemfile::certs(&mut pem.as_slice())
+                .collect::<Result<_, _>>()
+                .map_err(|error| {
+                    config_error(format!("catalog.ca_file {}: {error}", path.display()))
+                })?;
+            if certificates.is_empty() {
+                return Err(config_error(format!(
+                    "catalog.ca_file {} holds no PEM certificate",
+                    path.display()
+                )));
+            }
+            for certificate in certificates {
+                roots.add(certificate).map_err(|error| {
+                    config_error(format!("catalog.ca_file {}: {error}", path.display()))
+                })?;
+            }
+        }
+        None => {
+            let native = rustls_native_certs::load_native_certs();
+            let (added, _ignored) = roots.add_parsable_certificates(native.certs);
+            if added == 0 {
+                return Err(config_error(
+                    "no system CA certificates found for https; set catalog.ca_file".into(),
+                ));
+            }
+        }
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|error| config_error(format!("tls setup: {error}")))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(config)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clickhouse::error::Error;
+
+    fn kind_of_text(text: &str) -> ErrorKind {
+        classify(&Error::BadResponse(text.to_string()))
+    }
+
+    #[test]
+    fn rejected_before_execution_is_definitely_failed() {
+        for text in [
+            // Texts as 18.16.1 sends them.
+            "Code: 62, e.displayText() = DB::Exception: Syntax error: failed at position 1: SELEC 1., e.what() = DB::Exception",
+            "Code: 60, e.displayText() = DB::Exception: Table default.nope doesn't exist., e.what() = DB::Exception",
+            "Code: 81, e.displayText() = DB::Exception: Database nope doesn't exist, e.what() = DB::Exception",
+            "Code: 47, e.displayText() = DB::Exception: Unknown identifier: nope, e.what() = DB::Exception",
+            "Code: 43, e.displayText() = DB::Exception: Illegal types UInt8 and String of arguments of function plus, e.what() = DB::Exception",
+            "Code: 193, e.displayText() = DB::Exception: Wrong password for user default, e.what() = DB::Exception",
+            "Code: 192, e.displayText() = DB::Exception: Unknown user nobody, e.what() = DB::Exception",
+            "Code: 115, e.displayText() = DB::Exception: Unknown setting nosuch_setting, e.what() = DB::Exception",
+            // Current servers.
+            "Code: 53. DB::Exception: Type mismatch in IN or VALUES section. (TYPE_MISMATCH) (version 24.3.2.23)",
+            "Code: 516. DB::Exception: default: Authentication failed. (AUTHENTICATION_FAILED)",
+            // Only the exception-code header, empty body.
+            "Code: 62",
+        ] {
+            assert_eq!(kind_of_text(text), ErrorKind::DefinitelyFailed, "{text}");
+        }
+    }
+
+    #[test]
+    fn execution_time_errors_and_strangers_are_outcome_unknown() {
+        for text in [
+            "Code: 159, e.displayText() = DB::Exception: Timeout exceeded: elapsed 3.000000118 seconds, maximum: 1, e.what() = DB::Exception",
+            "Code: 241. DB::Exception: Memory limit (total) exceeded. (MEMORY_LIMIT_EXCEEDED)",
+            "Code: 252. DB::Exception: Too many parts (300). (TOO_MANY_PARTS)",
+            "Code: 27. DB::Exception: Cannot parse input: expected ',' (CANNOT_PARSE_INPUT_ASSERTION_FAILED)",
+            "Code: 394. DB::Exception: Query was cancelled. (QUERY_WAS_CANCELLED)",
+            "Code: 999999",
+            "502 Bad Gateway",
+            "<html>proxy error: Code: 62</html>",
+            "",
+            "Code: ",
+        ] {
+            assert_eq!(kind_of_text(text), ErrorKind::OutcomeUnknown, "{text:?}");
+        }
+    }
+
+    #[test]
+    fn local_failures_are_classified_by_when_they_happen() {
+        assert_eq!(classify(&Error::TimedOut), ErrorKind::OutcomeUnknown);
+        assert_eq!(classify(&Error::NotEnoughData), ErrorKind::OutcomeUnknown);
+        assert_eq!(
+            classify(&Error::InvalidParams("bad url".into())),
+            ErrorKind::DefinitelyFailed
+        );
+        // A network error that is not a hyper connect error (here: any other error type) is unknown.
+        let other_network = Error::Network(Box::new(std::io::Error::from(
+            std::io::ErrorKind::ConnectionReset,
+        )));
+        assert_eq!(classify(&other_network), ErrorKind::OutcomeUnknown);
+    }
+
+    #[test]
+    fn error_codes_parse_from_the_start_only() {
+        assert_eq!(parse_error_code("Code: 62, e.displayText()"), Some(62));
+        assert_eq!(parse_error_code("  Code: 516. DB::Exception"), Some(516));
+        assert_eq!(parse_error_code("Code: 159"), Some(159));
+        assert_eq!(parse_error_code("Code: x"), None);
+        assert_eq!(parse_error_code("error Code: 62"), None);
+    }
+
+    #[test]
+    fn the_definitely_failed_list_has_no_execution_time_codes() {
+        for execution_time_code in [159, 241, 252, 27, 209, 210, 394, 285, 286, 242] {
+            assert!(!is_definitely_failed_code(execution_time_code));
+        }
+        let codes: Vec<u32> = DEFINITELY_FAILED_CODES.iter().map(|(c, _)| *c).collect();
+        assert!(
+            codes.windows(2).all(|pair| pair[0] < pair[1]),
+            "codes are sorted and unique"
+        );
+    }
+
+    #[test]
+    fn versions_parse_old_and_new() {
+        let old = ServerVersion::parse("18.16.1\n").unwrap();
+        assert_eq!(
+            (old.major, old.minor, old.patch, old.build),
+            (18, 16, 1, None)
+        );
+        assert!(!old.is_modern() && !old.has_subsecond_clock());
+        let new = ServerVersion::parse("24.3.2.23").unwrap();
+        assert_eq!(
+            (new.major, new.minor, new.patch, new.build),
+            (24, 3, 2, Some(23))
+        );
+        assert!(new.is_modern() && new.has_subsecond_clock());
+        assert!(ServerVersion::parse("banana").is_none());
+        assert!(ServerVersion::parse("18").is_none());
+    }
+
+    #[test]
+    fn string_literals_escape_everything_that_could_end_them() {
+        assert_eq!(sql_string_literal("plain"), "'plain'");
+        assert_eq!(sql_string_literal("it's"), r"'it\'s'");
+        assert_eq!(sql_string_literal(r"a\'b"), r"'a\\\'b'");
+        assert_eq!(sql_string_literal("a\nb\0"), r"'a\nb\0'");
+        assert_eq!(sql_string_literal("ünï"), "'ünï'");
+    }
+}

@@ -1,0 +1,168 @@
+//! Test harness: the real services live tests run against, started by the tests themselves on loopback ports.
+//!
+//! - [`clickhouse::shared_server`]: one private ClickHouse per test process.
+//! - [`s3::shared_s3`]: one SeaweedFS S3 server per test process, stoppable to simulate an outage.
+//! - [`proxy::FaultProxy`]: a TCP proxy that passes, cuts, black-holes, delays or swallows replies.
+//!
+//! A missing service fails the test with the command that installs it; nothing is skipped.
+//!
+//! Child services must never outlive the test process, even when it is SIGKILLed or panics, and statics are never
+//! dropped. So every service is spawned by one dedicated spawner thread that lives as long as the process, with
+//! `PR_SET_PDEATHSIG = SIGKILL`: the kernel kills the child when that thread (hence the process) is gone. Scratch
+//! directories are named after the test process's pid; directories of dead pids are removed at the next start.
+
+#![allow(dead_code)]
+
+pub mod clickhouse;
+pub mod proxy;
+pub mod s3;
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::sync::mpsc;
+use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
+
+struct SpawnRequest {
+    command: Command,
+    reply_tx: mpsc::Sender<io::Result<Child>>,
+}
+
+/// Spawn `command` so that the kernel SIGKILLs it when this test process dies, however it dies.
+pub fn spawn_tied_to_process(command: Command) -> io::Result<Child> {
+    static SPAWNER_TX: OnceLock<Mutex<mpsc::Sender<SpawnRequest>>> = OnceLock::new();
+    let spawner_tx = SPAWNER_TX.get_or_init(|| {
+        let (request_tx, request_rx) = mpsc::channel::<SpawnRequest>();
+        std::thread::Builder::new()
+            .name("test-service-spawner".into())
+            .spawn(move || {
+                // The sender lives in a static, so this loop (and the thread the death signal is tied to) ends only
+                // with the process.
+                for mut request in request_rx {
+                    let parent_pid = std::process::id() as i32;
+                    unsafe {
+                        use std::os::unix::process::CommandExt;
+                        request.command.pre_exec(move || {
+                            nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)
+                                .map_err(io::Error::from)?;
+                            // The parent may have died between fork and prctl: then nobody will signal us.
+                            if nix::unistd::getppid().as_raw() != parent_pid {
+                                return Err(io::Error::other("test process already gone"));
+                            }
+                            Ok(())
+                        });
+                    }
+                    let _ = request.reply_tx.send(request.command.spawn());
+                }
+            })
+            .expect("start the spawner thread");
+        Mutex::new(request_tx)
+    });
+    let (reply_tx, reply_rx) = mpsc::channel();
+    spawner_tx
+        .lock()
+        .unwrap()
+        .send(SpawnRequest { command, reply_tx })
+        .expect("spawner thread alive");
+    reply_rx.recv().expect("spawner thread replies")
+}
+
+/// A fresh scratch directory `<tmp>/capstore-test-<kind>-<pid>-<n>`, after removing those of dead test processes.
+pub fn scratch_dir(kind: &str) -> PathBuf {
+    let temp_root = std::env::temp_dir();
+    let prefix = format!("capstore-test-{kind}-");
+    if let Ok(entries) = std::fs::read_dir(&temp_root) {
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(rest) = name.strip_prefix(&prefix) else {
+                continue;
+            };
+            let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<i32>().ok()) else {
+                continue;
+            };
+            if !Path::new(&format!("/proc/{pid}")).exists() {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+    }
+    for attempt in 0.. {
+        let dir = temp_root.join(format!("{prefix}{}-{attempt}", std::process::id()));
+        if std::fs::create_dir(&dir).is_ok() {
+            return dir;
+        }
+    }
+    unreachable!()
+}
+
+/// A loopback port that is free now, below the kernel's ephemeral range (so outgoing connections do not take it
+/// before the service binds it), such that `port + 10000` is free too when `with_grpc_twin` (SeaweedFS).
+pub fn free_port(with_grpc_twin: bool) -> u16 {
+    use rand::Rng;
+    let mut rng = rand::rng();
+    for _ in 0..1000 {
+        let port: u16 = rng.random_range(10_000..22_000);
+        let is_free = |p: u16| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok();
+        if is_free(port) && (!with_grpc_twin || is_free(port + 10_000)) {
+            return port;
+        }
+    }
+    panic!("no free loopback port found");
+}
+
+/// Several distinct free ports.
+pub fn free_ports(count: usize, with_grpc_twin: bool) -> Vec<u16> {
+    let mut ports: Vec<u16> = Vec::with_capacity(count);
+    while ports.len() < count {
+        let port = free_port(with_grpc_twin);
+        let clashes = ports.iter().any(|p| {
+            *p == port || (with_grpc_twin && (*p + 10_000 == port || port + 10_000 == *p))
+        });
+        if !clashes {
+            ports.push(port);
+        }
+    }
+    ports
+}
+
+/// The last `max_lines` lines of a log file, for failure messages.
+pub fn log_tail(path: &Path, max_lines: usize) -> String {
+    match std::fs::read_to_string(path) {
+        Ok(text) => {
+            let lines: Vec<&str> = text.lines().collect();
+            let start = lines.len().saturating_sub(max_lines);
+            format!(
+                "--- {} (last {} lines)\n{}",
+                path.display(),
+                max_lines,
+                lines[start..].join("\n")
+            )
+        }
+        Err(error) => format!("--- {}: {error}", path.display()),
+    }
+}
+
+/// Poll `condition` every 50 ms until it holds or `timeout` passes.
+pub fn wait_until(timeout: Duration, mut condition: impl FnMut() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        if condition() {
+            return true;
+        }
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Send SIGTERM, wait up to `grace`, then SIGKILL; reap the child.
+pub fn terminate(child: &mut Child, grace: Duration) {
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+    let exited = wait_until(grace, || matches!(child.try_wait(), Ok(Some(_))));
+    if !exited {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}

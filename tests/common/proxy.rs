@@ -1,0 +1,220 @@
+//! A fault-injecting TCP proxy between the code under test and a real service.
+//!
+//! Modes apply at once to every connection, open or new:
+//! - `pass`: forward both ways.
+//! - `cut`: close every open connection; accept new ones and close them at once.
+//! - `blackhole`: accept, read and discard, never answer, never close (requests already forwarded still run).
+//! - `delay(d)`: forward both ways, each chunk held back by `d`.
+//! - `blackhole_replies`: forward client -> server, discard server -> client: the statement runs, its reply is lost.
+//!
+//! It runs on its own tokio runtime, so sync and async tests can use it alike.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Pass,
+    Cut,
+    Blackhole,
+    Delay(Duration),
+    BlackholeReplies,
+}
+
+pub struct FaultProxy {
+    addr: SocketAddr,
+    upstream: SocketAddr,
+    mode_tx: Arc<watch::Sender<Mode>>,
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+impl FaultProxy {
+    /// Listen on `127.0.0.1:0` and forward to `upstream`, starting in `pass` mode.
+    pub fn start(upstream: SocketAddr) -> FaultProxy {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("fault-proxy")
+            .enable_all()
+            .build()
+            .expect("proxy runtime");
+        let std_listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind proxy");
+        std_listener.set_nonblocking(true).unwrap();
+        let addr = std_listener.local_addr().unwrap();
+        let (mode_tx, _) = watch::channel(Mode::Pass);
+        let mode_tx = Arc::new(mode_tx);
+        let accept_mode_tx = Arc::clone(&mode_tx);
+        runtime.spawn(async move {
+            let listener = TcpListener::from_std(std_listener).expect("proxy listener");
+            loop {
+                let Ok((client, _)) = listener.accept().await else {
+                    continue;
+                };
+                let mode_rx = accept_mode_tx.subscribe();
+                tokio::spawn(serve_connection(client, upstream, mode_rx));
+            }
+        });
+        FaultProxy {
+            addr,
+            upstream,
+            mode_tx,
+            runtime: Some(runtime),
+        }
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn upstream(&self) -> SocketAddr {
+        self.upstream
+    }
+
+    pub fn mode(&self) -> Mode {
+        *self.mode_tx.borrow()
+    }
+
+    pub fn set_mode(&self, mode: Mode) {
+        self.mode_tx.send_replace(mode);
+    }
+
+    pub fn pass(&self) {
+        self.set_mode(Mode::Pass);
+    }
+
+    pub fn cut(&self) {
+        self.set_mode(Mode::Cut);
+    }
+
+    pub fn blackhole(&self) {
+        self.set_mode(Mode::Blackhole);
+    }
+
+    pub fn delay(&self, delay: Duration) {
+        self.set_mode(Mode::Delay(delay));
+    }
+
+    pub fn blackhole_replies(&self) {
+        self.set_mode(Mode::BlackholeReplies);
+    }
+}
+
+impl Drop for FaultProxy {
+    fn drop(&mut self) {
+        // Allowed inside an async test, unlike dropping the runtime.
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+async fn serve_connection(client: TcpStream, upstream: SocketAddr, mode_rx: watch::Receiver<Mode>) {
+    let _ = client.set_nodelay(true);
+    let initial_mode = *mode_rx.borrow();
+    let server_opt = match initial_mode {
+        Mode::Cut => return,
+        // A pure black hole never needs the service.
+        Mode::Blackhole => None,
+        _ => TcpStream::connect(upstream).await.ok(),
+    };
+    let Some(server) = server_opt else {
+        if initial_mode == Mode::Blackhole {
+            blackhole_until_cut(client, mode_rx).await;
+        }
+        return;
+    };
+    let _ = server.set_nodelay(true);
+    let (client_read, client_write) = client.into_split();
+    let (server_read, server_write) = server.into_split();
+    let requests = pump(
+        client_read,
+        server_write,
+        mode_rx.clone(),
+        Direction::Requests,
+    );
+    let replies = pump(
+        server_read,
+        client_write,
+        mode_rx.clone(),
+        Direction::Replies,
+    );
+    let mut cut_rx = mode_rx;
+    let cut = async move {
+        let _ = cut_rx.wait_for(|mode| *mode == Mode::Cut).await;
+    };
+    // Both halves end (and both sockets close) when either side is done with the connection or on cut; a pump in a
+    // black-hole mode never finishes by itself, which keeps the connection open.
+    tokio::select! {
+        _ = async { tokio::join!(requests, replies) } => {}
+        _ = cut => {}
+    }
+}
+
+async fn blackhole_until_cut(mut client: TcpStream, mut mode_rx: watch::Receiver<Mode>) {
+    let mut buffer = vec![0u8; 64 * 1024];
+    let read_and_discard = async {
+        loop {
+            match client.read(&mut buffer).await {
+                Ok(0) | Err(_) => std::future::pending::<()>().await,
+                Ok(_) => {}
+            }
+        }
+    };
+    tokio::select! {
+        _ = read_and_discard => {}
+        _ = mode_rx.wait_for(|mode| *mode == Mode::Cut) => {}
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Direction {
+    Requests,
+    Replies,
+}
+
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    mode_rx: watch::Receiver<Mode>,
+    direction: Direction,
+) {
+    let mut buffer = vec![0u8; 64 * 1024];
+    loop {
+        let read = match from.read(&mut buffer).await {
+            Ok(0) | Err(_) => {
+                let swallowing = match *mode_rx.borrow() {
+                    Mode::Blackhole => true,
+                    Mode::BlackholeReplies => direction == Direction::Replies,
+                    _ => false,
+                };
+                if swallowing {
+                    // Never pass on a close the peer should not see.
+                    std::future::pending::<()>().await;
+                }
+                let _ = to.shutdown().await;
+                return;
+            }
+            Ok(read) => read,
+        };
+        let mode = *mode_rx.borrow();
+        match mode {
+            Mode::Pass => {}
+            Mode::Cut => return,
+            Mode::Blackhole => continue,
+            Mode::BlackholeReplies if direction == Direction::Replies => continue,
+            Mode::BlackholeReplies => {}
+            Mode::Delay(delay) => tokio::time::sleep(delay).await,
+        }
+        if to.write_all(&buffer[..read]).await.is_err() {
+            return;
+        }
+    }
+}
