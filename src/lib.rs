@@ -16,6 +16,8 @@
 //!   - [`spool::inbox`]: the inbox watcher and `capstore put`.
 //!   - [`spool::lock`]: the flock that makes one process the owner of a spool.
 //!   - [`spool::durable`]: temp-file + fsync + rename + directory-fsync helpers every state change uses.
+//! - [`bucket`]: the object store: `bucket.url` -> store, pack key layout, upload with verification and bounded
+//!   retries, range reads of pack indexes and captures.
 //! - [`daemon`]: `capstore run`: start order, signals, shutdown.
 //! - [`bench`]: throughput benchmarks with same-run baselines (`capstore bench`).
 //!
@@ -25,6 +27,7 @@
 //! -(publish)-> deleted. A state change is a rename followed by a directory fsync; see [`spool`].
 
 pub mod bench;
+pub mod bucket;
 pub mod capture;
 pub mod config;
 pub mod daemon;
