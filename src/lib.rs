@@ -19,6 +19,8 @@
 //! - [`catalog`]: the ClickHouse catalog.
 //!   - [`catalog::client`]: the one ClickHouse client layer: per-request timeouts, version-dependent settings, and
 //!     the classification of every failure into definitely-failed / outcome-unknown.
+//! - [`bucket`]: the object store: `bucket.url` -> store, pack key layout, upload with verification and bounded
+//!   retries, range reads of pack indexes and captures.
 //! - [`daemon`]: `capstore run`: start order, signals, shutdown.
 //! - [`bench`]: throughput benchmarks with same-run baselines (`capstore bench`).
 //!
@@ -28,6 +30,7 @@
 //! -(publish)-> deleted. A state change is a rename followed by a directory fsync; see [`spool`].
 
 pub mod bench;
+pub mod bucket;
 pub mod capture;
 pub mod catalog;
 pub mod config;

@@ -1,0 +1,281 @@
+//! Bucket conformance: one suite run against `memory://`, `file://` and a real S3 server (SeaweedFS), plus an S3
+//! outage test. Every behaviour of `capstore::bucket` that the uploader and readers rely on is checked on each backend.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use capstore::bucket::{Bucket, BucketErrorKind, RetryPolicy, METADATA_RECORDS, METADATA_SHA256};
+use capstore::config::{ByteSize, Config, Secret};
+use capstore::spool::pack::{CaptureMeta, IndexEntry, PackSummary, PackWriter};
+use object_store::path::Path as ObjectPath;
+use object_store::ObjectStore;
+use rand::RngCore;
+use uuid::Uuid;
+
+const MIB: u64 = 1024 * 1024;
+const PART_SIZE: u64 = 5 * MIB;
+/// 2023-11-14T22:13:20Z: every capture of the suite is on that UTC day.
+const FIRST_CAPTURED_AT_NS: u64 = 1_700_000_000_000_000_000;
+
+/// The S3 tests share one server and the outage test stops it: they take turns.
+static S3_EXCLUSIVE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+struct WrittenPack {
+    summary: PackSummary,
+    entries: Vec<IndexEntry>,
+    captures: Vec<(CaptureMeta, Vec<u8>)>,
+}
+
+fn capture(index: u64, payload: Vec<u8>) -> (CaptureMeta, Vec<u8>) {
+    let mut labels = BTreeMap::new();
+    labels.insert("site".to_string(), "edge-7".to_string());
+    labels.insert("index".to_string(), index.to_string());
+    let meta = CaptureMeta {
+        capture_id: Uuid::now_v7(),
+        stream: format!("cam/{}", index % 3),
+        captured_at_ns: FIRST_CAPTURED_AT_NS + index * 1_000_000,
+        labels,
+        content_type: (index % 2 == 0).then(|| "application/octet-stream".to_string()),
+        source_name: None,
+    };
+    (meta, payload)
+}
+
+fn write_pack(path: &Path, pack_id: Uuid, captures: Vec<(CaptureMeta, Vec<u8>)>) -> WrittenPack {
+    let mut writer = PackWriter::create(path, pack_id, FIRST_CAPTURED_AT_NS + 10_000_000_000).unwrap();
+    for (meta, payload) in &captures {
+        writer.append(meta, payload).unwrap();
+    }
+    let entries = writer.entries().to_vec();
+    let summary = writer.finish().unwrap();
+    WrittenPack { summary, entries, captures }
+}
+
+fn small_captures() -> Vec<(CaptureMeta, Vec<u8>)> {
+    (0..6u64)
+        .map(|index| capture(index, format!("payload {index} ").repeat(1 + index as usize * 50).into_bytes()))
+        .collect()
+}
+
+fn random_bytes(len: usize) -> Vec<u8> {
+    let mut bytes = vec![0u8; len];
+    rand::rng().fill_bytes(&mut bytes);
+    bytes
+}
+
+fn base_config(catalog_name: &str) -> Config {
+    let mut config = Config { catalog_name: catalog_name.to_string(), ..Default::default() };
+    config.upload.part_size = ByteSize(PART_SIZE);
+    config
+}
+
+fn s3_config(server: &common::s3::S3Server, catalog_name: &str) -> Config {
+    let mut config = base_config(catalog_name);
+    config.bucket.url = format!("s3://{}", server.bucket);
+    config.bucket.endpoint = Some(server.endpoint());
+    config.bucket.region = Some("us-east-1".into());
+    config.bucket.allow_http = true;
+    config.bucket.virtual_hosted_style = false;
+    config.bucket.access_key_id = Some(server.access_key.clone());
+    config.bucket.secret_access_key = Some(Secret::new(server.secret_key.clone()));
+    config
+}
+
+fn unique_catalog_name(kind: &str) -> String {
+    format!("{kind}-{}", Uuid::new_v4().simple())
+}
+
+async fn assert_reads_back(bucket: &Bucket, key: &str, pack: &WrittenPack) {
+    let remote = bucket.read_pack_index(key).await.unwrap();
+    assert_eq!(remote.key, key);
+    assert_eq!(remote.size, pack.summary.bytes);
+    assert_eq!(hex::encode(remote.trailer.sha256), pack.summary.sha256_hex);
+    assert_eq!(remote.entries, pack.entries);
+    for (entry, (meta, payload)) in remote.entries.iter().zip(&pack.captures) {
+        let (read_meta, read_payload) = bucket.read_capture(key, entry).await.unwrap();
+        assert_eq!(&read_meta, meta);
+        assert!(read_payload == *payload, "payload of {} differs", meta.capture_id);
+    }
+}
+
+/// The suite every backend must pass.
+async fn conformance(bucket: &Bucket, scratch: &Path) {
+    let prefix = bucket.catalog_prefix().to_string();
+    let pack_id = Uuid::now_v7();
+
+    // A small pack: one conditional put.
+    let small = write_pack(&scratch.join("small.sealed"), pack_id, small_captures());
+    let expected_key = format!("{prefix}/2023/11/14/{pack_id}.cpk");
+    assert_eq!(bucket.pack_key(&small.summary).to_string(), expected_key);
+    let outcome = bucket.upload_pack(&scratch.join("small.sealed"), &small.summary).await.unwrap();
+    assert_eq!(outcome.key, expected_key);
+    assert!(!outcome.already_present);
+    assert_eq!(bucket.object_size(&outcome.key).await.unwrap(), small.summary.bytes);
+    let metadata = bucket.object_metadata(&outcome.key).await.unwrap();
+    if bucket.supports_metadata() {
+        assert_eq!(metadata.get(METADATA_SHA256), Some(&small.summary.sha256_hex), "{metadata:?}");
+        assert_eq!(metadata.get(METADATA_RECORDS), Some(&"6".to_string()), "{metadata:?}");
+    } else {
+        assert!(metadata.is_empty(), "{metadata:?}");
+    }
+    assert_reads_back(bucket, &outcome.key, &small).await;
+
+    // A retried upload of the same pack finds it there.
+    let again = bucket.upload_pack(&scratch.join("small.sealed"), &small.summary).await.unwrap();
+    assert_eq!(again.key, expected_key);
+    assert!(again.already_present);
+
+    // The same pack_id and capture day with other bytes: same key, a conflict, whether the size differs or not.
+    let mut same_size_captures = small.captures.clone();
+    same_size_captures[3].1[0] ^= 0xff;
+    let same_size = write_pack(&scratch.join("same-size.sealed"), pack_id, same_size_captures);
+    assert_eq!(same_size.summary.bytes, small.summary.bytes);
+    assert_eq!(bucket.pack_key(&same_size.summary).to_string(), expected_key);
+    let error = bucket.upload_pack(&scratch.join("same-size.sealed"), &same_size.summary).await.unwrap_err();
+    assert_eq!(error.kind, BucketErrorKind::Conflict, "{error}");
+    let mut longer_captures = small.captures.clone();
+    longer_captures[0].1.extend_from_slice(b"more");
+    let longer = write_pack(&scratch.join("longer.sealed"), pack_id, longer_captures);
+    let error = bucket.upload_pack(&scratch.join("longer.sealed"), &longer.summary).await.unwrap_err();
+    assert_eq!(error.kind, BucketErrorKind::Conflict, "{error}");
+    // The conflicts left the original untouched.
+    assert_reads_back(bucket, &expected_key, &small).await;
+
+    // A pack larger than part_size goes multipart and reads back identical.
+    let large_id = Uuid::now_v7();
+    let large_captures: Vec<_> = (0..3u64).map(|index| capture(index, random_bytes(4 * MIB as usize))).collect();
+    let large = write_pack(&scratch.join("large.sealed"), large_id, large_captures);
+    assert!(large.summary.bytes > 2 * PART_SIZE, "{} bytes", large.summary.bytes);
+    let large_outcome = bucket.upload_pack(&scratch.join("large.sealed"), &large.summary).await.unwrap();
+    assert!(!large_outcome.already_present);
+    if bucket.scheme() == "s3" {
+        // S3 gives a multipart object an ETag ending in "-<part count>": proof the parts path ran.
+        let meta = bucket.store().head(&ObjectPath::from(large_outcome.key.as_str())).await.unwrap();
+        let e_tag = meta.e_tag.unwrap_or_default();
+        assert!(e_tag.trim_matches('"').ends_with("-3"), "e_tag {e_tag:?}");
+    }
+    assert_eq!(bucket.object_size(&large_outcome.key).await.unwrap(), large.summary.bytes);
+    if bucket.supports_metadata() {
+        let metadata = bucket.object_metadata(&large_outcome.key).await.unwrap();
+        assert_eq!(metadata.get(METADATA_SHA256), Some(&large.summary.sha256_hex), "{metadata:?}");
+    }
+    assert_reads_back(bucket, &large_outcome.key, &large).await;
+    let large_again = bucket.upload_pack(&scratch.join("large.sealed"), &large.summary).await.unwrap();
+    assert!(large_again.already_present);
+    let mut large_conflict_captures = large.captures.clone();
+    large_conflict_captures[2].1[7] ^= 0x01;
+    let large_conflict = write_pack(&scratch.join("large-conflict.sealed"), large_id, large_conflict_captures);
+    let error = bucket.upload_pack(&scratch.join("large-conflict.sealed"), &large_conflict.summary).await.unwrap_err();
+    assert_eq!(error.kind, BucketErrorKind::Conflict, "{error}");
+
+    // Objects under the prefix that are not packs: too small, and pack-sized garbage.
+    let tiny_key = ObjectPath::from(format!("{prefix}/stray/tiny.cpk"));
+    bucket.store().put(&tiny_key, b"not a pack".to_vec().into()).await.unwrap();
+    let error = bucket.read_pack_index(tiny_key.as_ref()).await.unwrap_err();
+    assert_eq!(error.kind, BucketErrorKind::InvalidPack, "{error}");
+    let garbage_key = ObjectPath::from(format!("{prefix}/stray/garbage.cpk"));
+    bucket.store().put(&garbage_key, random_bytes(4096).into()).await.unwrap();
+    let error = bucket.read_pack_index(garbage_key.as_ref()).await.unwrap_err();
+    assert_eq!(error.kind, BucketErrorKind::InvalidPack, "{error}");
+    assert!(error.message.contains("trailer"), "{error}");
+
+    let missing = format!("{prefix}/2023/11/14/{}.cpk", Uuid::now_v7());
+    let error = bucket.read_pack_index(&missing).await.unwrap_err();
+    assert_eq!(error.kind, BucketErrorKind::NotFound, "{error}");
+
+    // Listing shows every object under the catalog prefix with its size, and nothing else.
+    let listed = bucket.list_pack_keys().await.unwrap();
+    let mut expected = vec![
+        (expected_key.clone(), small.summary.bytes),
+        (large_outcome.key.clone(), large.summary.bytes),
+        (tiny_key.to_string(), 10),
+        (garbage_key.to_string(), 4096),
+    ];
+    expected.sort();
+    assert_eq!(listed, expected);
+}
+
+#[tokio::test]
+async fn conformance_memory() {
+    let scratch = tempfile::tempdir().unwrap();
+    let mut config = base_config(&unique_catalog_name("memory"));
+    config.bucket.url = "memory://".into();
+    config.validate().unwrap();
+    let bucket = Bucket::from_config(&config).unwrap();
+    assert!(bucket.supports_metadata());
+    conformance(&bucket, scratch.path()).await;
+}
+
+#[tokio::test]
+async fn conformance_file() {
+    let scratch = tempfile::tempdir().unwrap();
+    let root = scratch.path().join("bucket");
+    let mut config = base_config(&unique_catalog_name("file"));
+    config.bucket.url = format!("file://{}", root.display());
+    config.validate().unwrap();
+    let bucket = Bucket::from_config(&config).unwrap();
+    assert!(!bucket.supports_metadata());
+    conformance(&bucket, scratch.path()).await;
+    // No staging files or other leftovers beside the objects.
+    let mut stack = vec![root];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+            } else {
+                assert!(!path.to_string_lossy().contains('#'), "staging file left: {}", path.display());
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn conformance_s3() {
+    let server = common::s3::shared_s3();
+    let _exclusive = S3_EXCLUSIVE.lock().await;
+    server.start();
+    let scratch = tempfile::tempdir().unwrap();
+    let config = s3_config(server, &unique_catalog_name("s3"));
+    config.validate().unwrap();
+    let bucket = Bucket::from_config(&config).unwrap();
+    assert!(bucket.supports_metadata());
+    conformance(&bucket, scratch.path()).await;
+}
+
+#[tokio::test]
+async fn s3_outage_is_transient_and_the_upload_succeeds_after_restart() {
+    let server = common::s3::shared_s3();
+    let _exclusive = S3_EXCLUSIVE.lock().await;
+    server.start();
+    let scratch = tempfile::tempdir().unwrap();
+    let config = s3_config(server, &unique_catalog_name("outage"));
+    let short_retries = RetryPolicy {
+        initial_backoff: Duration::from_millis(50),
+        max_backoff: Duration::from_millis(400),
+        max_attempts: 4,
+        max_elapsed: Duration::from_secs(3),
+    };
+    let bucket = Bucket::from_config(&config).unwrap().with_retry_policy(short_retries);
+    let pack_path = scratch.path().join("pack.sealed");
+    let pack = write_pack(&pack_path, Uuid::now_v7(), small_captures());
+
+    server.stop();
+    let started = Instant::now();
+    let attempt = tokio::time::timeout(Duration::from_secs(30), bucket.upload_pack(&pack_path, &pack.summary)).await;
+    let error = attempt.expect("an upload during an outage returns instead of hanging").unwrap_err();
+    assert_eq!(error.kind, BucketErrorKind::Transient, "{error}");
+    assert!(error.is_transient());
+    let reading = tokio::time::timeout(Duration::from_secs(30), bucket.list_pack_keys()).await;
+    assert_eq!(reading.expect("a listing during an outage returns").unwrap_err().kind, BucketErrorKind::Transient);
+    let outage_elapsed = started.elapsed();
+
+    server.start();
+    let outcome = bucket.upload_pack(&pack_path, &pack.summary).await.unwrap();
+    assert!(!outcome.already_present, "nothing was written during the outage");
+    assert_reads_back(&bucket, &outcome.key, &pack).await;
+    assert!(outage_elapsed < Duration::from_secs(30), "{outage_elapsed:?}");
+}
