@@ -16,12 +16,11 @@
 //!   - [`spool::inbox`]: the inbox watcher and `capstore put`.
 //!   - [`spool::lock`]: the flock that makes one process the owner of a spool.
 //!   - [`spool::durable`]: temp-file + fsync + rename + directory-fsync helpers every state change uses.
-//! - [`catalog`]: the ClickHouse catalog.
-//!   - [`catalog::client`]: the one ClickHouse client layer: per-request timeouts, version-dependent settings, and
-//!     the classification of every failure into definitely-failed / outcome-unknown.
-//! - [`bucket`]: the object store: `bucket.url` -> store, pack key layout, upload with verification and bounded
-//!   retries, range reads of pack indexes and captures.
-//! - [`daemon`]: `capstore run`: start order, signals, shutdown.
+//! - [`catalog`]: ClickHouse: client and error classification, schema, the publisher lease, fenced publish, reads.
+//! - [`bucket`]: the object store: key layout, verified uploads, range reads.
+//! - [`pipeline`]: uploader, indexer (`pending_index`), reconcile, and the supervisor behind `capstore run`.
+//! - [`reader`]: reading captures back (catalog location, one range read, CRC), from the spool when still local.
+//! - [`failpoint`]: test-only crash points for crash tests.
 //! - [`bench`]: throughput benchmarks with same-run baselines (`capstore bench`).
 //!
 //! # File states
@@ -34,7 +33,9 @@ pub mod bucket;
 pub mod capture;
 pub mod catalog;
 pub mod config;
-pub mod daemon;
+pub mod failpoint;
+pub mod pipeline;
+pub mod reader;
 pub mod spool;
 pub mod util;
 

@@ -14,6 +14,9 @@ fn capstore(spool_dir: &Path) -> Command {
         .env_clear()
         .env("PATH", std::env::var_os("PATH").unwrap_or_default())
         .env("CAPSTORE_SPOOL_DIR", spool_dir)
+        // No catalog here (port 1 refuses at once): ingest must work regardless, publishing just waits.
+        .env("CAPSTORE_CATALOG_URL", "http://127.0.0.1:1")
+        .env("CAPSTORE_BUCKET_URL", format!("file://{}", spool_dir.with_extension("bucket").display()))
         .env("CAPSTORE_SPOOL_PACK_MAX_AGE", "100ms")
         .env("CAPSTORE_SPOOL_MIN_FREE_BYTES", "1MiB")
         .env("CAPSTORE_SPOOL_INBOX_RESCAN_INTERVAL", "200ms")
@@ -39,6 +42,14 @@ struct Daemon {
     stderr_path: PathBuf,
 }
 
+impl Drop for Daemon {
+    /// A failing test must not leave a daemon running.
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 impl Daemon {
     fn start(spool_dir: &Path, extra_env: &[(&str, &str)]) -> Daemon {
         let stderr_path = spool_dir.with_extension(format!("{}.log", rand::random::<u32>()));
@@ -46,7 +57,7 @@ impl Daemon {
         let mut command = capstore(spool_dir);
         command.envs(extra_env.iter().copied()).arg("run").stderr(stderr).stdout(Stdio::null());
         let daemon = Daemon { child: command.spawn().unwrap(), stderr_path };
-        wait_until("daemon running", || daemon.log().contains("capstore running"));
+        wait_until("daemon ingesting", || daemon.log().contains("ingest ready"));
         daemon
     }
 

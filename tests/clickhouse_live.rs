@@ -11,11 +11,7 @@ use common::proxy::FaultProxy;
 use serde::{Deserialize, Serialize};
 
 fn config_for(url: String, request_timeout: Duration) -> CatalogConfig {
-    CatalogConfig {
-        url,
-        request_timeout: HumanDuration(request_timeout),
-        ..CatalogConfig::default()
-    }
+    CatalogConfig { url, request_timeout: HumanDuration(request_timeout), ..CatalogConfig::default() }
 }
 
 async fn connect_direct() -> CatalogClient {
@@ -29,13 +25,9 @@ async fn connect_direct() -> CatalogClient {
 fn fresh_table(prefix: &str) -> String {
     let server = shared_server();
     let database = server.fresh_database(prefix);
+    server.query(&format!("CREATE DATABASE {database}")).unwrap();
     server
-        .query(&format!("CREATE DATABASE {database}"))
-        .unwrap();
-    server
-        .query(&format!(
-            "CREATE TABLE {database}.t (id UInt64, note String) ENGINE = MergeTree ORDER BY id"
-        ))
+        .query(&format!("CREATE TABLE {database}.t (id UInt64, note String) ENGINE = MergeTree ORDER BY id"))
         .unwrap();
     format!("{database}.t")
 }
@@ -51,10 +43,7 @@ struct CaptureRow {
 }
 
 fn labels(pairs: &[(&str, &str)]) -> (Vec<String>, Vec<String>) {
-    pairs
-        .iter()
-        .map(|(key, value)| (key.to_string(), value.to_string()))
-        .unzip()
+    pairs.iter().map(|(key, value)| (key.to_string(), value.to_string())).unzip()
 }
 
 #[derive(Debug, Clone, PartialEq, clickhouse::Row, Serialize, Deserialize)]
@@ -72,18 +61,9 @@ async fn the_server_version_is_detected_and_old_servers_get_a_coarse_clock() {
     assert_eq!(version.text, reported.trim());
     assert_eq!(
         format!("{}.{}.{}", version.major, version.minor, version.patch),
-        reported
-            .trim()
-            .splitn(4, '.')
-            .take(3)
-            .collect::<Vec<_>>()
-            .join(".")
+        reported.trim().splitn(4, '.').take(3).collect::<Vec<_>>().join(".")
     );
-    let expected_extra = if version.major < 20 {
-        Duration::from_secs(1)
-    } else {
-        Duration::ZERO
-    };
+    let expected_extra = if version.major < 20 { Duration::from_secs(1) } else { Duration::ZERO };
     assert_eq!(client.clock_resolution_extra(), expected_extra);
 }
 
@@ -91,10 +71,7 @@ async fn the_server_version_is_detected_and_old_servers_get_a_coarse_clock() {
 async fn ddl_insert_and_fetch_round_trip_uuid_strings_numbers_and_labels() {
     let client = connect_direct().await;
     let database = shared_server().fresh_database("round_trip");
-    client
-        .execute(&format!("CREATE DATABASE {database}"))
-        .await
-        .unwrap();
+    client.execute(&format!("CREATE DATABASE {database}")).await.unwrap();
     client
         .execute(&format!(
             "CREATE TABLE {database}.captures (capture_id UUID, stream String, captured_at_ns UInt64, \
@@ -127,14 +104,11 @@ async fn ddl_insert_and_fetch_round_trip_uuid_strings_numbers_and_labels() {
             label_values: empty_values,
         },
     ];
-    client
-        .insert_rows(&format!("{database}.captures"), &rows)
-        .await
-        .unwrap();
+    client.insert_rows(&format!("{database}.captures"), &rows).await.unwrap();
     let fetched: Vec<CaptureRow> = client
-        .fetch_all_query(client.query(&format!(
-            "SELECT ?fields FROM {database}.captures ORDER BY stream, captured_at_ns"
-        )))
+        .fetch_all_query(
+            client.query(&format!("SELECT ?fields FROM {database}.captures ORDER BY stream, captured_at_ns")),
+        )
         .await
         .unwrap();
     assert_eq!(fetched, rows);
@@ -146,30 +120,19 @@ async fn ddl_insert_and_fetch_round_trip_uuid_strings_numbers_and_labels() {
              WHERE stream = 'cam/1' FORMAT TSV"
         ))
         .unwrap();
-    assert!(
-        server_view.starts_with(&format!("{}\t['quote','site']\t[", rows[0].capture_id)),
-        "{server_view}"
-    );
+    assert!(server_view.starts_with(&format!("{}\t['quote','site']\t[", rows[0].capture_id)), "{server_view}");
 }
 
 #[tokio::test]
 async fn a_hundred_thousand_rows_go_in_one_insert() {
     let client = connect_direct().await;
     let table = fresh_table("bulk");
-    let rows: Vec<NoteRow> = (0..100_000)
-        .map(|id| NoteRow {
-            id,
-            note: format!("note {id}"),
-        })
-        .collect();
+    let rows: Vec<NoteRow> = (0..100_000).map(|id| NoteRow { id, note: format!("note {id}") }).collect();
     let started = Instant::now();
     client.insert_rows(&table, &rows).await.unwrap();
     // Printed, not asserted: speed belongs to benchmarks on these shared machines.
     eprintln!("inserted 100000 rows in {:?}", started.elapsed());
-    let counts: Vec<(u64, u64)> = client
-        .fetch_all(&format!("SELECT count(), sum(id) FROM {table}"))
-        .await
-        .unwrap();
+    let counts: Vec<(u64, u64)> = client.fetch_all(&format!("SELECT count(), sum(id) FROM {table}")).await.unwrap();
     assert_eq!(counts, vec![(100_000, (0..100_000u64).sum())]);
 }
 
@@ -177,15 +140,9 @@ async fn a_hundred_thousand_rows_go_in_one_insert() {
 async fn bound_values_and_quoted_literals_survive_hostile_strings() {
     let client = connect_direct().await;
     let hostile = "a'b\\c\n\t\0 ?? ' OR 1=1 --";
-    let by_bind: Vec<String> = client
-        .fetch_all_query(client.query("SELECT ?").bind(hostile))
-        .await
-        .unwrap();
+    let by_bind: Vec<String> = client.fetch_all_query(client.query("SELECT ?").bind(hostile)).await.unwrap();
     assert_eq!(by_bind, vec![hostile.to_string()]);
-    let by_literal: Vec<String> = client
-        .fetch_all(&format!("SELECT {}", sql_string_literal(hostile)))
-        .await
-        .unwrap();
+    let by_literal: Vec<String> = client.fetch_all(&format!("SELECT {}", sql_string_literal(hostile))).await.unwrap();
     assert_eq!(by_literal, vec![hostile.to_string()]);
 }
 
@@ -199,21 +156,10 @@ async fn statements_rejected_before_execution_are_definitely_failed() {
     let client = connect_direct().await;
     let syntax = client.execute("SELEC 1").await.unwrap_err();
     assert_kind(&syntax, ErrorKind::DefinitelyFailed, Some(62));
-    let unknown_table = client
-        .fetch_all::<u64>("SELECT count() FROM default.no_such_table")
-        .await
-        .unwrap_err();
+    let unknown_table = client.fetch_all::<u64>("SELECT count() FROM default.no_such_table").await.unwrap_err();
     assert_kind(&unknown_table, ErrorKind::DefinitelyFailed, Some(60));
-    let unknown_database = client
-        .insert_rows(
-            "no_such_database.t",
-            &[NoteRow {
-                id: 1,
-                note: "x".into(),
-            }],
-        )
-        .await
-        .unwrap_err();
+    let unknown_database =
+        client.insert_rows("no_such_database.t", &[NoteRow { id: 1, note: "x".into() }]).await.unwrap_err();
     assert_kind(&unknown_database, ErrorKind::DefinitelyFailed, Some(81));
     let unknown_identifier = client.execute("SELECT no_such_column").await.unwrap_err();
     assert_kind(&unknown_identifier, ErrorKind::DefinitelyFailed, Some(47));
@@ -242,37 +188,24 @@ async fn an_error_in_mid_stream_is_an_error_not_a_short_result() {
 
 #[tokio::test]
 async fn a_closed_port_is_definitely_failed() {
-    let closed_port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    let closed_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
     // The listener is dropped: nothing listens there now.
-    let error = CatalogClient::connect(&config_for(
-        format!("http://{closed_port}"),
-        Duration::from_secs(5),
-    ))
-    .await
-    .unwrap_err();
+    let error =
+        CatalogClient::connect(&config_for(format!("http://{closed_port}"), Duration::from_secs(5))).await.unwrap_err();
     assert_kind(&error, ErrorKind::DefinitelyFailed, None);
 }
 
 #[tokio::test]
 async fn a_cut_connection_is_outcome_unknown_and_pass_recovers() {
     let proxy = FaultProxy::start(shared_server().http_addr);
-    let client = CatalogClient::connect(&config_for(proxy.url(), Duration::from_secs(5)))
-        .await
-        .unwrap();
+    let client = CatalogClient::connect(&config_for(proxy.url(), Duration::from_secs(5))).await.unwrap();
     proxy.cut();
     let started = Instant::now();
     let error = client.execute("SELECT 1").await.unwrap_err();
     // The proxy accepted the connection and then closed it: from the client's side that is indistinguishable from a
     // server that received the statement and died, so it must not be called a definite failure.
     assert_kind(&error, ErrorKind::OutcomeUnknown, None);
-    assert!(
-        started.elapsed() < Duration::from_secs(4),
-        "{:?}",
-        started.elapsed()
-    );
+    assert!(started.elapsed() < Duration::from_secs(4), "{:?}", started.elapsed());
     proxy.pass();
     client.execute("SELECT 1").await.unwrap();
 }
@@ -281,23 +214,16 @@ async fn a_cut_connection_is_outcome_unknown_and_pass_recovers() {
 async fn a_black_holed_server_is_outcome_unknown_after_the_request_timeout() {
     let request_timeout = Duration::from_secs(1);
     let proxy = FaultProxy::start(shared_server().http_addr);
-    let client = CatalogClient::connect(&config_for(proxy.url(), request_timeout))
-        .await
-        .unwrap();
+    let client = CatalogClient::connect(&config_for(proxy.url(), request_timeout)).await.unwrap();
     proxy.blackhole();
     let started = Instant::now();
     let error = client.execute("SELECT 1").await.unwrap_err();
     let elapsed = started.elapsed();
     assert_kind(&error, ErrorKind::OutcomeUnknown, None);
-    assert!(
-        elapsed >= request_timeout && elapsed < request_timeout + Duration::from_secs(2),
-        "{elapsed:?}"
-    );
+    assert!(elapsed >= request_timeout && elapsed < request_timeout + Duration::from_secs(2), "{elapsed:?}");
     // A connect through the black hole is bounded the same way.
     let started = Instant::now();
-    let error = CatalogClient::connect(&config_for(proxy.url(), request_timeout))
-        .await
-        .unwrap_err();
+    let error = CatalogClient::connect(&config_for(proxy.url(), request_timeout)).await.unwrap_err();
     assert_kind(&error, ErrorKind::OutcomeUnknown, None);
     assert!(started.elapsed() < request_timeout + Duration::from_secs(2));
 }
@@ -306,23 +232,15 @@ async fn a_black_holed_server_is_outcome_unknown_after_the_request_timeout() {
 async fn an_insert_whose_reply_is_lost_is_outcome_unknown_and_did_land() {
     let table = fresh_table("lost_reply");
     let proxy = FaultProxy::start(shared_server().http_addr);
-    let client = CatalogClient::connect(&config_for(proxy.url(), Duration::from_secs(1)))
-        .await
-        .unwrap();
+    let client = CatalogClient::connect(&config_for(proxy.url(), Duration::from_secs(1))).await.unwrap();
     proxy.blackhole_replies();
-    let row = NoteRow {
-        id: 42,
-        note: "landed".into(),
-    };
+    let row = NoteRow { id: 42, note: "landed".into() };
     let error = client.insert_rows(&table, &[row]).await.unwrap_err();
     assert_kind(&error, ErrorKind::OutcomeUnknown, None);
     // Read back over a direct connection: the statement ran although its client gave up.
     let server = shared_server();
     let landed = common::wait_until(Duration::from_secs(5), || {
-        server
-            .query(&format!("SELECT note FROM {table} WHERE id = 42"))
-            .as_deref()
-            == Ok("landed\n")
+        server.query(&format!("SELECT note FROM {table} WHERE id = 42")).as_deref() == Ok("landed\n")
     });
     assert!(landed, "the row never appeared\n{}", server.log_tail());
 }
@@ -331,24 +249,14 @@ async fn an_insert_whose_reply_is_lost_is_outcome_unknown_and_did_land() {
 async fn a_deciding_statement_over_its_execution_time_fails_with_code_159() {
     let client = connect_direct().await;
     let started = Instant::now();
-    let error = client
-        .execute_deciding("SELECT sleep(3)", Duration::from_secs(1))
-        .await
-        .unwrap_err();
+    let error = client.execute_deciding("SELECT sleep(3)", Duration::from_secs(1)).await.unwrap_err();
     // TIMEOUT_EXCEEDED is raised by the server while executing: for an INSERT ... SELECT, blocks before the check may
     // have been written, so it is an unknown outcome. 18.16 checks between blocks: sleep(3) is one block, so the
     // statement runs its full 3 s before the check fires.
     assert_kind(&error, ErrorKind::OutcomeUnknown, Some(159));
-    assert!(
-        started.elapsed() < Duration::from_secs(8),
-        "{:?}",
-        started.elapsed()
-    );
+    assert!(started.elapsed() < Duration::from_secs(8), "{:?}", started.elapsed());
     // Within the cap the same path succeeds.
-    client
-        .execute_deciding("SELECT 1", Duration::from_secs(1))
-        .await
-        .unwrap();
+    client.execute_deciding("SELECT 1", Duration::from_secs(1)).await.unwrap();
 }
 
 #[tokio::test]
@@ -365,35 +273,20 @@ async fn the_s3_server_stores_reads_and_refuses_a_second_create() {
     assert_eq!(meta.size, 14);
 
     let create_key = Path::from(format!("smoke/create-{}", uuid::Uuid::new_v4()));
-    let create = || PutOptions {
-        mode: PutMode::Create,
-        ..Default::default()
-    };
-    store
-        .put_opts(&create_key, payload.clone(), create())
-        .await
-        .unwrap();
+    let create = || PutOptions { mode: PutMode::Create, ..Default::default() };
+    store.put_opts(&create_key, payload.clone(), create()).await.unwrap();
     let second = store.put_opts(&create_key, payload, create()).await;
-    assert!(
-        matches!(second, Err(object_store::Error::AlreadyExists { .. })),
-        "{second:?}"
-    );
+    assert!(matches!(second, Err(object_store::Error::AlreadyExists { .. })), "{second:?}");
 }
 
 #[tokio::test]
 async fn a_delaying_proxy_slows_requests_without_failing_them() {
     let proxy = FaultProxy::start(shared_server().http_addr);
-    let client = CatalogClient::connect(&config_for(proxy.url(), Duration::from_secs(5)))
-        .await
-        .unwrap();
+    let client = CatalogClient::connect(&config_for(proxy.url(), Duration::from_secs(5))).await.unwrap();
     proxy.delay(Duration::from_millis(300));
     let started = Instant::now();
     let answer: Vec<u8> = client.fetch_all("SELECT 7").await.unwrap();
     assert_eq!(answer, vec![7]);
     // At least one chunk each way is held back.
-    assert!(
-        started.elapsed() >= Duration::from_millis(600),
-        "{:?}",
-        started.elapsed()
-    );
+    assert!(started.elapsed() >= Duration::from_millis(600), "{:?}", started.elapsed());
 }

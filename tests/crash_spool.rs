@@ -26,6 +26,9 @@ fn capstore(spool_dir: &Path) -> Command {
         .env_clear()
         .env("PATH", std::env::var_os("PATH").unwrap_or_default())
         .env("CAPSTORE_SPOOL_DIR", spool_dir)
+        // No catalog here (port 1 refuses at once): ingest must work regardless, publishing just waits.
+        .env("CAPSTORE_CATALOG_URL", "http://127.0.0.1:1")
+        .env("CAPSTORE_BUCKET_URL", format!("file://{}", spool_dir.with_extension("bucket").display()))
         .env("CAPSTORE_SPOOL_PACK_MAX_BYTES", "1MiB")
         .env("CAPSTORE_SPOOL_PACK_MAX_AGE", "150ms")
         .env("CAPSTORE_SPOOL_MIN_FREE_BYTES", "1MiB")

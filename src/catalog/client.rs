@@ -149,12 +149,7 @@ pub struct CatalogError {
 impl CatalogError {
     /// An error with a kind decided by the caller (the lease layer's `LeaseLost`, or a local precondition).
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        CatalogError {
-            kind,
-            message: message.into(),
-            server_code: None,
-            source: None,
-        }
+        CatalogError { kind, message: message.into(), server_code: None, source: None }
     }
 
     fn from_client(context: &str, error: clickhouse::error::Error) -> Self {
@@ -195,18 +190,14 @@ pub fn classify(error: &clickhouse::error::Error) -> ErrorKind {
 
 /// Whether a ClickHouse error code means "rejected before execution".
 pub fn is_definitely_failed_code(code: u32) -> bool {
-    DEFINITELY_FAILED_CODES
-        .iter()
-        .any(|(listed, _)| *listed == code)
+    DEFINITELY_FAILED_CODES.iter().any(|(listed, _)| *listed == code)
 }
 
 /// The `N` of a server error text that starts with `Code: N` (18.16: `Code: 62, e.displayText() = ...`; current
 /// servers: `Code: 62. DB::Exception: ...`; an empty error body with an exception header: `Code: 62`).
 pub fn parse_error_code(text: &str) -> Option<u32> {
     let rest = text.trim_start().strip_prefix("Code:")?.trim_start();
-    let digits_end = rest
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(rest.len());
+    let digits_end = rest.find(|c: char| !c.is_ascii_digit()).unwrap_or(rest.len());
     rest[..digits_end].parse().ok()
 }
 
@@ -262,13 +253,7 @@ impl ServerVersion {
         let minor = next_number()??;
         let patch = next_number()?.unwrap_or(0);
         let build = next_number()?;
-        Some(ServerVersion {
-            major,
-            minor,
-            patch,
-            build,
-            text: trimmed.to_string(),
-        })
+        Some(ServerVersion { major, minor, patch, build, text: trimmed.to_string() })
     }
 
     /// Compression and `RowBinaryWithNamesAndTypes` validation are used from this version on.
@@ -342,15 +327,10 @@ impl CatalogClient {
         )
         .await?;
         let server_version = ServerVersion::parse(&version_text).ok_or_else(|| {
-            CatalogError::new(
-                ErrorKind::DefinitelyFailed,
-                format!("cannot parse the server version {version_text:?}"),
-            )
+            CatalogError::new(ErrorKind::DefinitelyFailed, format!("cannot parse the server version {version_text:?}"))
         })?;
         if server_version.is_modern() {
-            client = client
-                .with_compression(Compression::Lz4)
-                .with_validation(true);
+            client = client.with_compression(Compression::Lz4).with_validation(true);
         }
         tracing::info!(url = %config.url, server_version = %server_version, "catalog connected");
         Ok(CatalogClient {
@@ -408,11 +388,7 @@ impl CatalogClient {
     /// Run a deciding statement (a fenced publish or lease claim): the server stops it after
     /// `max_execution_time` (whole seconds, rounded up) and answers only once it has finished. `sql` is sent
     /// verbatim.
-    pub async fn execute_deciding(
-        &self,
-        sql: &str,
-        max_execution_time: Duration,
-    ) -> Result<(), CatalogError> {
+    pub async fn execute_deciding(&self, sql: &str, max_execution_time: Duration) -> Result<(), CatalogError> {
         let query = self.verbatim(sql);
         self.execute_deciding_query(query, max_execution_time).await
     }
@@ -423,10 +399,7 @@ impl CatalogClient {
         query: clickhouse::query::Query,
         max_execution_time: Duration,
     ) -> Result<(), CatalogError> {
-        debug_assert!(
-            max_execution_time.subsec_nanos() == 0,
-            "max_execution_time is sent in whole seconds"
-        );
+        debug_assert!(max_execution_time.subsec_nanos() == 0, "max_execution_time is sent in whole seconds");
         let whole_seconds = max_execution_time.as_secs_f64().ceil().max(1.0) as u64;
         let query = query
             .with_option("max_execution_time", whole_seconds.to_string())
@@ -444,10 +417,7 @@ impl CatalogClient {
 
     /// [`CatalogClient::fetch_all`] for a statement built with [`CatalogClient::query`] and `.bind()`;
     /// `?fields` expands to the row type's column names.
-    pub async fn fetch_all_query<T>(
-        &self,
-        query: clickhouse::query::Query,
-    ) -> Result<Vec<T>, CatalogError>
+    pub async fn fetch_all_query<T>(&self, query: clickhouse::query::Query) -> Result<Vec<T>, CatalogError>
     where
         T: RowOwned + RowRead,
     {
@@ -463,10 +433,8 @@ impl CatalogClient {
     where
         T: RowOwned + RowWrite,
     {
-        let table_is_plain = !table.is_empty()
-            && table
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '`'));
+        let table_is_plain =
+            !table.is_empty() && table.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '`'));
         if !table_is_plain {
             return Err(CatalogError::new(
                 ErrorKind::DefinitelyFailed,
@@ -477,11 +445,7 @@ impl CatalogClient {
             return Ok(());
         }
         let insert_all = async {
-            let mut insert = self
-                .client
-                .insert_unescaped::<T>(table)
-                .await?
-                .with_option("wait_end_of_query", "1");
+            let mut insert = self.client.insert_unescaped::<T>(table).await?.with_option("wait_end_of_query", "1");
             for row in rows {
                 insert.write(row).await?;
             }
@@ -510,10 +474,7 @@ async fn run_with_timeout<T>(
 
 /// The hyper client under the crate: our own so https can use a custom CA, and so connecting has its own timeout
 /// (a connect timeout is a connect error, hence `DefinitelyFailed`, instead of an unknown whole-request timeout).
-fn build_http_client(
-    config: &CatalogConfig,
-    request_timeout: Duration,
-) -> Result<clickhouse::Client, CatalogError> {
+fn build_http_client(config: &CatalogConfig, request_timeout: Duration) -> Result<clickhouse::Client, CatalogError> {
     let mut connector = HttpConnector::new();
     connector.set_connect_timeout(Some(request_timeout / 2));
     connector.set_nodelay(true);
@@ -526,9 +487,7 @@ fn build_http_client(
         if config.ca_file.is_some() {
             tracing::warn!(url = %config.url, "catalog.ca_file is ignored for a plain http url");
         }
-        return Ok(clickhouse::Client::with_http_client(
-            builder.build(connector),
-        ));
+        return Ok(clickhouse::Client::with_http_client(builder.build(connector)));
     }
     connector.enforce_http(false);
     let tls_config = tls_client_config(config.ca_file.as_deref())?;
@@ -537,9 +496,7 @@ fn build_http_client(
         .https_only()
         .enable_http1()
         .wrap_connector(connector);
-    Ok(clickhouse::Client::with_http_client(
-        builder.build(https_connector),
-    ))
+    Ok(clickhouse::Client::with_http_client(builder.build(https_connector)))
 }
 
 /// Trust exactly the CA in `ca_file` when given (a private CA), else the system's roots.
@@ -548,36 +505,25 @@ fn tls_client_config(ca_file: Option<&Path>) -> Result<rustls::ClientConfig, Cat
     let mut roots = rustls::RootCertStore::empty();
     match ca_file {
         Some(path) => {
-            let pem = std::fs::read(path).map_err(|error| {
-                config_error(format!(
-                    "cannot read catalog.ca_file {}: {error}",
-                    path.display()
-                ))
-            })?;
+            let pem = std::fs::read(path)
+                .map_err(|error| config_error(format!("cannot read catalog.ca_file {}: {error}", path.display())))?;
             let certificates: Vec<_> = rustls_pemfile::certs(&mut pem.as_slice())
                 .collect::<Result<_, _>>()
-                .map_err(|error| {
-                    config_error(format!("catalog.ca_file {}: {error}", path.display()))
-                })?;
+                .map_err(|error| config_error(format!("catalog.ca_file {}: {error}", path.display())))?;
             if certificates.is_empty() {
-                return Err(config_error(format!(
-                    "catalog.ca_file {} holds no PEM certificate",
-                    path.display()
-                )));
+                return Err(config_error(format!("catalog.ca_file {} holds no PEM certificate", path.display())));
             }
             for certificate in certificates {
-                roots.add(certificate).map_err(|error| {
-                    config_error(format!("catalog.ca_file {}: {error}", path.display()))
-                })?;
+                roots
+                    .add(certificate)
+                    .map_err(|error| config_error(format!("catalog.ca_file {}: {error}", path.display())))?;
             }
         }
         None => {
             let native = rustls_native_certs::load_native_certs();
             let (added, _ignored) = roots.add_parsable_certificates(native.certs);
             if added == 0 {
-                return Err(config_error(
-                    "no system CA certificates found for https; set catalog.ca_file".into(),
-                ));
+                return Err(config_error("no system CA certificates found for https; set catalog.ca_file".into()));
             }
         }
     }
@@ -643,14 +589,9 @@ mod tests {
     fn local_failures_are_classified_by_when_they_happen() {
         assert_eq!(classify(&Error::TimedOut), ErrorKind::OutcomeUnknown);
         assert_eq!(classify(&Error::NotEnoughData), ErrorKind::OutcomeUnknown);
-        assert_eq!(
-            classify(&Error::InvalidParams("bad url".into())),
-            ErrorKind::DefinitelyFailed
-        );
+        assert_eq!(classify(&Error::InvalidParams("bad url".into())), ErrorKind::DefinitelyFailed);
         // A network error that is not a hyper connect error (here: any other error type) is unknown.
-        let other_network = Error::Network(Box::new(std::io::Error::from(
-            std::io::ErrorKind::ConnectionReset,
-        )));
+        let other_network = Error::Network(Box::new(std::io::Error::from(std::io::ErrorKind::ConnectionReset)));
         assert_eq!(classify(&other_network), ErrorKind::OutcomeUnknown);
     }
 
@@ -669,25 +610,16 @@ mod tests {
             assert!(!is_definitely_failed_code(execution_time_code));
         }
         let codes: Vec<u32> = DEFINITELY_FAILED_CODES.iter().map(|(c, _)| *c).collect();
-        assert!(
-            codes.windows(2).all(|pair| pair[0] < pair[1]),
-            "codes are sorted and unique"
-        );
+        assert!(codes.windows(2).all(|pair| pair[0] < pair[1]), "codes are sorted and unique");
     }
 
     #[test]
     fn versions_parse_old_and_new() {
         let old = ServerVersion::parse("18.16.1\n").unwrap();
-        assert_eq!(
-            (old.major, old.minor, old.patch, old.build),
-            (18, 16, 1, None)
-        );
+        assert_eq!((old.major, old.minor, old.patch, old.build), (18, 16, 1, None));
         assert!(!old.is_modern() && !old.has_subsecond_clock());
         let new = ServerVersion::parse("24.3.2.23").unwrap();
-        assert_eq!(
-            (new.major, new.minor, new.patch, new.build),
-            (24, 3, 2, Some(23))
-        );
+        assert_eq!((new.major, new.minor, new.patch, new.build), (24, 3, 2, Some(23)));
         assert!(new.is_modern() && new.has_subsecond_clock());
         assert!(ServerVersion::parse("banana").is_none());
         assert!(ServerVersion::parse("18").is_none());

@@ -1,7 +1,27 @@
 //! The ClickHouse catalog: the tables that map every capture to its pack, the publisher lease and the publishes
 //! watermark (design document, sections 6 and 7).
 //!
-//! - [`client`]: the only way the catalog talks to ClickHouse. Every other catalog module goes through
-//!   [`client::CatalogClient`] and branches on [`client::ErrorKind`].
+//! - [`client`]: the only way the catalog talks to ClickHouse; classifies every failure once.
+//! - [`schema`]: table names, DDL (single server or cluster), schema version stamp.
+//! - [`lease`]: the lease statements, the fence, and the keeper task (renew, quarantine, latch, start wait).
+//! - [`publish`]: publishing a batch of packs at version watermark + 1 behind the fence, with read-back.
+//! - [`query`]: reads with a pinned watermark, tailing by version, garbage collection.
 
 pub mod client;
+pub mod lease;
+pub mod publish;
+pub mod query;
+pub mod schema;
+
+pub use client::{CatalogClient, CatalogError, ErrorKind};
+pub use schema::Tables;
+
+use crate::config::Config;
+
+/// Connect to the catalog of `config` and make sure its tables exist at a schema version we understand.
+pub async fn connect(config: &Config) -> Result<(CatalogClient, Tables), schema::SchemaError> {
+    let client = CatalogClient::connect(&config.catalog).await?;
+    let tables = Tables::new(&config.catalog.database, &config.catalog.table_prefix, config.catalog.cluster.as_deref());
+    schema::ensure_schema(&client, &tables).await?;
+    Ok((client, tables))
+}

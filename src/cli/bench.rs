@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::Subcommand;
 
-use capstore::bench::{spool_append, SpoolBenchOptions};
+use capstore::bench::{catalog_publish, spool_append, CatalogBenchOptions, SpoolBenchOptions};
 use capstore::config::{ByteSize, Config};
 use capstore::exit_code;
 
@@ -31,10 +31,26 @@ pub enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Catalog publish throughput (rows/s) beside clickhouse-client bulk-inserting the same rows, same server.
+    /// The catalog comes from the config (catalog.url etc.); use a scratch database.
+    Catalog {
+        /// The server's native-protocol port, for the clickhouse-client baseline.
+        #[arg(long, default_value_t = 9000)]
+        native_port: u16,
+        #[arg(long, value_delimiter = ',', default_value = "1000,10000,100000")]
+        rows: Vec<u64>,
+        #[arg(long, default_value_t = 3)]
+        repeats: usize,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Subcommand)]
 pub enum DebugCommand {
+    /// Own the spool, take the catalog's publisher lease (with the start wait) and keep renewing it until killed;
+    /// prints "HELD <term> <holder>" once held.
+    HoldLease,
     /// Append a deterministic stream of captures to the spool, printing "ACK <capture_id> <len>" after each fsync.
     AppendStream {
         /// Stop after this many captures (default: run until killed).
@@ -46,8 +62,33 @@ pub enum DebugCommand {
     },
 }
 
-pub fn run(command: BenchCommand) -> anyhow::Result<i32> {
-    let BenchCommand::Spool { dir, total, sizes, producers, repeats, json } = command;
+pub fn run(config: &Config, command: BenchCommand) -> anyhow::Result<i32> {
+    let runtime = tokio::runtime::Runtime::new()?;
+    let (dir, total, sizes, producers, repeats, json) = match command {
+        BenchCommand::Spool { dir, total, sizes, producers, repeats, json } => {
+            (dir, total, sizes, producers, repeats, json)
+        }
+        BenchCommand::Catalog { native_port, rows, repeats, json } => {
+            let options =
+                CatalogBenchOptions { config: config.clone(), native_port, batch_rows: rows, repeats: repeats.max(1) };
+            let results = runtime.block_on(catalog_publish(&options))?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&results)?);
+                return Ok(exit_code::CLEAN);
+            }
+            println!("{:>8}  {:>12}  {:>14}  {:>8}", "rows", "capstore r/s", "ch-client r/s", "ratio");
+            for row in results {
+                println!(
+                    "{:>8}  {:>12.0}  {:>14.0}  {:>7.0}%",
+                    row.rows,
+                    row.publish_rows_per_s,
+                    row.client_rows_per_s,
+                    row.ratio_to_client * 100.0
+                );
+            }
+            return Ok(exit_code::CLEAN);
+        }
+    };
     let options = SpoolBenchOptions {
         dir,
         capture_sizes: sizes.iter().map(|s| s.0).collect(),
@@ -55,7 +96,6 @@ pub fn run(command: BenchCommand) -> anyhow::Result<i32> {
         producers,
         repeats: repeats.max(1),
     };
-    let runtime = tokio::runtime::Runtime::new()?;
     let rows = runtime.block_on(spool_append(&options))?;
     if json {
         println!("{}", serde_json::to_string_pretty(&rows)?);
@@ -81,9 +121,39 @@ pub fn run(command: BenchCommand) -> anyhow::Result<i32> {
 }
 
 pub fn debug(config: &Config, command: DebugCommand) -> anyhow::Result<i32> {
-    let DebugCommand::AppendStream { max, producers } = command;
     let runtime = tokio::runtime::Runtime::new()?;
-    runtime.block_on(append_stream(config, max, producers))
+    match command {
+        DebugCommand::AppendStream { max, producers } => runtime.block_on(append_stream(config, max, producers)),
+        DebugCommand::HoldLease => runtime.block_on(hold_lease(config)),
+    }
+}
+
+async fn hold_lease(config: &Config) -> anyhow::Result<i32> {
+    use capstore::catalog::lease::{Identity, LeaseKeeper, LeaseStore, LeaseTimings, StartError};
+    let (spool, _recovery) = capstore::spool::Spool::open(&config.spool)?;
+    let (client, tables) = capstore::catalog::connect(config).await?;
+    let identity = Identity { spool_id: spool.id(), host: capstore::spool::lock::host_name(), pid: std::process::id() };
+    let timings = LeaseTimings::from_config(&config.lease, &client);
+    let keeper = LeaseKeeper::new(
+        LeaseStore::new(client, &tables, &config.catalog_name, timings),
+        identity,
+        &config.catalog_name,
+    );
+    let (_shutdown_tx, mut shutdown_rx) = tokio::sync::watch::channel(false);
+    match keeper.acquire_at_start(config.start_wait(), &mut shutdown_rx).await {
+        Ok(()) => {}
+        Err(error @ StartError::Refused { .. }) => {
+            eprintln!("capstore: {error}");
+            return Ok(exit_code::CATALOG_HELD);
+        }
+        Err(error) => return Err(error.into()),
+    }
+    let status = keeper.handle().status();
+    println!("HELD {} {}", status.lease_term, keeper.handle().identity().holder());
+    std::io::stdout().flush()?;
+    keeper.run(shutdown_rx).await;
+    drop(spool);
+    Ok(exit_code::CATALOG_HELD)
 }
 
 async fn append_stream(config: &Config, max: Option<u64>, producers: usize) -> anyhow::Result<i32> {

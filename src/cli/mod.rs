@@ -2,8 +2,10 @@
 //! data), diagnostics on stderr, and exit with the codes in [`capstore::exit_code`].
 
 mod bench;
+mod catalog_cmd;
 mod config_cmd;
 mod put;
+mod read_cmd;
 mod spool_cmd;
 
 use std::path::PathBuf;
@@ -32,9 +34,32 @@ enum Command {
     CheckConfig,
     /// Copy files into the inbox atomically; prints "<capture_id>\t<file>" per file.
     Put(put::PutArgs),
+    /// Read one capture back (byte-identical, CRC verified).
+    Get(read_cmd::GetArgs),
+    /// List published captures by stream, time range and labels.
+    Ls(read_cmd::LsArgs),
+    /// Print published captures in version order (after version N), optionally following new publishes.
+    Tail(read_cmd::TailArgs),
+    /// The running daemon's status snapshot.
+    Status {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Publish packs that are in the bucket but missing from the catalog (run while the daemon is stopped).
+    Reconcile,
+    /// Check every published pack against the bucket: present, valid, same size, SHA-256 and record count.
+    Verify {
+        #[arg(long)]
+        json: bool,
+    },
     /// Offline spool tools.
     #[command(subcommand)]
     Spool(spool_cmd::SpoolCommand),
+    /// The publisher lease of this catalog.
+    #[command(subcommand)]
+    Lease(catalog_cmd::LeaseCommand),
+    /// Remove orphan catalog rows below the watermark and lease rows below the head term.
+    Gc,
     /// Benchmarks with same-run baselines.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -58,7 +83,15 @@ pub fn main() -> i32 {
         Command::CheckConfig => unreachable!("handled above"),
         Command::Put(args) => put::put(&config, args),
         Command::Spool(command) => spool_cmd::run(&config, command),
-        Command::Bench(command) => bench::run(command),
+        Command::Get(args) => read_cmd::get(&config, args),
+        Command::Ls(args) => read_cmd::ls(&config, args),
+        Command::Tail(args) => read_cmd::tail(&config, args),
+        Command::Status { json } => read_cmd::status(&config, json),
+        Command::Reconcile => read_cmd::reconcile(&config),
+        Command::Verify { json } => read_cmd::verify(&config, json),
+        Command::Lease(command) => catalog_cmd::lease(&config, command),
+        Command::Gc => catalog_cmd::gc(&config),
+        Command::Bench(command) => bench::run(&config, command),
         Command::Debug(command) => bench::debug(&config, command),
     };
     match result {
@@ -94,7 +127,7 @@ fn init_logging(config: &Config) {
 
 fn run_daemon(config: Config) -> anyhow::Result<i32> {
     let runtime = tokio::runtime::Runtime::new()?;
-    match runtime.block_on(capstore::daemon::run(config)) {
+    match runtime.block_on(capstore::pipeline::supervisor::run(config)) {
         Ok(code) => Ok(code),
         Err(error) => {
             tracing::error!(%error, "capstore stopped");

@@ -764,6 +764,26 @@ pub fn decode_record(record_bytes: &[u8], entry: &IndexEntry) -> Result<(Capture
     Ok((meta, record_bytes[payload_range].to_vec()))
 }
 
+/// The footer entry of a record known only by its place and CRC (as the catalog keeps it): the metadata is taken from
+/// the record itself. Pass the result to [`decode_record`], which verifies the CRC, the lengths and the offsets.
+pub fn entry_from_location(
+    record_bytes: &[u8],
+    record_offset: u64,
+    payload_offset: u64,
+    payload_len: u64,
+    crc32c: u32,
+) -> Result<IndexEntry, PackError> {
+    if record_bytes.len() < RECORD_HEADER_LEN || record_bytes[0..4] != RECORD_MAGIC {
+        return Err(PackError::BadMagic { what: "record", offset: record_offset });
+    }
+    let meta_len = u32_at(record_bytes, 4) as usize;
+    let meta_bytes = record_bytes
+        .get(RECORD_HEADER_LEN..RECORD_HEADER_LEN + meta_len)
+        .ok_or_else(|| corrupt(record_offset, "record metadata runs past the record"))?;
+    let meta = decode_meta(meta_bytes, record_offset + RECORD_HEADER_LEN as u64)?;
+    Ok(IndexEntry { meta, record_offset, record_len: record_bytes.len() as u64, payload_offset, payload_len, crc32c })
+}
+
 // ---------------------------------------------------------------------------------------------------------------------
 // Sequential scan (recovery of `.open` files and full verification)
 

@@ -97,7 +97,7 @@ pub struct WriterStats {
     pub fsyncs: AtomicU64,
     pub packs_sealed: AtomicU64,
     pub appends_refused: AtomicU64,
-    /// Woken after every seal, so the uploader need not poll.
+    /// Woken after every seal (one permit is kept if nobody waits), so the supervisor need not poll.
     pub sealed_notify: Notify,
 }
 
@@ -297,6 +297,8 @@ impl WriterState {
             self.reset_after_io_error();
         } else if self.batch_io_failed {
             synced = Err(AppendError::Io("an earlier write of this batch failed".into()));
+        } else {
+            crate::failpoint::hit("after_append_before_ack");
         }
         Self::answer(&mut pending_acks, &synced);
         self.seal_if_full();
@@ -439,9 +441,10 @@ impl WriterState {
         let pack_id = open.writer.pack_id();
         let summary = open.writer.finish()?;
         durable::rename_durable(&open.path, &self.paths.pack_path(pack_id, PackState::Sealed))?;
+        crate::failpoint::hit("after_seal");
         self.stats.packs_sealed.fetch_add(1, Ordering::Relaxed);
         self.stats.fsyncs.fetch_add(1, Ordering::Relaxed);
-        self.stats.sealed_notify.notify_waiters();
+        self.stats.sealed_notify.notify_one();
         tracing::debug!(pack_id = %pack_id, records = summary.records, bytes = summary.bytes, "pack sealed");
         Ok(Some(summary))
     }

@@ -75,10 +75,7 @@ fn start_server() -> ClickHouseServer {
             Err(failure) => failures.push(failure),
         }
     }
-    panic!(
-        "clickhouse-server did not start:\n{}",
-        failures.join("\n\n")
-    );
+    panic!("clickhouse-server did not start:\n{}", failures.join("\n\n"));
 }
 
 fn try_start(binary: &Path) -> Result<ClickHouseServer, String> {
@@ -95,8 +92,8 @@ fn try_start(binary: &Path) -> Result<ClickHouseServer, String> {
         .stdin(Stdio::null())
         .stdout(stderr_file.try_clone().unwrap())
         .stderr(stderr_file);
-    let mut child = super::spawn_tied_to_process(command)
-        .map_err(|error| format!("cannot run {}: {error}", binary.display()))?;
+    let mut child =
+        super::spawn_tied_to_process(command).map_err(|error| format!("cannot run {}: {error}", binary.display()))?;
     let http_addr: SocketAddr = ([127, 0, 0, 1], http_port).into();
     let deadline = std::time::Instant::now() + READY_TIMEOUT;
     loop {
@@ -113,27 +110,15 @@ fn try_start(binary: &Path) -> Result<ClickHouseServer, String> {
             )
         };
         if let Ok(Some(status)) = child.try_wait() {
-            return Err(format!(
-                "clickhouse-server exited with {status}\n{}",
-                tails()
-            ));
+            return Err(format!("clickhouse-server exited with {status}\n{}", tails()));
         }
         if std::time::Instant::now() >= deadline {
             super::terminate(&mut child, Duration::from_secs(2));
-            return Err(format!(
-                "clickhouse-server not answering on {http_addr} after {READY_TIMEOUT:?}\n{}",
-                tails()
-            ));
+            return Err(format!("clickhouse-server not answering on {http_addr} after {READY_TIMEOUT:?}\n{}", tails()));
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    Ok(ClickHouseServer {
-        http_addr,
-        tcp_port,
-        dir,
-        child: Mutex::new(child),
-        next_database: AtomicU64::new(0),
-    })
+    Ok(ClickHouseServer { http_addr, tcp_port, dir, child: Mutex::new(child), next_database: AtomicU64::new(0) })
 }
 
 fn server_config(dir: &Path, http_port: u16, tcp_port: u16) -> String {
@@ -164,39 +149,24 @@ fn server_config(dir: &Path, http_port: u16, tcp_port: u16) -> String {
 }
 
 fn http_get(addr: SocketAddr, path_and_query: &str) -> Result<String, String> {
-    http_request(
-        addr,
-        &format!("GET {path_and_query} HTTP/1.0\r\nHost: {addr}\r\n\r\n"),
-    )
+    http_request(addr, &format!("GET {path_and_query} HTTP/1.0\r\nHost: {addr}\r\n\r\n"))
 }
 
 fn http_post(addr: SocketAddr, sql: &str) -> Result<String, String> {
     http_request(
         addr,
-        &format!(
-            "POST /?wait_end_of_query=1 HTTP/1.0\r\nHost: {addr}\r\nContent-Length: {}\r\n\r\n{sql}",
-            sql.len()
-        ),
+        &format!("POST /?wait_end_of_query=1 HTTP/1.0\r\nHost: {addr}\r\nContent-Length: {}\r\n\r\n{sql}", sql.len()),
     )
 }
 
 /// A minimal HTTP/1.0 exchange: the body on 200, else the status line and body as the error.
 fn http_request(addr: SocketAddr, request: &str) -> Result<String, String> {
-    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(1))
-        .map_err(|error| error.to_string())?;
-    stream
-        .set_read_timeout(Some(Duration::from_secs(30)))
-        .map_err(|error| error.to_string())?;
-    stream
-        .write_all(request.as_bytes())
-        .map_err(|error| error.to_string())?;
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(1)).map_err(|error| error.to_string())?;
+    stream.set_read_timeout(Some(Duration::from_secs(30))).map_err(|error| error.to_string())?;
+    stream.write_all(request.as_bytes()).map_err(|error| error.to_string())?;
     let mut response = String::new();
-    stream
-        .read_to_string(&mut response)
-        .map_err(|error| error.to_string())?;
-    let (head, body) = response
-        .split_once("\r\n\r\n")
-        .ok_or_else(|| format!("malformed reply: {response:?}"))?;
+    stream.read_to_string(&mut response).map_err(|error| error.to_string())?;
+    let (head, body) = response.split_once("\r\n\r\n").ok_or_else(|| format!("malformed reply: {response:?}"))?;
     let status_line = head.lines().next().unwrap_or_default();
     if status_line.split_whitespace().nth(1) == Some("200") {
         Ok(body.to_string())

@@ -60,11 +60,7 @@ pub fn spawn_tied_to_process(command: Command) -> io::Result<Child> {
         Mutex::new(request_tx)
     });
     let (reply_tx, reply_rx) = mpsc::channel();
-    spawner_tx
-        .lock()
-        .unwrap()
-        .send(SpawnRequest { command, reply_tx })
-        .expect("spawner thread alive");
+    spawner_tx.lock().unwrap().send(SpawnRequest { command, reply_tx }).expect("spawner thread alive");
     reply_rx.recv().expect("spawner thread replies")
 }
 
@@ -115,9 +111,8 @@ pub fn free_ports(count: usize, with_grpc_twin: bool) -> Vec<u16> {
     let mut ports: Vec<u16> = Vec::with_capacity(count);
     while ports.len() < count {
         let port = free_port(with_grpc_twin);
-        let clashes = ports.iter().any(|p| {
-            *p == port || (with_grpc_twin && (*p + 10_000 == port || port + 10_000 == *p))
-        });
+        let clashes =
+            ports.iter().any(|p| *p == port || (with_grpc_twin && (*p + 10_000 == port || port + 10_000 == *p)));
         if !clashes {
             ports.push(port);
         }
@@ -131,12 +126,7 @@ pub fn log_tail(path: &Path, max_lines: usize) -> String {
         Ok(text) => {
             let lines: Vec<&str> = text.lines().collect();
             let start = lines.len().saturating_sub(max_lines);
-            format!(
-                "--- {} (last {} lines)\n{}",
-                path.display(),
-                max_lines,
-                lines[start..].join("\n")
-            )
+            format!("--- {} (last {} lines)\n{}", path.display(), max_lines, lines[start..].join("\n"))
         }
         Err(error) => format!("--- {}: {error}", path.display()),
     }

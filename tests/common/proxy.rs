@@ -6,6 +6,8 @@
 //! - `blackhole`: accept, read and discard, never answer, never close (requests already forwarded still run).
 //! - `delay(d)`: forward both ways, each chunk held back by `d`.
 //! - `blackhole_replies`: forward client -> server, discard server -> client: the statement runs, its reply is lost.
+//! - `blackhole_replies_matching(p)`: pass, except that once a request containing `p` goes through a connection, every
+//!   reply on that connection is discarded: exactly one kind of statement runs and loses its reply.
 //!
 //! It runs on its own tokio runtime, so sync and async tests can use it alike.
 
@@ -30,8 +32,12 @@ pub struct FaultProxy {
     addr: SocketAddr,
     upstream: SocketAddr,
     mode_tx: Arc<watch::Sender<Mode>>,
+    /// Request bytes that make a connection swallow its replies (see `blackhole_replies_matching`).
+    reply_filter: ReplyFilter,
     runtime: Option<tokio::runtime::Runtime>,
 }
+
+type ReplyFilter = Arc<std::sync::Mutex<Option<Vec<u8>>>>;
 
 impl FaultProxy {
     /// Listen on `127.0.0.1:0` and forward to `upstream`, starting in `pass` mode.
@@ -48,6 +54,8 @@ impl FaultProxy {
         let (mode_tx, _) = watch::channel(Mode::Pass);
         let mode_tx = Arc::new(mode_tx);
         let accept_mode_tx = Arc::clone(&mode_tx);
+        let reply_filter: ReplyFilter = Arc::default();
+        let accept_reply_filter = Arc::clone(&reply_filter);
         runtime.spawn(async move {
             let listener = TcpListener::from_std(std_listener).expect("proxy listener");
             loop {
@@ -55,15 +63,10 @@ impl FaultProxy {
                     continue;
                 };
                 let mode_rx = accept_mode_tx.subscribe();
-                tokio::spawn(serve_connection(client, upstream, mode_rx));
+                tokio::spawn(serve_connection(client, upstream, mode_rx, Arc::clone(&accept_reply_filter)));
             }
         });
-        FaultProxy {
-            addr,
-            upstream,
-            mode_tx,
-            runtime: Some(runtime),
-        }
+        FaultProxy { addr, upstream, mode_tx, reply_filter, runtime: Some(runtime) }
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -87,6 +90,13 @@ impl FaultProxy {
     }
 
     pub fn pass(&self) {
+        *self.reply_filter.lock().unwrap() = None;
+        self.set_mode(Mode::Pass);
+    }
+
+    /// Pass everything, except replies on any connection that has carried a request containing `pattern`.
+    pub fn blackhole_replies_matching(&self, pattern: &str) {
+        *self.reply_filter.lock().unwrap() = Some(pattern.as_bytes().to_vec());
         self.set_mode(Mode::Pass);
     }
 
@@ -116,7 +126,12 @@ impl Drop for FaultProxy {
     }
 }
 
-async fn serve_connection(client: TcpStream, upstream: SocketAddr, mode_rx: watch::Receiver<Mode>) {
+async fn serve_connection(
+    client: TcpStream,
+    upstream: SocketAddr,
+    mode_rx: watch::Receiver<Mode>,
+    reply_filter: ReplyFilter,
+) {
     let _ = client.set_nodelay(true);
     let initial_mode = *mode_rx.borrow();
     let server_opt = match initial_mode {
@@ -134,18 +149,10 @@ async fn serve_connection(client: TcpStream, upstream: SocketAddr, mode_rx: watc
     let _ = server.set_nodelay(true);
     let (client_read, client_write) = client.into_split();
     let (server_read, server_write) = server.into_split();
-    let requests = pump(
-        client_read,
-        server_write,
-        mode_rx.clone(),
-        Direction::Requests,
-    );
-    let replies = pump(
-        server_read,
-        client_write,
-        mode_rx.clone(),
-        Direction::Replies,
-    );
+    let swallow = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let matcher = Matcher { filter: reply_filter, swallow };
+    let requests = pump(client_read, server_write, mode_rx.clone(), Direction::Requests, matcher.clone());
+    let replies = pump(server_read, client_write, mode_rx.clone(), Direction::Replies, matcher);
     let mut cut_rx = mode_rx;
     let cut = async move {
         let _ = cut_rx.wait_for(|mode| *mode == Mode::Cut).await;
@@ -180,20 +187,46 @@ enum Direction {
     Replies,
 }
 
+/// Per-connection state of `blackhole_replies_matching`.
+#[derive(Clone)]
+struct Matcher {
+    filter: ReplyFilter,
+    swallow: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Matcher {
+    fn swallowing(&self) -> bool {
+        self.swallow.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Look for the pattern in a request chunk (with the tail of the previous chunk, in case it was split).
+    fn inspect(&self, carry: &mut Vec<u8>, chunk: &[u8]) {
+        let Some(pattern) = self.filter.lock().unwrap().clone() else { return };
+        carry.extend_from_slice(chunk);
+        if carry.windows(pattern.len()).any(|window| window == pattern.as_slice()) {
+            self.swallow.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+        let keep = carry.len().saturating_sub(pattern.len());
+        carry.drain(..keep);
+    }
+}
+
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     mode_rx: watch::Receiver<Mode>,
     direction: Direction,
+    matcher: Matcher,
 ) {
     let mut buffer = vec![0u8; 64 * 1024];
+    let mut carry = Vec::new();
     loop {
         let read = match from.read(&mut buffer).await {
             Ok(0) | Err(_) => {
                 let swallowing = match *mode_rx.borrow() {
                     Mode::Blackhole => true,
                     Mode::BlackholeReplies => direction == Direction::Replies,
-                    _ => false,
+                    _ => direction == Direction::Replies && matcher.swallowing(),
                 };
                 if swallowing {
                     // Never pass on a close the peer should not see.
@@ -204,6 +237,11 @@ async fn pump(
             }
             Ok(read) => read,
         };
+        if direction == Direction::Requests {
+            matcher.inspect(&mut carry, &buffer[..read]);
+        } else if matcher.swallowing() {
+            continue;
+        }
         let mode = *mode_rx.borrow();
         match mode {
             Mode::Pass => {}

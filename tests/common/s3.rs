@@ -74,23 +74,15 @@ impl S3Server {
         if child_opt.is_some() {
             return;
         }
-        let child = self
-            .spawn_and_wait()
-            .unwrap_or_else(|failure| panic!("weed mini did not restart: {failure}"));
+        let child = self.spawn_and_wait().unwrap_or_else(|failure| panic!("weed mini did not restart: {failure}"));
         *child_opt = Some(child);
     }
 
     fn spawn_and_wait(&self) -> Result<Child, String> {
-        let log_file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.dir.join("weed.log"))
-            .unwrap();
+        let log_file = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.join("weed.log")).unwrap();
         let data_dir = self.dir.join("data");
         std::fs::create_dir_all(&data_dir).unwrap();
-        let [master, volume, filer, s3, admin] = self.ports[..] else {
-            unreachable!()
-        };
+        let [master, volume, filer, s3, admin] = self.ports[..] else { unreachable!() };
         let mut command = Command::new(&self.binary);
         command
             .arg("mini")
@@ -128,10 +120,7 @@ impl S3Server {
             }
             if std::time::Instant::now() >= deadline {
                 super::terminate(&mut child, Duration::from_secs(5));
-                return Err(format!(
-                    "bucket not ready after {READY_TIMEOUT:?}\n{}",
-                    log()
-                ));
+                return Err(format!("bucket not ready after {READY_TIMEOUT:?}\n{}", log()));
             }
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -142,18 +131,12 @@ impl S3Server {
     fn bucket_answers(&self) -> bool {
         let store = self
             .builder()
-            .with_retry(object_store::RetryConfig {
-                max_retries: 0,
-                ..Default::default()
-            })
+            .with_retry(object_store::RetryConfig { max_retries: 0, ..Default::default() })
             .build()
             .expect("valid S3 settings");
         // Own thread and runtime: the caller may be inside an async test.
         std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
             runtime.block_on(async {
                 tokio::time::timeout(Duration::from_secs(2), store.list_with_delimiter(None))
                     .await
@@ -174,23 +157,15 @@ pub fn shared_s3() -> &'static S3Server {
 fn find_weed() -> PathBuf {
     if let Some(explicit) = std::env::var_os("CAPSTORE_WEED") {
         let path = PathBuf::from(explicit);
-        assert!(
-            path.is_file(),
-            "CAPSTORE_WEED={} is not a file. {INSTALL_HINT}",
-            path.display()
-        );
+        assert!(path.is_file(), "CAPSTORE_WEED={} is not a file. {INSTALL_HINT}", path.display());
         return path;
     }
     let path_var = std::env::var_os("PATH").unwrap_or_default();
-    let on_path = std::env::split_paths(&path_var)
-        .map(|dir| dir.join("weed"))
-        .find(|candidate| candidate.is_file());
+    let on_path = std::env::split_paths(&path_var).map(|dir| dir.join("weed")).find(|candidate| candidate.is_file());
     let in_venv = std::env::var_os("HOME")
         .map(|home| PathBuf::from(home).join(".cache/capstore-venv/bin/weed"))
         .filter(|candidate| candidate.is_file());
-    on_path
-        .or(in_venv)
-        .unwrap_or_else(|| panic!("{INSTALL_HINT}"))
+    on_path.or(in_venv).unwrap_or_else(|| panic!("{INSTALL_HINT}"))
 }
 
 fn start_server() -> S3Server {

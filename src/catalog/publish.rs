@@ -1,0 +1,306 @@
+//! Publishing a batch of packs at catalog version V = watermark + 1.
+//!
+//! 1. A [`PublishPermit`] from the lease: held, with at least `publish_timeout + clock_skew` left.
+//! 2. Replay guard: packs whose rows are already committed (their `(version, publish_id)` is in `publishes`) are
+//!    reported as such and not published again.
+//! 3. Descriptor rows (`captures`, `packs`) carrying `(V, publish_id)`; invisible until step 4 lands, harmless orphans if
+//!    it never does (`capstore gc` removes them).
+//! 4. The `publishes` row: `INSERT ... SELECT ... FROM system.one WHERE <fence> AND max(version) < V`, with
+//!    `max_execution_time = publish_timeout` and `wait_end_of_query = 1`.
+//! 5. Read back `(V, publish_id)`: present means committed; absent means the fence or the version check refused it
+//!    (the lease is re-checked); an unknown outcome at 4 or 5 quarantines the lease and leaves the batch *unresolved*:
+//!    before anything else is published, the unresolved publish_id is read back again (and the replay guard sees it).
+//!
+//! Invariants: versions per catalog are gapless and strictly increasing (I4: V is allocated only under the lease, and
+//! the statement itself refuses unless `max(version) < V`); no publishing statement lands without the fence (I3).
+
+use std::collections::HashSet;
+use std::sync::Mutex;
+
+use uuid::Uuid;
+
+use super::client::{sql_string_literal, CatalogClient, CatalogError, ErrorKind};
+use super::lease::{server_now_ms_expr, LeaseHandle, PublishPermit};
+use super::schema::Tables;
+use crate::spool::pack::{IndexEntry, PackSummary};
+
+/// One pack to publish: where it lives in the bucket and what it holds.
+#[derive(Debug, Clone)]
+pub struct PackDescriptor {
+    pub summary: PackSummary,
+    pub object_key: String,
+    pub entries: Vec<IndexEntry>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PublishOutcome {
+    /// Every pack of the batch is now visible at `version`.
+    Committed { version: u64, publish_id: Uuid },
+    /// Every pack of the batch was already published earlier (replay guard); nothing was written.
+    AlreadyPublished,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    #[error("not publishing: the lease is not held with enough time left")]
+    NoLease,
+    #[error("publish refused by the fence or the version check (lost the lease or raced); the lease is re-checked")]
+    NotCommitted,
+    #[error("publish outcome unknown; lease quarantined: {0}")]
+    OutcomeUnknown(CatalogError),
+    #[error(transparent)]
+    Catalog(#[from] CatalogError),
+}
+
+#[derive(clickhouse::Row, serde::Serialize)]
+struct CaptureRow {
+    catalog: String,
+    stream: String,
+    captured_at_ns: u64,
+    capture_id: String,
+    pack_id: String,
+    object_key: String,
+    record_offset: u64,
+    record_len: u64,
+    payload_offset: u64,
+    payload_len: u64,
+    crc32c: u32,
+    label_keys: Vec<String>,
+    label_values: Vec<String>,
+    content_type: String,
+    version: u64,
+    publish_id: String,
+}
+
+#[derive(clickhouse::Row, serde::Serialize)]
+struct PackRow {
+    catalog: String,
+    pack_id: String,
+    object_key: String,
+    bytes: u64,
+    sha256: String,
+    records: u64,
+    first_captured_at_ns: u64,
+    last_captured_at_ns: u64,
+    version: u64,
+    publish_id: String,
+}
+
+#[derive(clickhouse::Row, serde::Deserialize)]
+struct VersionRow {
+    version: u64,
+}
+
+#[derive(clickhouse::Row, serde::Deserialize)]
+struct PackIdRow {
+    pack_id: String,
+}
+
+/// A publish whose outcome is not known yet.
+#[derive(Debug, Clone)]
+struct Unresolved {
+    version: u64,
+    publish_id: Uuid,
+}
+
+pub struct Publisher {
+    client: CatalogClient,
+    tables: Tables,
+    catalog: String,
+    lease: LeaseHandle,
+    unresolved: Mutex<Option<Unresolved>>,
+}
+
+impl Publisher {
+    pub fn new(client: CatalogClient, tables: Tables, catalog: &str, lease: LeaseHandle) -> Publisher {
+        Publisher { client, tables, catalog: catalog.to_string(), lease, unresolved: Mutex::new(None) }
+    }
+
+    fn catalog_literal(&self) -> String {
+        sql_string_literal(&self.catalog)
+    }
+
+    /// The highest committed version (0 before the first publish).
+    pub async fn watermark(&self) -> Result<u64, CatalogError> {
+        let rows: Vec<VersionRow> = self
+            .client
+            .fetch_all(&format!(
+                "SELECT max(version) AS version FROM {} WHERE catalog = {}",
+                self.tables.publishes,
+                self.catalog_literal()
+            ))
+            .await?;
+        Ok(rows.first().map_or(0, |row| row.version))
+    }
+
+    /// The committed version of `publish_id`, if it landed.
+    pub async fn read_back(&self, publish_id: Uuid) -> Result<Option<u64>, CatalogError> {
+        let rows: Vec<VersionRow> = self
+            .client
+            .fetch_all(&format!(
+                "SELECT version FROM {} WHERE catalog = {} AND publish_id = {}",
+                self.tables.publishes,
+                self.catalog_literal(),
+                sql_string_literal(&publish_id.to_string())
+            ))
+            .await?;
+        Ok(rows.first().map(|row| row.version))
+    }
+
+    /// Pack ids among `pack_ids` whose rows are committed (the replay guard).
+    pub async fn committed_packs(&self, pack_ids: &[Uuid]) -> Result<HashSet<Uuid>, CatalogError> {
+        if pack_ids.is_empty() {
+            return Ok(HashSet::new());
+        }
+        let list: Vec<String> = pack_ids.iter().map(|id| sql_string_literal(&id.to_string())).collect();
+        let catalog = self.catalog_literal();
+        let rows: Vec<PackIdRow> = self
+            .client
+            .fetch_all(&format!(
+                "SELECT DISTINCT pack_id FROM {packs} WHERE catalog = {catalog} AND pack_id IN ({list}) AND \
+                 (version, publish_id) IN (SELECT version, publish_id FROM {publishes} WHERE catalog = {catalog})",
+                packs = self.tables.packs,
+                publishes = self.tables.publishes,
+                list = list.join(", "),
+            ))
+            .await?;
+        Ok(rows.iter().filter_map(|row| Uuid::parse_str(&row.pack_id).ok()).collect())
+    }
+
+    /// Settle an earlier publish of unknown outcome. Returns its version if it committed.
+    pub async fn resolve_unresolved(&self) -> Result<Option<u64>, CatalogError> {
+        let pending = self.unresolved.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let Some(pending) = pending else { return Ok(None) };
+        let committed = self.read_back(pending.publish_id).await?;
+        match committed {
+            Some(version) => {
+                tracing::info!(version, publish_id = %pending.publish_id, "earlier publish of unknown outcome had committed")
+            }
+            None => {
+                tracing::info!(version = pending.version, publish_id = %pending.publish_id, "earlier publish of unknown outcome had not committed")
+            }
+        }
+        *self.unresolved.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        Ok(committed)
+    }
+
+    /// Publish `packs` as one version under the lease held now. See the module doc for the steps.
+    pub async fn publish_batch(&self, packs: &[PackDescriptor]) -> Result<PublishOutcome, PublishError> {
+        let permit = self.lease.permit().ok_or(PublishError::NoLease)?;
+        self.publish_with_permit(&permit, packs).await
+    }
+
+    /// [`Publisher::publish_batch`] with a permit taken earlier. Production code calls `publish_batch`; tests use this
+    /// to play a holder that was paused with a permit in hand, which is exactly what the fence must defeat.
+    pub async fn publish_with_permit(
+        &self,
+        permit: &PublishPermit,
+        packs: &[PackDescriptor],
+    ) -> Result<PublishOutcome, PublishError> {
+        // An unresolved publish is settled first: its statement can no longer land (the quarantine gave us a new
+        // lease_id, which its fence does not name), so the read-back is final.
+        self.resolve_unresolved().await?;
+        let pack_ids: Vec<Uuid> = packs.iter().map(|pack| pack.summary.pack_id).collect();
+        let already = self.committed_packs(&pack_ids).await?;
+        let fresh: Vec<&PackDescriptor> =
+            packs.iter().filter(|pack| !already.contains(&pack.summary.pack_id)).collect();
+        if fresh.is_empty() {
+            return Ok(PublishOutcome::AlreadyPublished);
+        }
+
+        let version = self.watermark().await? + 1;
+        let publish_id = Uuid::now_v7();
+        self.insert_descriptor_rows(&fresh, version, publish_id).await?;
+
+        let capture_count: usize = fresh.iter().map(|pack| pack.entries.len()).sum();
+        let sql = format!(
+            "INSERT INTO {publishes} (catalog, version, publish_id, holder, lease_term, packs, captures, published_at_ms) \
+             SELECT {catalog}, {version}, {publish_id}, {holder}, {term}, {pack_count}, {capture_count}, {now} \
+             FROM system.one WHERE {fence} AND \
+             (SELECT max(version) FROM {publishes} WHERE catalog = {catalog}) < {version}",
+            publishes = self.tables.publishes,
+            catalog = self.catalog_literal(),
+            publish_id = sql_string_literal(&publish_id.to_string()),
+            holder = sql_string_literal(&permit.holder),
+            term = permit.term,
+            pack_count = fresh.len(),
+            now = server_now_ms_expr(&self.client),
+            fence = permit.fence,
+        );
+        let timings = self.lease_timings_cap();
+        let unknown = |error: CatalogError| {
+            *self.unresolved.lock().unwrap_or_else(|p| p.into_inner()) = Some(Unresolved { version, publish_id });
+            self.lease.report_unknown_outcome(&error.to_string());
+            PublishError::OutcomeUnknown(error)
+        };
+        match self.client.execute_deciding(&sql, timings).await {
+            Ok(()) => {}
+            Err(error) if error.kind == ErrorKind::DefinitelyFailed => return Err(PublishError::Catalog(error)),
+            Err(error) => return Err(unknown(error)),
+        }
+        match self.read_back(publish_id).await {
+            Ok(Some(committed)) => {
+                debug_assert_eq!(committed, version);
+                tracing::info!(version, %publish_id, packs = fresh.len(), captures = capture_count, "published");
+                Ok(PublishOutcome::Committed { version, publish_id })
+            }
+            Ok(None) => {
+                self.lease.report_fence_refused();
+                Err(PublishError::NotCommitted)
+            }
+            Err(error) => Err(unknown(error)),
+        }
+    }
+
+    fn lease_timings_cap(&self) -> std::time::Duration {
+        self.lease.timings().statement_cap()
+    }
+
+    async fn insert_descriptor_rows(
+        &self,
+        packs: &[&PackDescriptor],
+        version: u64,
+        publish_id: Uuid,
+    ) -> Result<(), CatalogError> {
+        let publish_id_text = publish_id.to_string();
+        let mut capture_rows = Vec::new();
+        let mut pack_rows = Vec::new();
+        for pack in packs {
+            let pack_id = pack.summary.pack_id.to_string();
+            for entry in &pack.entries {
+                capture_rows.push(CaptureRow {
+                    catalog: self.catalog.clone(),
+                    stream: entry.meta.stream.clone(),
+                    captured_at_ns: entry.meta.captured_at_ns,
+                    capture_id: entry.meta.capture_id.to_string(),
+                    pack_id: pack_id.clone(),
+                    object_key: pack.object_key.clone(),
+                    record_offset: entry.record_offset,
+                    record_len: entry.record_len,
+                    payload_offset: entry.payload_offset,
+                    payload_len: entry.payload_len,
+                    crc32c: entry.crc32c,
+                    label_keys: entry.meta.labels.keys().cloned().collect(),
+                    label_values: entry.meta.labels.values().cloned().collect(),
+                    content_type: entry.meta.content_type.clone().unwrap_or_default(),
+                    version,
+                    publish_id: publish_id_text.clone(),
+                });
+            }
+            pack_rows.push(PackRow {
+                catalog: self.catalog.clone(),
+                pack_id,
+                object_key: pack.object_key.clone(),
+                bytes: pack.summary.bytes,
+                sha256: pack.summary.sha256_hex.clone(),
+                records: pack.summary.records,
+                first_captured_at_ns: pack.summary.first_captured_at_ns,
+                last_captured_at_ns: pack.summary.last_captured_at_ns,
+                version,
+                publish_id: publish_id_text.clone(),
+            });
+        }
+        self.client.insert_rows(&self.tables.captures, &capture_rows).await?;
+        self.client.insert_rows(&self.tables.packs, &pack_rows).await
+    }
+}

@@ -1,0 +1,209 @@
+//! The catalog's tables, created if missing and stamped with a schema version.
+//!
+//! Tables live in `catalog.database`, named `<table_prefix>_<name>`; every row carries `catalog` (the catalog name), so
+//! many catalog names share one set of tables. The DDL is the common subset of ClickHouse 18.16 and current servers:
+//! no `Map` (labels are two parallel columns `label_keys`, `label_values`: 18.16 splits an `Array(Tuple(..))` column
+//! into sub-columns an INSERT cannot name), no `DateTime64` (times are UInt64 nanoseconds or milliseconds),
+//! UUIDs as their 36-character text (the RowBinary UUID layout changed between server versions; text never did).
+//!
+//! | table | engine | why |
+//! | --- | --- | --- |
+//! | `captures` | ReplacingMergeTree(version) | one row per capture; a retried capture_id keeps its latest version |
+//! | `packs` | ReplacingMergeTree(version) | pack inventory and the replay guard |
+//! | `publishes` | MergeTree | the watermark: a row is visible only if its (version, publish_id) is here |
+//! | `lease` | MergeTree | the publisher lease; plain MergeTree so merges never change what a decision reads |
+//! | `schema` | MergeTree | the schema version stamp |
+//!
+//! With `catalog.cluster` set, every statement gets `ON CLUSTER <cluster>` and the engines become their Replicated
+//! forms with the conventional `{shard}`/`{replica}` macros.
+//!
+//! Versioning: [`SCHEMA_VERSION`] is written once into `schema`. A catalog stamped with a newer version than this build
+//! knows is refused (an older capstore must not write into tables it does not understand); an older stamp is upgraded
+//! by the additive statements of newer versions (none yet).
+
+use super::client::{sql_string_literal, CatalogClient, CatalogError, ErrorKind};
+
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// Fully qualified table names of one catalog configuration, plus the DDL flavour.
+#[derive(Debug, Clone)]
+pub struct Tables {
+    pub database: String,
+    pub captures: String,
+    pub packs: String,
+    pub publishes: String,
+    pub lease: String,
+    pub schema: String,
+    cluster: Option<String>,
+}
+
+impl Tables {
+    /// `database` and `prefix` are identifiers checked by config validation.
+    pub fn new(database: &str, prefix: &str, cluster: Option<&str>) -> Tables {
+        let table = |name: &str| format!("{database}.{prefix}_{name}");
+        Tables {
+            database: database.to_string(),
+            captures: table("captures"),
+            packs: table("packs"),
+            publishes: table("publishes"),
+            lease: table("lease"),
+            schema: table("schema"),
+            cluster: cluster.map(str::to_string),
+        }
+    }
+
+    fn on_cluster(&self) -> String {
+        match &self.cluster {
+            Some(cluster) => format!(" ON CLUSTER {cluster}"),
+            None => String::new(),
+        }
+    }
+
+    fn engine(&self, table: &str, engine: &str, arguments: &str) -> String {
+        match &self.cluster {
+            Some(_) => {
+                let path = format!("'/clickhouse/tables/{{shard}}/{}'", table.replace('.', "/"));
+                let replicated_arguments = if arguments.is_empty() {
+                    format!("{path}, '{{replica}}'")
+                } else {
+                    format!("{path}, '{{replica}}', {arguments}")
+                };
+                format!("Replicated{engine}({replicated_arguments})")
+            }
+            None => format!("{engine}({arguments})"),
+        }
+    }
+
+    /// Every DDL statement, in order.
+    pub fn ddl(&self) -> Vec<String> {
+        let on_cluster = self.on_cluster();
+        vec![
+            format!("CREATE DATABASE IF NOT EXISTS {}{on_cluster}", self.database),
+            format!(
+                "CREATE TABLE IF NOT EXISTS {}{on_cluster} (\
+                 catalog String, stream String, captured_at_ns UInt64, capture_id String, \
+                 pack_id String, object_key String, record_offset UInt64, record_len UInt64, \
+                 payload_offset UInt64, payload_len UInt64, crc32c UInt32, \
+                 label_keys Array(String), label_values Array(String), content_type String, \
+                 version UInt64, publish_id String\
+                 ) ENGINE = {} ORDER BY (catalog, stream, captured_at_ns, capture_id)",
+                self.captures,
+                self.engine(&self.captures, "ReplacingMergeTree", "version")
+            ),
+            format!(
+                "CREATE TABLE IF NOT EXISTS {}{on_cluster} (\
+                 catalog String, pack_id String, object_key String, bytes UInt64, sha256 String, records UInt64, \
+                 first_captured_at_ns UInt64, last_captured_at_ns UInt64, version UInt64, publish_id String\
+                 ) ENGINE = {} ORDER BY (catalog, pack_id)",
+                self.packs,
+                self.engine(&self.packs, "ReplacingMergeTree", "version")
+            ),
+            format!(
+                "CREATE TABLE IF NOT EXISTS {}{on_cluster} (\
+                 catalog String, version UInt64, publish_id String, holder String, lease_term UInt64, \
+                 packs UInt64, captures UInt64, published_at_ms UInt64\
+                 ) ENGINE = {} ORDER BY (catalog, version, publish_id)",
+                self.publishes,
+                self.engine(&self.publishes, "MergeTree", "")
+            ),
+            format!(
+                "CREATE TABLE IF NOT EXISTS {}{on_cluster} (\
+                 catalog String, term UInt64, lease_id String, holder String, \
+                 written_at_ms UInt64, expires_at_ms UInt64, kind String\
+                 ) ENGINE = {} ORDER BY (catalog, term, lease_id)",
+                self.lease,
+                self.engine(&self.lease, "MergeTree", "")
+            ),
+            format!(
+                "CREATE TABLE IF NOT EXISTS {}{on_cluster} (\
+                 component String, version UInt32, written_at_ms UInt64\
+                 ) ENGINE = {} ORDER BY component",
+                self.schema,
+                self.engine(&self.schema, "MergeTree", "")
+            ),
+        ]
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SchemaError {
+    #[error(transparent)]
+    Catalog(#[from] CatalogError),
+    #[error(
+        "catalog schema in {database} is version {found}, newer than this capstore understands ({SCHEMA_VERSION}); \
+         upgrade capstore"
+    )]
+    TooNew { database: String, found: u32 },
+}
+
+#[derive(clickhouse::Row, serde::Deserialize)]
+struct SchemaStamp {
+    version: u32,
+}
+
+/// Create what is missing, then check and stamp the schema version. Idempotent; safe to run from every start.
+pub async fn ensure_schema(client: &CatalogClient, tables: &Tables) -> Result<u32, SchemaError> {
+    for statement in tables.ddl() {
+        client.execute(&statement).await?;
+    }
+    let stamps: Vec<SchemaStamp> = client
+        .fetch_all(&format!("SELECT max(version) AS version FROM {} WHERE component = 'catalog'", tables.schema))
+        .await?;
+    let found = stamps.first().map_or(0, |stamp| stamp.version);
+    if found > SCHEMA_VERSION {
+        return Err(SchemaError::TooNew { database: tables.database.clone(), found });
+    }
+    if found < SCHEMA_VERSION {
+        client
+            .execute(&format!(
+                "INSERT INTO {} (component, version, written_at_ms) SELECT {}, {SCHEMA_VERSION}, toUInt64(now()) * 1000",
+                tables.schema,
+                sql_string_literal("catalog")
+            ))
+            .await?;
+        tracing::info!(database = %tables.database, schema_version = SCHEMA_VERSION, "catalog schema stamped");
+    }
+    Ok(SCHEMA_VERSION)
+}
+
+impl SchemaError {
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            SchemaError::Catalog(error) => error.kind,
+            SchemaError::TooNew { .. } => ErrorKind::DefinitelyFailed,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn single_server_ddl_uses_plain_engines() {
+        let tables = Tables::new("capstore", "cs", None);
+        let ddl = tables.ddl().join("\n");
+        assert!(ddl.contains("CREATE TABLE IF NOT EXISTS capstore.cs_captures ("));
+        assert!(
+            ddl.contains("ENGINE = ReplacingMergeTree(version) ORDER BY (catalog, stream, captured_at_ns, capture_id)")
+        );
+        assert!(
+            ddl.contains("capstore.cs_lease (")
+                && ddl.contains("ENGINE = MergeTree() ORDER BY (catalog, term, lease_id)")
+        );
+        assert!(!ddl.contains("ON CLUSTER") && !ddl.contains("Replicated"));
+    }
+
+    #[test]
+    fn cluster_ddl_adds_on_cluster_and_replicated_engines() {
+        let tables = Tables::new("capstore", "cs", Some("main"));
+        let ddl = tables.ddl();
+        assert!(ddl.iter().all(|statement| statement.contains(" ON CLUSTER main")), "{ddl:#?}");
+        let joined = ddl.join("\n");
+        assert!(joined.contains(
+            "ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/capstore/cs_captures', '{replica}', version)"
+        ));
+        assert!(joined
+            .contains("ENGINE = ReplicatedMergeTree('/clickhouse/tables/{shard}/capstore/cs_lease', '{replica}')"));
+    }
+}

@@ -1,0 +1,45 @@
+//! Test-only crash points: `CAPSTORE_FAILPOINTS=name[@n],...` makes the process SIGKILL itself the n-th time (default
+//! the first) execution passes the named point. Crash tests use them to stop a real daemon at exactly the instants that
+//! matter; with the variable unset every check is one relaxed load.
+//!
+//! Points: `after_append_before_ack`, `after_seal`, `mid_upload`, `after_upload_before_rename`,
+//! `after_publish_before_delete`.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+pub const ENV: &str = "CAPSTORE_FAILPOINTS";
+
+fn armed() -> &'static HashMap<String, (u64, AtomicU64)> {
+    static ARMED: OnceLock<HashMap<String, (u64, AtomicU64)>> = OnceLock::new();
+    ARMED.get_or_init(|| {
+        let spec = std::env::var(ENV).unwrap_or_default();
+        spec.split(',')
+            .filter(|part| !part.trim().is_empty())
+            .map(|part| {
+                let (name, nth) = match part.trim().split_once('@') {
+                    Some((name, nth)) => (name.to_string(), nth.parse().unwrap_or(1)),
+                    None => (part.trim().to_string(), 1),
+                };
+                (name, (nth, AtomicU64::new(0)))
+            })
+            .collect()
+    })
+}
+
+/// Die here (SIGKILL, no cleanup) if this point is armed and its count is reached.
+pub fn hit(name: &str) {
+    let Some((nth, passes)) = armed().get(name) else { return };
+    if passes.fetch_add(1, Ordering::SeqCst) + 1 == *nth {
+        eprintln!("failpoint {name} reached: killing the process");
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::this(), nix::sys::signal::Signal::SIGKILL);
+        // SIGKILL cannot be caught; this is never reached.
+        std::process::abort();
+    }
+}
+
+/// Whether `name` is armed at all (for points that need set-up before they can fire).
+pub fn is_armed(name: &str) -> bool {
+    armed().contains_key(name)
+}

@@ -1,0 +1,170 @@
+//! Indexer: publish what is owed. `pending_index` is the set of `.uploaded` files, so it survives any crash.
+//!
+//! A round reads each owed pack's footer, groups packs oldest first into batches bounded by `catalog.batch_max_rows`
+//! and `catalog.batch_max_bytes` (a single pack over the budget is published alone: a pack's rows become visible
+//! together), and publishes each batch at the next version. On commit (or when the replay guard finds the batch
+//! already committed) the `.uploaded` files are deleted: never before the catalog shows them published (I5).
+//!
+//! A batch the server rejects for a reason of its own (an error with a ClickHouse code, as opposed to an unreachable
+//! server or a lost lease) is retried pack by pack, and a pack rejected `catalog.max_index_attempts` times goes to
+//! quarantine with one ERROR line, so one bad pack never blocks the rest.
+
+use std::sync::atomic::Ordering;
+
+use super::{Pipeline, RoundError};
+use crate::catalog::publish::{PackDescriptor, PublishError, PublishOutcome};
+use crate::spool::pack::PackFile;
+use crate::spool::{durable, list_packs, PackState};
+
+/// Rough bytes one capture row costs in a publish request.
+fn row_bytes(entry: &crate::spool::pack::IndexEntry, object_key: &str) -> u64 {
+    let labels: usize = entry.meta.labels.iter().map(|(key, value)| key.len() + value.len() + 8).sum();
+    (160 + entry.meta.stream.len()
+        + object_key.len()
+        + labels
+        + entry.meta.content_type.as_ref().map_or(0, String::len)) as u64
+}
+
+impl Pipeline {
+    /// Whether anything is owed (an `.uploaded` pack exists).
+    pub fn owes_anything(&self) -> std::io::Result<bool> {
+        Ok(list_packs(&self.paths)?.iter().any(|pack| pack.state == PackState::Uploaded))
+    }
+
+    /// One indexing round; returns how many packs were published (or found already published) and deleted.
+    pub async fn index_round(&self) -> Result<usize, RoundError> {
+        if self.lease.permit().is_none() {
+            return Err(RoundError::NoLease);
+        }
+        let owed: Vec<_> =
+            list_packs(&self.paths)?.into_iter().filter(|pack| pack.state == PackState::Uploaded).collect();
+        if owed.is_empty() {
+            return Ok(0);
+        }
+        let mut descriptors = Vec::with_capacity(owed.len());
+        for listing in owed {
+            let path = listing.path.clone();
+            let opened =
+                tokio::task::spawn_blocking(move || PackFile::open(&path)).await.map_err(std::io::Error::other)?;
+            match opened {
+                Ok(pack) => {
+                    let summary = pack.summary();
+                    let object_key = self.bucket.pack_key(&summary).to_string();
+                    descriptors.push(PackDescriptor { summary, object_key, entries: pack.entries().to_vec() });
+                }
+                Err(error) if error.is_data_error() => {
+                    self.quarantine_pack(&listing.path, &format!("owed pack does not read back: {error}"));
+                }
+                Err(error) => return Err(RoundError::Spool(std::io::Error::other(error.to_string()))),
+            }
+        }
+        let mut published = 0;
+        for batch in self.batches(descriptors) {
+            published += self.publish_or_isolate(batch).await?;
+        }
+        Ok(published)
+    }
+
+    fn batches(&self, descriptors: Vec<PackDescriptor>) -> Vec<Vec<PackDescriptor>> {
+        let max_rows = self.config.catalog.batch_max_rows;
+        let max_bytes = self.config.catalog.batch_max_bytes.0;
+        let mut batches: Vec<Vec<PackDescriptor>> = Vec::new();
+        let (mut rows, mut bytes) = (0u64, 0u64);
+        for descriptor in descriptors {
+            let pack_rows = descriptor.entries.len() as u64;
+            let pack_bytes: u64 = descriptor.entries.iter().map(|entry| row_bytes(entry, &descriptor.object_key)).sum();
+            let fits = rows + pack_rows <= max_rows && bytes + pack_bytes <= max_bytes;
+            match batches.last_mut() {
+                Some(batch) if fits => batch.push(descriptor),
+                _ => {
+                    batches.push(vec![descriptor]);
+                    (rows, bytes) = (0, 0);
+                }
+            }
+            rows += pack_rows;
+            bytes += pack_bytes;
+        }
+        batches
+    }
+
+    /// Publish a batch; if the server rejects it for a reason of its own, publish its packs one by one.
+    async fn publish_or_isolate(&self, batch: Vec<PackDescriptor>) -> Result<usize, RoundError> {
+        match self.publish_and_delete(&batch).await {
+            Err(PublishError::Catalog(error)) if is_rejection(&error) && batch.len() > 1 => {
+                tracing::warn!(%error, packs = batch.len(), "publish rejected; publishing the batch pack by pack");
+                let mut published = 0;
+                for descriptor in batch {
+                    published += self.publish_single(descriptor).await?;
+                }
+                Ok(published)
+            }
+            Err(PublishError::Catalog(error)) if is_rejection(&error) => {
+                let descriptor = batch.into_iter().next().expect("a batch has a pack");
+                self.count_rejection(&descriptor, &error.to_string());
+                Ok(0)
+            }
+            Err(error) => Err(RoundError::Publish(error)),
+            Ok(count) => Ok(count),
+        }
+    }
+
+    async fn publish_single(&self, descriptor: PackDescriptor) -> Result<usize, RoundError> {
+        match self.publish_and_delete(std::slice::from_ref(&descriptor)).await {
+            Ok(count) => Ok(count),
+            Err(PublishError::Catalog(error)) if is_rejection(&error) => {
+                self.count_rejection(&descriptor, &error.to_string());
+                Ok(0)
+            }
+            Err(error) => Err(RoundError::Publish(error)),
+        }
+    }
+
+    fn count_rejection(&self, descriptor: &PackDescriptor, reason: &str) {
+        let pack_id = descriptor.summary.pack_id;
+        let attempts = {
+            let mut attempts = self.index_attempts.lock().unwrap_or_else(|p| p.into_inner());
+            let count = attempts.entry(pack_id).or_insert(0);
+            *count += 1;
+            *count
+        };
+        if attempts >= self.config.catalog.max_index_attempts {
+            self.index_attempts.lock().unwrap_or_else(|p| p.into_inner()).remove(&pack_id);
+            self.quarantine_pack(
+                &self.paths.pack_path(pack_id, PackState::Uploaded),
+                &format!("catalog rejected the pack's rows {attempts} times: {reason}"),
+            );
+        } else {
+            tracing::warn!(%pack_id, attempts, reason, "catalog rejected a pack's rows");
+        }
+    }
+
+    async fn publish_and_delete(&self, batch: &[PackDescriptor]) -> Result<usize, PublishError> {
+        let outcome = self.publisher.publish_batch(batch).await?;
+        crate::failpoint::hit("after_publish_before_delete");
+        if let PublishOutcome::Committed { .. } = outcome {
+            self.counters.publishes.fetch_add(1, Ordering::Relaxed);
+        }
+        for descriptor in batch {
+            let path = self.paths.pack_path(descriptor.summary.pack_id, PackState::Uploaded);
+            if let Err(error) = durable::remove_durable(&path) {
+                // Still owed locally; the replay guard makes the next round a no-op for it.
+                tracing::warn!(pack = %path.display(), %error, "published pack could not be removed from the spool");
+            }
+            self.index_attempts.lock().unwrap_or_else(|p| p.into_inner()).remove(&descriptor.summary.pack_id);
+            self.counters.packs_indexed.fetch_add(1, Ordering::Relaxed);
+            self.counters.captures_indexed.fetch_add(descriptor.entries.len() as u64, Ordering::Relaxed);
+        }
+        Ok(batch.len())
+    }
+}
+
+/// ClickHouse error codes that blame the data sent rather than the server, the schema or the connection: parse and
+/// conversion failures, out-of-range values, oversized strings and arrays.
+const BAD_DATA_CODES: &[u32] = &[6, 26, 27, 33, 38, 41, 53, 69, 70, 72, 117, 128, 131];
+
+/// The server refused the rows themselves, which points at the pack, not at the connection, the schema or the lease.
+/// (Such errors reach the indexer only from the descriptor inserts, whose partial landing is harmless: the rows stay
+/// invisible orphans, so the outcome kind does not matter here.)
+fn is_rejection(error: &crate::catalog::CatalogError) -> bool {
+    error.server_code.is_some_and(|code| BAD_DATA_CODES.contains(&code))
+}

@@ -1,0 +1,122 @@
+//! The pipeline from sealed packs to published captures, and the supervisor that runs it.
+//!
+//! - [`uploader`]: `.sealed` -> bucket -> `.uploaded`, only while the lease is held and nothing is owed.
+//! - [`indexer`]: `.uploaded` (the durable `pending_index`) -> fenced publish -> deleted.
+//! - [`reconcile`]: packs in the bucket that the catalog lacks -> published from their footers.
+//! - [`supervisor`]: `capstore run`: start order, the loop, signals, shutdown, status.
+//!
+//! Every stage is a round over the spool directory, so it holds no state a crash could lose: a restart at any instant
+//! re-reads the directory and converges (I5, I7). A pack's life in this module:
+//!
+//! ```text
+//! .sealed --upload, HEAD verify--> .uploaded --publish committed (or already committed)--> deleted
+//!    \--conflicting object in the bucket--> quarantine/packs      \--rejected max_index_attempts times--> quarantine
+//! ```
+
+pub mod indexer;
+pub mod reconcile;
+pub mod status;
+pub mod supervisor;
+pub mod uploader;
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use serde::Serialize;
+use uuid::Uuid;
+
+use crate::bucket::Bucket;
+use crate::catalog::lease::LeaseHandle;
+use crate::catalog::publish::Publisher;
+use crate::config::Config;
+use crate::spool::{quarantine_file, SpoolPaths};
+
+/// Counters of the pipeline, read by status and metrics.
+#[derive(Debug, Default)]
+pub struct PipelineCounters {
+    pub packs_uploaded: AtomicU64,
+    pub bytes_uploaded: AtomicU64,
+    pub packs_indexed: AtomicU64,
+    pub captures_indexed: AtomicU64,
+    pub publishes: AtomicU64,
+    pub packs_quarantined: AtomicU64,
+    pub packs_reconciled: AtomicU64,
+}
+
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct PipelineCounts {
+    pub packs_uploaded: u64,
+    pub bytes_uploaded: u64,
+    pub packs_indexed: u64,
+    pub captures_indexed: u64,
+    pub publishes: u64,
+    pub packs_quarantined: u64,
+    pub packs_reconciled: u64,
+}
+
+impl PipelineCounters {
+    pub fn snapshot(&self) -> PipelineCounts {
+        let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        PipelineCounts {
+            packs_uploaded: load(&self.packs_uploaded),
+            bytes_uploaded: load(&self.bytes_uploaded),
+            packs_indexed: load(&self.packs_indexed),
+            captures_indexed: load(&self.captures_indexed),
+            publishes: load(&self.publishes),
+            packs_quarantined: load(&self.packs_quarantined),
+            packs_reconciled: load(&self.packs_reconciled),
+        }
+    }
+}
+
+/// Why a round stopped early. None of these is a pack's fault.
+#[derive(Debug, thiserror::Error)]
+pub enum RoundError {
+    #[error("the lease is not held")]
+    NoLease,
+    #[error("bucket: {0}")]
+    Bucket(#[from] crate::bucket::BucketError),
+    #[error("catalog: {0}")]
+    Publish(#[from] crate::catalog::publish::PublishError),
+    #[error("catalog: {0}")]
+    Catalog(#[from] crate::catalog::CatalogError),
+    #[error("spool: {0}")]
+    Spool(#[from] std::io::Error),
+}
+
+/// What the stages share.
+pub struct Pipeline {
+    pub config: Arc<Config>,
+    pub paths: SpoolPaths,
+    pub bucket: Arc<Bucket>,
+    pub publisher: Arc<Publisher>,
+    pub lease: LeaseHandle,
+    pub counters: Arc<PipelineCounters>,
+    /// Publish failures per pack for reasons of the pack's own (the server rejected its rows).
+    index_attempts: Mutex<HashMap<Uuid, u32>>,
+}
+
+impl Pipeline {
+    pub fn new(
+        config: Arc<Config>,
+        paths: SpoolPaths,
+        bucket: Arc<Bucket>,
+        publisher: Arc<Publisher>,
+        lease: LeaseHandle,
+    ) -> Pipeline {
+        Pipeline { config, paths, bucket, publisher, lease, counters: Arc::default(), index_attempts: Mutex::default() }
+    }
+
+    /// Move a pack file to quarantine with one ERROR line: an operator must look at it.
+    fn quarantine_pack(&self, path: &Path, reason: &str) {
+        match quarantine_file(&self.paths, "packs", path, reason) {
+            Ok(moved) => {
+                self.counters.packs_quarantined.fetch_add(1, Ordering::Relaxed);
+                tracing::error!(pack = %path.display(), quarantined_as = %moved.display(), reason, "pack quarantined");
+            }
+            Err(error) => tracing::error!(pack = %path.display(), reason, %error, "pack could not be quarantined"),
+        }
+    }
+}

@@ -1,0 +1,112 @@
+//! Uploader: sealed packs to the bucket, oldest first, up to `upload.batch_packs` per round, `upload.concurrency` at once.
+//!
+//! Gate (I5 and the lease rule): a round runs only while the lease is held and nothing is owed. A pack uploaded while
+//! the lease is not held would be owed by a process that may never publish it; a pack uploaded while another is owed
+//! would widen the window in which a crash leaves packs in the bucket that only this spool knows about.
+//!
+//! Per pack: read its trailer and footer (a pack that does not read back goes to quarantine), upload (the bucket
+//! module creates the object with `PutMode::Create`, treats an identical existing object as uploaded, verifies the size
+//! with HEAD), then rename `.sealed` -> `.uploaded` with a directory fsync. A conflicting object under the same key is a
+//! permanent conflict: the pack goes to quarantine with an ERROR. Bucket outages end the round without counting against
+//! any pack.
+
+use futures::StreamExt;
+use std::sync::atomic::Ordering;
+
+use super::{Pipeline, RoundError};
+use crate::bucket::BucketErrorKind;
+use crate::spool::pack::PackFile;
+use crate::spool::{durable, list_packs, PackListing, PackState};
+
+impl Pipeline {
+    /// One upload round; returns how many packs moved to `.uploaded`.
+    pub async fn upload_round(&self) -> Result<usize, RoundError> {
+        if self.lease.permit().is_none() {
+            return Err(RoundError::NoLease);
+        }
+        let packs = list_packs(&self.paths)?;
+        if packs.iter().any(|pack| pack.state == PackState::Uploaded) {
+            return Ok(0);
+        }
+        let sealed: Vec<PackListing> = packs
+            .into_iter()
+            .filter(|pack| pack.state == PackState::Sealed)
+            .take(self.config.upload.batch_packs as usize)
+            .collect();
+        if sealed.is_empty() {
+            return Ok(0);
+        }
+        let results: Vec<Result<bool, RoundError>> = futures::stream::iter(sealed)
+            .map(|listing| self.upload_one(listing))
+            .buffer_unordered(self.config.upload.concurrency as usize)
+            .collect()
+            .await;
+        let mut uploaded = 0;
+        let mut first_error = None;
+        for result in results {
+            match result {
+                Ok(true) => uploaded += 1,
+                Ok(false) => {}
+                Err(error) => {
+                    first_error.get_or_insert(error);
+                }
+            }
+        }
+        match first_error {
+            Some(error) if uploaded == 0 => Err(error),
+            _ => Ok(uploaded),
+        }
+    }
+
+    /// Returns true when the pack is now `.uploaded`.
+    async fn upload_one(&self, listing: PackListing) -> Result<bool, RoundError> {
+        let path = listing.path.clone();
+        let opened = tokio::task::spawn_blocking(move || PackFile::open(&path)).await.map_err(std::io::Error::other)?;
+        let pack = match opened {
+            Ok(pack) => pack,
+            Err(error) if error.is_data_error() => {
+                self.quarantine_pack(&listing.path, &format!("sealed pack does not read back: {error}"));
+                return Ok(false);
+            }
+            // Gone (moved on by another stage) or an I/O problem: try again next round.
+            Err(error) => return Err(RoundError::Spool(std::io::Error::other(error.to_string()))),
+        };
+        let summary = pack.summary();
+        let upload = self.bucket.upload_pack(&listing.path, &summary);
+        tokio::pin!(upload);
+        let outcome = if crate::failpoint::is_armed("mid_upload") {
+            // Start the upload (one poll sends the first request or spawns the first write), then die with it in flight.
+            let first_poll = futures::poll!(&mut upload);
+            crate::failpoint::hit("mid_upload");
+            match first_poll {
+                std::task::Poll::Ready(outcome) => outcome,
+                std::task::Poll::Pending => upload.await,
+            }
+        } else {
+            upload.await
+        };
+        match outcome {
+            Ok(uploaded) => {
+                crate::failpoint::hit("after_upload_before_rename");
+                durable::rename_durable(&listing.path, &self.paths.pack_path(summary.pack_id, PackState::Uploaded))?;
+                self.counters.packs_uploaded.fetch_add(1, Ordering::Relaxed);
+                self.counters.bytes_uploaded.fetch_add(summary.bytes, Ordering::Relaxed);
+                tracing::debug!(
+                    pack_id = %summary.pack_id,
+                    key = %uploaded.key,
+                    already_present = uploaded.already_present,
+                    "pack uploaded"
+                );
+                Ok(true)
+            }
+            Err(error) if error.kind == BucketErrorKind::Conflict => {
+                self.quarantine_pack(
+                    &listing.path,
+                    &format!("a different object already exists in the bucket: {error}"),
+                );
+                Ok(false)
+            }
+            Err(error) => Err(RoundError::Bucket(error)),
+        }
+    }
+}

@@ -1,0 +1,476 @@
+//! `capstore run` end to end: a real daemon process, a real ClickHouse and a real S3 server (SeaweedFS) or a file://
+//! bucket, producers dropping files into the inbox; faults injected for real (SIGKILL at random and at named points,
+//! a ClickHouse cut, an S3 outage, a lost spool, SIGTERM under load).
+
+mod common;
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use capstore::bench::expected_payload;
+use capstore::bucket::Bucket;
+use capstore::catalog::lease::{LeaseStore, LeaseTimings};
+use capstore::catalog::query::{CatalogReader, ListQuery};
+use capstore::catalog::{CatalogClient, Tables};
+use capstore::config::Config;
+use capstore::reader::Reader;
+use capstore::spool::{list_packs, SpoolPaths};
+use common::clickhouse::shared_server;
+use common::proxy::FaultProxy;
+use rand::Rng;
+use uuid::Uuid;
+
+const TTL: Duration = Duration::from_secs(3);
+
+enum BucketKind {
+    File,
+    S3,
+}
+
+/// One daemon's world: its spool, bucket, catalog database and name, and (optionally) a fault proxy to ClickHouse.
+struct World {
+    dir: tempfile::TempDir,
+    env: BTreeMap<String, String>,
+    proxy: Option<FaultProxy>,
+    config: Config,
+}
+
+impl World {
+    fn new(bucket: BucketKind, with_proxy: bool) -> World {
+        let server = shared_server();
+        let dir = tempfile::tempdir().unwrap();
+        let proxy = with_proxy.then(|| FaultProxy::start(server.http_addr));
+        let catalog_url = proxy.as_ref().map_or_else(|| server.url(), |proxy| proxy.url());
+        let catalog_name = format!("e2e-{}", rand::random::<u32>());
+        let mut env: BTreeMap<String, String> = [
+            ("CAPSTORE_CATALOG_NAME", catalog_name.clone()),
+            ("CAPSTORE_CATALOG_URL", catalog_url),
+            ("CAPSTORE_CATALOG_DATABASE", server.fresh_database("e2e")),
+            ("CAPSTORE_CATALOG_TABLE_PREFIX", "cs".into()),
+            ("CAPSTORE_CATALOG_REQUEST_TIMEOUT", "2s".into()),
+            ("CAPSTORE_LEASE_TTL", "3s".into()),
+            ("CAPSTORE_LEASE_PUBLISH_TIMEOUT", "1s".into()),
+            ("CAPSTORE_SPOOL_DIR", dir.path().join("spool").display().to_string()),
+            ("CAPSTORE_SPOOL_PACK_MAX_BYTES", "2MiB".into()),
+            ("CAPSTORE_SPOOL_PACK_MAX_AGE", "200ms".into()),
+            ("CAPSTORE_SPOOL_MIN_FREE_BYTES", "1MiB".into()),
+            ("CAPSTORE_SPOOL_INBOX_RESCAN_INTERVAL", "250ms".into()),
+            ("CAPSTORE_UPLOAD_PART_SIZE", "5MiB".into()),
+            ("CAPSTORE_SHUTDOWN_GRACE", "20s".into()),
+            ("CAPSTORE_LOG_LEVEL", "info".into()),
+        ]
+        .into_iter()
+        .map(|(key, value)| (key.to_string(), value))
+        .collect();
+        match bucket {
+            BucketKind::File => {
+                env.insert("CAPSTORE_BUCKET_URL".into(), format!("file://{}", dir.path().join("bucket").display()));
+            }
+            BucketKind::S3 => {
+                let s3 = common::s3::shared_s3();
+                env.insert("CAPSTORE_BUCKET_URL".into(), format!("s3://{}", s3.bucket));
+                env.insert("CAPSTORE_BUCKET_ENDPOINT".into(), s3.endpoint());
+                env.insert("CAPSTORE_BUCKET_REGION".into(), "us-east-1".into());
+                env.insert("CAPSTORE_BUCKET_ALLOW_HTTP".into(), "true".into());
+                env.insert("CAPSTORE_BUCKET_ACCESS_KEY_ID".into(), s3.access_key.clone());
+                env.insert("CAPSTORE_BUCKET_SECRET_ACCESS_KEY".into(), s3.secret_key.clone());
+                // Every test uses its own prefix in the shared bucket.
+                env.insert("CAPSTORE_BUCKET_PREFIX".into(), format!("t{}", rand::random::<u32>()));
+            }
+        }
+        let pairs: Vec<(String, String)> = env.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        let mut config = Config::from_sources("", &pairs).unwrap();
+        // The test process reaches ClickHouse directly, never through the proxy it cuts.
+        config.catalog.url = server.url();
+        World { dir, env, proxy, config }
+    }
+
+    fn spool_dir(&self) -> PathBuf {
+        self.config.spool.dir.clone()
+    }
+
+    fn inbox_stream(&self) -> PathBuf {
+        let stream = self.spool_dir().join("inbox").join("cam").join("1");
+        std::fs::create_dir_all(&stream).unwrap();
+        stream
+    }
+
+    fn start(&self, extra_env: &[(&str, &str)]) -> Daemon {
+        let log_path = self.dir.path().join(format!("daemon-{}.log", rand::random::<u32>()));
+        let mut command = Command::new(env!("CARGO_BIN_EXE_capstore"));
+        command
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .envs(&self.env)
+            .envs(extra_env.iter().copied())
+            .arg("run")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log_path).unwrap());
+        Daemon { child: command.spawn().unwrap(), log_path }
+    }
+
+    async fn catalog(&self) -> (CatalogClient, Tables) {
+        let client = CatalogClient::connect(&self.config.catalog).await.unwrap();
+        let tables = Tables::new(&self.config.catalog.database, "cs", None);
+        (client, tables)
+    }
+
+    async fn reader(&self) -> Reader {
+        let (client, tables) = self.catalog().await;
+        let catalog = CatalogReader::new(client, tables, &self.config.catalog_name);
+        Reader::new(catalog, Arc::new(Bucket::from_config(&self.config).unwrap()), None)
+    }
+
+    /// Every published capture id with how often the listing shows it.
+    async fn listed(&self) -> Vec<(Uuid, u64)> {
+        let reader = self.reader().await;
+        let mut query = ListQuery { limit: 10_000, ..Default::default() };
+        let mut listed = Vec::new();
+        loop {
+            let page = reader.catalog().list(&query).await.unwrap();
+            listed.extend(page.captures.iter().map(|c| (Uuid::parse_str(&c.capture_id).unwrap(), c.payload_len)));
+            match page.next_cursor {
+                Some(cursor) => query.cursor = Some(cursor),
+                None => return listed,
+            }
+        }
+    }
+
+    fn committed_versions(&self) -> Vec<u64> {
+        let text = shared_server()
+            .query(&format!(
+                "SELECT version FROM {}.cs_publishes WHERE catalog = '{}' ORDER BY version FORMAT TSV",
+                self.config.catalog.database, self.config.catalog_name
+            ))
+            .unwrap();
+        text.lines().map(|line| line.parse().unwrap()).collect()
+    }
+
+    fn spool_pack_count(&self) -> usize {
+        list_packs(&SpoolPaths::new(&self.spool_dir())).map(|packs| packs.len()).unwrap_or(0)
+    }
+
+    async fn bucket_objects(&self) -> Vec<(String, u64)> {
+        Bucket::from_config(&self.config).unwrap().list_pack_keys().await.unwrap()
+    }
+
+    /// Wait until everything dropped so far is published: inbox empty, spool empty, all listed.
+    async fn wait_for_drain(&self, producer: &Producer, within: Duration) {
+        let started = Instant::now();
+        loop {
+            let inbox_empty = inbox_ids(&producer.stream).is_empty();
+            let spool_empty = self.spool_pack_count() == 0;
+            if inbox_empty && spool_empty && self.listed().await.len() >= producer.dropped.len() {
+                return;
+            }
+            assert!(
+                started.elapsed() < within,
+                "not drained after {within:?}: inbox {}, spool packs {}, listed {} of {}",
+                inbox_ids(&producer.stream).len(),
+                self.spool_pack_count(),
+                self.listed().await.len(),
+                producer.dropped.len()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// The end state every test wants (I1, I2, I4, I5): every dropped capture listed once, bytes identical, versions
+    /// gapless, nothing owed, every object under the prefix in the catalog.
+    async fn assert_complete(&self, producer: &Producer) {
+        let listed = self.listed().await;
+        let ids: Vec<Uuid> = listed.iter().map(|(id, _)| *id).collect();
+        let unique: HashSet<Uuid> = ids.iter().copied().collect();
+        assert_eq!(unique.len(), ids.len(), "a capture is listed twice");
+        let dropped: HashSet<Uuid> = producer.dropped.keys().copied().collect();
+        assert_eq!(unique, dropped, "listed captures differ from the dropped ones");
+        let reader = self.reader().await;
+        for (id, len) in &producer.dropped {
+            let capture = reader.get(*id).await.unwrap().unwrap_or_else(|| panic!("{id} does not read back"));
+            assert_eq!(capture.payload.len(), *len, "{id}: length");
+            assert!(capture.payload == expected_payload(*id, *len), "{id}: bytes differ");
+        }
+        let versions = self.committed_versions();
+        let gapless: Vec<u64> = (1..=versions.len() as u64).collect();
+        assert_eq!(versions, gapless, "versions must be gapless and used once");
+        let owed = list_packs(&SpoolPaths::new(&self.spool_dir())).unwrap();
+        assert!(owed.is_empty(), "packs left in the spool: {owed:?}");
+        let (client, tables) = self.catalog().await;
+        let catalog = CatalogReader::new(client, tables, &self.config.catalog_name);
+        let committed: HashSet<String> =
+            catalog.committed_packs().await.unwrap().into_iter().map(|pack| pack.object_key).collect();
+        for (key, _) in self.bucket_objects().await {
+            assert!(committed.contains(&key), "object {key} in the bucket has no catalog rows");
+        }
+    }
+}
+
+struct Daemon {
+    child: Child,
+    log_path: PathBuf,
+}
+
+impl Drop for Daemon {
+    /// A failing test must not leave a daemon running.
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Daemon {
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    fn signal(&self, signal: nix::sys::signal::Signal) {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), signal).unwrap();
+    }
+
+    fn kill(mut self) {
+        self.signal(nix::sys::signal::Signal::SIGKILL);
+        self.child.wait().unwrap();
+    }
+
+    /// SIGTERM and wait; returns the exit code and how long the stop took.
+    fn terminate(mut self) -> (i32, Duration, String) {
+        let started = Instant::now();
+        self.signal(nix::sys::signal::Signal::SIGTERM);
+        let status = self.child.wait().unwrap();
+        (status.code().unwrap_or(-1), started.elapsed(), self.log())
+    }
+
+    async fn wait_for_log(&self, needle: &str, within: Duration) {
+        let started = Instant::now();
+        while !self.log().contains(needle) {
+            assert!(started.elapsed() < within, "daemon never logged {needle:?}:\n{}", self.log());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// Drops files into the inbox as a well-behaved producer does: hidden temp name, then rename.
+struct Producer {
+    stream: PathBuf,
+    dropped: BTreeMap<Uuid, usize>,
+    sizes: Vec<usize>,
+}
+
+impl Producer {
+    fn new(stream: PathBuf, sizes: Vec<usize>) -> Producer {
+        Producer { stream, dropped: BTreeMap::new(), sizes }
+    }
+
+    fn drop_one(&mut self) {
+        let id = Uuid::now_v7();
+        let len = self.sizes[self.dropped.len() % self.sizes.len()];
+        let temp = self.stream.join(format!(".{id}"));
+        std::fs::write(&temp, expected_payload(id, len)).unwrap();
+        std::fs::rename(&temp, self.stream.join(id.to_string())).unwrap();
+        self.dropped.insert(id, len);
+    }
+
+    fn drop_many(&mut self, count: usize) {
+        for _ in 0..count {
+            self.drop_one();
+        }
+    }
+}
+
+fn inbox_ids(stream: &Path) -> HashSet<Uuid> {
+    std::fs::read_dir(stream)
+        .map(|entries| {
+            entries.filter_map(|entry| Uuid::parse_str(&entry.ok()?.file_name().to_string_lossy()).ok()).collect()
+        })
+        .unwrap_or_default()
+}
+
+/// 0 B to 8 MiB, mostly small.
+fn mixed_sizes() -> Vec<usize> {
+    let mut sizes = vec![0, 1, 100, 1000, 4096, 10_000, 65_536, 100_000];
+    sizes.extend(std::iter::repeat_n(2000, 90));
+    sizes.extend([1 << 20, 3 << 20, 8 << 20]);
+    sizes
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_thousand_mixed_captures_through_s3_are_listed_once_and_read_back_identical() {
+    let world = World::new(BucketKind::S3, false);
+    let mut producer = Producer::new(world.inbox_stream(), mixed_sizes());
+    let daemon = world.start(&[]);
+    daemon.wait_for_log("capstore running", Duration::from_secs(30)).await;
+    producer.drop_many(2000);
+    world.wait_for_drain(&producer, Duration::from_secs(180)).await;
+    let (code, _, log) = daemon.terminate();
+    assert_eq!(code, 0, "{log}");
+    world.assert_complete(&producer).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_matrix_sigkill_at_random_and_named_points_then_one_clean_run() {
+    let world = World::new(BucketKind::File, false);
+    let mut producer = Producer::new(world.inbox_stream(), vec![0, 10, 1000, 20_000, 300_000]);
+    let mut rng = rand::rng();
+    for round in 0..30 {
+        let daemon = world.start(&[]);
+        let kill_at = Instant::now() + Duration::from_millis(rng.random_range(100..1500));
+        while Instant::now() < kill_at {
+            producer.drop_many(5);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        daemon.kill();
+        assert!(round < 30);
+    }
+    for point in [
+        "after_append_before_ack",
+        "after_seal",
+        "mid_upload",
+        "after_upload_before_rename",
+        "after_publish_before_delete",
+    ] {
+        let mut daemon = world.start(&[("CAPSTORE_FAILPOINTS", point)]);
+        let started = Instant::now();
+        let status = loop {
+            producer.drop_many(3);
+            if let Some(status) = daemon.child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(started.elapsed() < Duration::from_secs(60), "failpoint {point} never reached:\n{}", daemon.log());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert!(daemon.log().contains(&format!("failpoint {point} reached")), "{point}: {status}\n{}", daemon.log());
+    }
+    let daemon = world.start(&[]);
+    world.wait_for_drain(&producer, Duration::from_secs(120)).await;
+    let (code, _, log) = daemon.terminate();
+    assert_eq!(code, 0, "{log}");
+    world.assert_complete(&producer).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clickhouse_cut_of_three_ttls_never_stops_ingest_and_uploads_nothing_without_the_lease() {
+    let world = World::new(BucketKind::File, true);
+    let proxy = world.proxy.as_ref().unwrap();
+    let mut producer = Producer::new(world.inbox_stream(), vec![100, 5000, 50_000]);
+    let daemon = world.start(&[]);
+    daemon.wait_for_log("capstore running", Duration::from_secs(30)).await;
+    producer.drop_many(50);
+    world.wait_for_drain(&producer, Duration::from_secs(60)).await;
+
+    proxy.cut();
+    let cut_started = Instant::now();
+    // Once the lease's local deadline has passed, nothing may be uploaded until the cut ends.
+    let mut objects_at_lease_end = None;
+    while cut_started.elapsed() < TTL * 3 {
+        producer.drop_many(5);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if objects_at_lease_end.is_none() && cut_started.elapsed() > TTL {
+            objects_at_lease_end = Some(world.bucket_objects().await.len());
+        }
+        let waiting = inbox_ids(&producer.stream).len();
+        assert!(waiting < 200, "ingest stopped during the cut: {waiting} files waiting");
+    }
+    let objects_at_cut_end = world.bucket_objects().await.len();
+    assert_eq!(Some(objects_at_cut_end), objects_at_lease_end, "packs were uploaded without the lease");
+    assert!(world.spool_pack_count() > 0, "captures kept arriving, so the spool must hold packs");
+    proxy.pass();
+    world.wait_for_drain(&producer, Duration::from_secs(60)).await;
+    let (code, _, log) = daemon.terminate();
+    assert_eq!(code, 0, "no latch after a cut: {log}");
+    assert!(!log.contains("latched"), "{log}");
+    world.assert_complete(&producer).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_s3_outage_under_load_retries_and_drains_after() {
+    let world = World::new(BucketKind::S3, false);
+    let s3 = common::s3::shared_s3();
+    let mut producer = Producer::new(world.inbox_stream(), vec![100, 5000, 200_000]);
+    let daemon = world.start(&[]);
+    daemon.wait_for_log("capstore running", Duration::from_secs(30)).await;
+    producer.drop_many(30);
+    s3.stop();
+    let outage_started = Instant::now();
+    while outage_started.elapsed() < Duration::from_secs(10) {
+        producer.drop_many(5);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let spool_during_outage = world.spool_pack_count();
+    s3.start();
+    assert!(spool_during_outage > 0, "the spool must grow while the bucket is away");
+    world.wait_for_drain(&producer, Duration::from_secs(90)).await;
+    let (code, _, log) = daemon.terminate();
+    assert_eq!(code, 0, "{log}");
+    world.assert_complete(&producer).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_spool_is_repaired_by_reconcile_and_invalid_objects_are_skipped() {
+    let world = World::new(BucketKind::File, false);
+    let mut producer = Producer::new(world.inbox_stream(), vec![100, 7000]);
+    producer.drop_many(20);
+    let mut daemon = world.start(&[("CAPSTORE_FAILPOINTS", "after_upload_before_rename")]);
+    let started = Instant::now();
+    while daemon.child.try_wait().unwrap().is_none() {
+        assert!(started.elapsed() < Duration::from_secs(60), "never uploaded:\n{}", daemon.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let uploaded = world.bucket_objects().await;
+    assert!(!uploaded.is_empty(), "the failpoint fires after an upload");
+    // The disk is lost: the spool is gone, with everything in it. What was still in the inbox is lost too.
+    std::fs::remove_dir_all(world.spool_dir()).unwrap();
+    let bucket_root = world.dir.path().join("bucket");
+    let invalid = bucket_root.join(uploaded[0].0.rsplit_once('/').unwrap().0).join(format!("{}.cpk", Uuid::now_v7()));
+    std::fs::write(&invalid, b"this is not a pack").unwrap();
+
+    let daemon = world.start(&[]);
+    daemon.wait_for_log("reconcile done", Duration::from_secs(60)).await;
+    let log = daemon.log();
+    assert!(log.contains("not a valid pack"), "the invalid object is reported:\n{log}");
+    let (code, _, _) = daemon.terminate();
+    assert_eq!(code, 0);
+    let listed = world.listed().await;
+    assert!(!listed.is_empty(), "reconcile published the uploaded packs");
+    let reader = world.reader().await;
+    for (id, len) in &listed {
+        let capture = reader.get(*id).await.unwrap().unwrap();
+        assert_eq!(capture.payload, expected_payload(*id, *len as usize));
+        assert_eq!(producer.dropped.get(id), Some(&(*len as usize)));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_under_load_exits_cleanly_and_frees_the_lease() {
+    let world = World::new(BucketKind::File, false);
+    let mut producer = Producer::new(world.inbox_stream(), vec![100, 5000, 100_000]);
+    let daemon = world.start(&[]);
+    daemon.wait_for_log("capstore running", Duration::from_secs(30)).await;
+    for _ in 0..20 {
+        producer.drop_many(10);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (code, took, log) = daemon.terminate();
+    assert_eq!(code, 0, "{log}");
+    assert!(took <= world.config.shutdown_grace.0 + Duration::from_secs(5), "stop took {took:?}");
+    assert!(log.contains("lease released"), "{log}");
+    let (client, tables) = world.catalog().await;
+    let timings = LeaseTimings::from_config(&world.config.lease, &client);
+    let head = LeaseStore::new(client, &tables, &world.config.catalog_name, timings).read_head().await.unwrap();
+    assert!(!head.is_live(), "the lease is tombstoned: {head:?}");
+    // Another identity (a new spool) with no start wait takes the lease at once.
+    let other_spool = world.dir.path().join("other-spool");
+    let mut daemon =
+        world.start(&[("CAPSTORE_SPOOL_DIR", other_spool.to_str().unwrap()), ("CAPSTORE_LEASE_START_WAIT", "0s")]);
+    daemon.wait_for_log("capstore running", Duration::from_secs(30)).await;
+    assert!(daemon.child.try_wait().unwrap().is_none(), "the new holder must not be refused");
+    let (code, _, _) = daemon.terminate();
+    assert_eq!(code, 0);
+    // Whatever did not fit in the grace is still in the first spool; a last run publishes it.
+    let daemon = world.start(&[]);
+    world.wait_for_drain(&producer, Duration::from_secs(60)).await;
+    daemon.terminate();
+    world.assert_complete(&producer).await;
+}

@@ -1,0 +1,699 @@
+//! The publisher lease and the fenced publish against a real ClickHouse (started by the harness), with a TCP fault
+//! proxy in front of it where a fault is injected. Timings: TTL 3 s, publish timeout 1 s (the scenario timings).
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use capstore::catalog::lease::{
+    ClaimOutcome, Identity, LeaseKeeper, LeaseState, LeaseStore, LeaseTimings, PublishPermit, StartError,
+};
+use capstore::catalog::publish::{PackDescriptor, PublishError, PublishOutcome, Publisher};
+use capstore::catalog::query::{CatalogReader, ListQuery};
+use capstore::catalog::{CatalogClient, ErrorKind, Tables};
+use capstore::config::{Config, HumanDuration};
+use capstore::spool::pack::{CaptureMeta, IndexEntry, PackSummary};
+use common::clickhouse::shared_server;
+use common::proxy::FaultProxy;
+use tokio::sync::watch;
+use uuid::Uuid;
+
+const TTL: Duration = Duration::from_secs(3);
+
+fn config_for(url: &str, database: &str, catalog: &str) -> Config {
+    let mut config = Config { catalog_name: catalog.into(), ..Config::default() };
+    config.catalog.url = url.into();
+    config.catalog.database = database.into();
+    config.catalog.table_prefix = "cs".into();
+    config.catalog.request_timeout = HumanDuration(Duration::from_secs(2));
+    config.lease.ttl = HumanDuration(TTL);
+    config.lease.publish_timeout = HumanDuration(Duration::from_secs(1));
+    config.lease.clock_skew = HumanDuration(Duration::ZERO);
+    config.validate().expect("test config is valid");
+    config
+}
+
+/// A catalog database of its own, reached directly or through a fault proxy.
+struct Catalog {
+    config: Config,
+    client: CatalogClient,
+    tables: Tables,
+    proxy: Option<FaultProxy>,
+}
+
+async fn catalog(with_proxy: bool) -> Catalog {
+    let server = shared_server();
+    let database = server.fresh_database("lease");
+    let proxy = with_proxy.then(|| FaultProxy::start(server.http_addr));
+    let url = proxy.as_ref().map_or_else(|| server.url(), |proxy| proxy.url());
+    let config = config_for(&url, &database, &format!("cat-{}", rand::random::<u32>()));
+    let (client, tables) = capstore::catalog::connect(&config).await.expect("catalog schema");
+    Catalog { config, client, tables, proxy }
+}
+
+impl Catalog {
+    fn timings(&self) -> LeaseTimings {
+        LeaseTimings::from_config(&self.config.lease, &self.client)
+    }
+
+    fn store(&self, catalog_name: &str) -> LeaseStore {
+        LeaseStore::new(self.client.clone(), &self.tables, catalog_name, self.timings())
+    }
+
+    fn keeper(&self, identity: Identity) -> LeaseKeeper {
+        LeaseKeeper::new(self.store(&self.config.catalog_name), identity, &self.config.catalog_name)
+    }
+
+    fn reader(&self) -> CatalogReader {
+        CatalogReader::new(self.client.clone(), self.tables.clone(), &self.config.catalog_name)
+    }
+
+    /// Rows of `publishes` for this catalog, read over a direct connection (not through the proxy).
+    fn committed_versions(&self) -> Vec<u64> {
+        let text = shared_server()
+            .query(&format!(
+                "SELECT version FROM {} WHERE catalog = '{}' ORDER BY version FORMAT TSV",
+                self.tables.publishes, self.config.catalog_name
+            ))
+            .unwrap();
+        text.lines().map(|line| line.parse().unwrap()).collect()
+    }
+}
+
+fn identity(host: &str) -> Identity {
+    Identity { spool_id: Uuid::new_v4(), host: host.into(), pid: rand::random::<u16>() as u32 }
+}
+
+fn pack(captures: &[(Uuid, &str, u64)]) -> PackDescriptor {
+    let pack_id = Uuid::now_v7();
+    let mut offset = 40;
+    let entries: Vec<IndexEntry> = captures
+        .iter()
+        .map(|(capture_id, stream, captured_at_ns)| {
+            let entry = IndexEntry {
+                meta: CaptureMeta {
+                    capture_id: *capture_id,
+                    stream: stream.to_string(),
+                    captured_at_ns: *captured_at_ns,
+                    labels: BTreeMap::from([("site".to_string(), "berlin".to_string())]),
+                    content_type: None,
+                    source_name: None,
+                },
+                record_offset: offset,
+                record_len: 100,
+                payload_offset: offset + 60,
+                payload_len: 40,
+                crc32c: 7,
+            };
+            offset += 100;
+            entry
+        })
+        .collect();
+    PackDescriptor {
+        summary: PackSummary {
+            pack_id,
+            bytes: offset + 200,
+            records: entries.len() as u64,
+            sha256_hex: "00".repeat(32),
+            first_captured_at_ns: captures.iter().map(|c| c.2).min().unwrap_or(0),
+            last_captured_at_ns: captures.iter().map(|c| c.2).max().unwrap_or(0),
+            created_at_ns: 1,
+        },
+        object_key: format!("prefix/test/{pack_id}.cpk"),
+        entries,
+    }
+}
+
+fn one_capture_pack() -> PackDescriptor {
+    pack(&[(Uuid::now_v7(), "s", capstore::util::now_ns())])
+}
+
+async fn wait_for_state(handle: &capstore::catalog::lease::LeaseHandle, wanted: LeaseState, within: Duration) {
+    let mut states = handle.subscribe();
+    let waited = tokio::time::timeout(within, async {
+        while *states.borrow_and_update() != wanted {
+            states.changed().await.unwrap();
+        }
+    })
+    .await;
+    assert!(waited.is_ok(), "lease never reached {wanted:?}; status {:?}", handle.status());
+}
+
+#[tokio::test]
+async fn claim_renew_release_refusal_and_takeover() {
+    let catalog = catalog(false).await;
+    let store = catalog.store(&catalog.config.catalog_name);
+    let (alice, bob, carol) = (identity("alice"), identity("bob"), identity("carol"));
+    let (alice_id, bob_id, carol_id) = ("lease-a".to_string(), "lease-b".to_string(), "lease-c".to_string());
+
+    let ClaimOutcome::Held { term: first, .. } = store.claim(&alice_id, &alice).await.unwrap() else { panic!() };
+    assert_eq!(first, 1);
+    let ClaimOutcome::Held { term: renewed, .. } = store.renew(&alice_id, &alice, first).await.unwrap() else {
+        panic!()
+    };
+    assert_eq!(renewed, 2);
+
+    match store.claim(&bob_id, &bob).await.unwrap() {
+        ClaimOutcome::Refused { holder, time_left } => {
+            assert_eq!(holder, alice.holder(), "the refusal names the holder");
+            assert!(time_left > Duration::from_millis(500) && time_left <= TTL, "time left {time_left:?}");
+        }
+        other => panic!("bob must be refused while alice holds: {other:?}"),
+    }
+
+    store.release(&alice_id, &alice, renewed).await.unwrap();
+    let ClaimOutcome::Held { term: bob_term, .. } = store.claim(&bob_id, &bob).await.unwrap() else {
+        panic!("a released lease is free at once")
+    };
+    assert_eq!(bob_term, 3);
+
+    // A late tombstone of alice's, at her own term, never revokes bob's later term.
+    store.release(&alice_id, &alice, renewed).await.unwrap();
+    let head = store.read_head().await.unwrap();
+    assert!(head.is_live() && head.entries[0].holder == bob.holder(), "{head:?}");
+    assert!(matches!(store.renew(&bob_id, &bob, bob_term).await.unwrap(), ClaimOutcome::Held { term: 4, .. }));
+
+    // Takeover after expiry: bob stops renewing; carol gets the next term once it has expired.
+    let started = Instant::now();
+    let carol_term = loop {
+        match store.claim(&carol_id, &carol).await.unwrap() {
+            ClaimOutcome::Held { term, .. } => break term,
+            ClaimOutcome::Refused { .. } | ClaimOutcome::Raced => {
+                assert!(started.elapsed() < TTL * 3, "bob's lease never expired");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    assert_eq!(carol_term, 5);
+    assert!(started.elapsed() >= Duration::from_millis(1500), "carol must wait for bob's expiry");
+}
+
+#[tokio::test]
+async fn concurrent_claimers_never_overlap() {
+    let catalog = catalog(false).await;
+    let mut rounds_with_holder = 0;
+    let mut contested_after_hold = 0;
+    for round in 0..50 {
+        let name = format!("race-{round}-{}", rand::random::<u32>());
+        let mut tasks = Vec::new();
+        for claimer in 0..8 {
+            let store = catalog.store(&name);
+            tasks.push(tokio::spawn(async move {
+                let who = identity(&format!("claimer-{claimer}"));
+                let lease_id = format!("lease-{claimer}");
+                let started = Instant::now();
+                let outcome = store.claim(&lease_id, &who).await.unwrap();
+                (lease_id, started, outcome)
+            }));
+        }
+        let mut holders = Vec::new();
+        for task in tasks {
+            let (lease_id, started, outcome) = task.await.unwrap();
+            if let ClaimOutcome::Held { term, deadline, .. } = outcome {
+                holders.push((lease_id, term, started, deadline));
+            }
+        }
+        assert!(holders.len() <= 1, "round {round}: two holders with overlapping deadlines: {holders:?}");
+        if let Some((lease_id, term, _, _)) = holders.first() {
+            rounds_with_holder += 1;
+            // The head is the holder's term. A rival's row whose condition was read before the holder's row landed
+            // can still land at that term after the holder's read-back: the term is then contested, the rival
+            // (who reads back two rows) abandons, and the fence (exactly one lease_id at the head) keeps the holder
+            // from publishing until its next renewal makes the head its own again.
+            let store = catalog.store(&name);
+            let head = store.read_head().await.unwrap();
+            assert_eq!(head.term, *term, "round {round}: {head:?}");
+            assert!(head.entries.iter().any(|entry| &entry.lease_id == lease_id), "round {round}: {head:?}");
+            if head.entries.len() > 1 {
+                contested_after_hold += 1;
+            }
+        }
+    }
+    assert!(rounds_with_holder > 0, "no round produced a holder at all");
+    eprintln!("{rounds_with_holder} of 50 rounds produced a holder; {contested_after_hold} were contested after the hold");
+}
+
+#[tokio::test]
+async fn a_paused_holder_lands_nothing_after_a_takeover_and_an_empty_table_fails_the_fence() {
+    let catalog = catalog(false).await;
+    let paused = catalog.keeper(identity("paused"));
+    let (_shutdown_tx, mut shutdown_rx) = watch::channel(false);
+    paused.acquire_at_start(Duration::ZERO, &mut shutdown_rx).await.unwrap();
+    let stale_permit = paused.handle().permit().expect("held with time left");
+    // The paused holder renews nothing; a rival waits for the expiry and takes over.
+    let rival = catalog.keeper(identity("rival"));
+    rival.acquire_at_start(TTL * 3, &mut shutdown_rx).await.unwrap();
+
+    let publisher =
+        Publisher::new(catalog.client.clone(), catalog.tables.clone(), &catalog.config.catalog_name, paused.handle());
+    let result = publisher.publish_with_permit(&stale_permit, &[one_capture_pack()]).await;
+    assert!(matches!(result, Err(PublishError::NotCommitted)), "{result:?}");
+    assert!(catalog.committed_versions().is_empty(), "the paused holder's publish must land nothing");
+    let page = catalog.reader().list(&ListQuery { limit: 10, ..Default::default() }).await.unwrap();
+    assert!(page.captures.is_empty(), "nothing of the paused holder is visible: {page:?}");
+
+    // A catalog name with no lease rows at all: the fence fails.
+    let empty_name = format!("empty-{}", rand::random::<u32>());
+    let store = catalog.store(&empty_name);
+    let lease_id = "no-such-lease";
+    let permit = PublishPermit {
+        lease_id: lease_id.into(),
+        term: 1,
+        holder: "nobody".into(),
+        deadline: Instant::now() + TTL,
+        fence: store.fence_condition(lease_id),
+    };
+    let keeper = LeaseKeeper::new(store, identity("nobody"), &empty_name);
+    let publisher = Publisher::new(catalog.client.clone(), catalog.tables.clone(), &empty_name, keeper.handle());
+    let result = publisher.publish_with_permit(&permit, &[one_capture_pack()]).await;
+    assert!(matches!(result, Err(PublishError::NotCommitted)), "{result:?}");
+}
+
+#[tokio::test]
+async fn publish_and_read_back_with_dedup_labels_pagination_and_tailing() {
+    let catalog = catalog(false).await;
+    let keeper = catalog.keeper(identity("writer"));
+    let (shutdown_tx, mut shutdown_rx) = watch::channel(false);
+    keeper.acquire_at_start(Duration::ZERO, &mut shutdown_rx).await.unwrap();
+    let handle = keeper.handle();
+    let keeper_task = tokio::spawn(keeper.run(shutdown_rx));
+    let publisher =
+        Publisher::new(catalog.client.clone(), catalog.tables.clone(), &catalog.config.catalog_name, handle.clone());
+
+    let retried = Uuid::now_v7();
+    let ids: Vec<Uuid> = (0..5).map(|_| Uuid::now_v7()).collect();
+    let first = pack(&[(ids[0], "cam/1", 100), (ids[1], "cam/1", 200), (retried, "cam/1", 300)]);
+    let second = pack(&[(ids[2], "cam/1", 400), (ids[3], "cam/2", 500), (retried, "cam/1", 300)]);
+    let mut versions = Vec::new();
+    for batch in [vec![first.clone()], vec![second.clone()]] {
+        let outcome = loop {
+            match publisher.publish_batch(&batch).await {
+                Ok(outcome) => break outcome,
+                Err(PublishError::NotCommitted | PublishError::NoLease) => {
+                    tokio::time::sleep(Duration::from_millis(50)).await
+                }
+                Err(other) => panic!("{other}"),
+            }
+        };
+        let PublishOutcome::Committed { version, .. } = outcome else { panic!("{outcome:?}") };
+        versions.push(version);
+    }
+    assert_eq!(versions, vec![1, 2]);
+    // The replay guard: a pack already published is never published twice.
+    assert_eq!(publisher.publish_batch(std::slice::from_ref(&first)).await.unwrap(), PublishOutcome::AlreadyPublished);
+    assert_eq!(catalog.committed_versions(), vec![1, 2]);
+
+    let reader = catalog.reader();
+    let location = reader.get(ids[0], None).await.unwrap().expect("published capture is found");
+    assert_eq!((location.stream.as_str(), location.captured_at_ns, location.version), ("cam/1", 100, 1));
+    assert_eq!(location.labels_map().get("site").map(String::as_str), Some("berlin"));
+    assert_eq!(location.pack_id, first.summary.pack_id.to_string());
+    let retried_location = reader.get(retried, None).await.unwrap().unwrap();
+    assert_eq!(retried_location.version, 2, "a capture published twice shows its latest version");
+    assert!(reader.get(ids[4], None).await.unwrap().is_none());
+
+    let mut seen = Vec::new();
+    let mut query = ListQuery { stream: Some("cam/1".into()), limit: 2, ..Default::default() };
+    loop {
+        let page = reader.list(&query).await.unwrap();
+        seen.extend(page.captures.iter().map(|c| c.capture_id.clone()));
+        match page.next_cursor {
+            Some(cursor) => query.cursor = Some(cursor),
+            None => break,
+        }
+    }
+    let expected: Vec<String> = [ids[0], ids[1], retried, ids[2]].iter().map(Uuid::to_string).collect();
+    assert_eq!(seen, expected, "stream listing in time order, the retried capture once");
+    let ranged = reader
+        .list(&ListQuery { since_ns: Some(200), until_ns: Some(500), limit: 100, ..Default::default() })
+        .await
+        .unwrap();
+    assert_eq!(ranged.captures.len(), 3);
+    let labelled = reader
+        .list(&ListQuery {
+            labels: BTreeMap::from([("site".to_string(), "paris".to_string())]),
+            limit: 100,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert!(labelled.captures.is_empty());
+
+    let publishes = reader.publishes_after(1, 100).await.unwrap();
+    assert_eq!(publishes.iter().map(|p| p.version).collect::<Vec<_>>(), vec![2]);
+    assert_eq!(reader.captures_of_version(2).await.unwrap().len(), 3);
+    shutdown_tx.send(true).unwrap();
+    keeper_task.await.unwrap();
+    assert_eq!(handle.state(), LeaseState::Released);
+    let head = catalog.store(&catalog.config.catalog_name).read_head().await.unwrap();
+    assert!(!head.is_live(), "a clean shutdown tombstones the lease: {head:?}");
+}
+
+#[tokio::test]
+async fn a_cut_spanning_a_renewal_and_a_publish_quarantines_then_recovers() {
+    let catalog = catalog(true).await;
+    let proxy = catalog.proxy.as_ref().unwrap();
+    let keeper = catalog.keeper(identity("cut"));
+    let (_shutdown_tx, mut shutdown_rx) = watch::channel(false);
+    keeper.acquire_at_start(Duration::ZERO, &mut shutdown_rx).await.unwrap();
+    let handle = keeper.handle();
+    let mut states = handle.subscribe();
+    let observed: Arc<Mutex<Vec<LeaseState>>> = Arc::default();
+    let observed_writer = observed.clone();
+    tokio::spawn(async move {
+        while states.changed().await.is_ok() {
+            observed_writer.lock().unwrap().push(*states.borrow_and_update());
+        }
+    });
+    tokio::spawn(keeper.run(shutdown_rx));
+    let publisher =
+        Publisher::new(catalog.client.clone(), catalog.tables.clone(), &catalog.config.catalog_name, handle.clone());
+
+    proxy.cut();
+    let owed = vec![one_capture_pack()];
+    let during_cut = publisher.publish_batch(&owed).await;
+    assert!(during_cut.is_err(), "nothing can be published during the cut");
+    tokio::time::sleep(Duration::from_millis(2500)).await; // the cut lasts 2.5 s: it spans at least one renewal
+    proxy.pass();
+
+    let started = Instant::now();
+    let version = loop {
+        match publisher.publish_batch(&owed).await {
+            Ok(PublishOutcome::Committed { version, .. }) => break version,
+            Ok(PublishOutcome::AlreadyPublished) => panic!("the batch could not have landed during the cut"),
+            Err(_) => {
+                assert!(started.elapsed() < TTL * 4, "the owed batch was never published; {:?}", handle.status());
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    assert_eq!(version, 1);
+    let status = handle.status();
+    let observed = observed.lock().unwrap().clone();
+    assert!(observed.contains(&LeaseState::Quarantined), "states seen: {observed:?}");
+    assert_eq!(status.lease_state, LeaseState::Held, "{status:?}");
+    assert!(status.lease_reacquisitions >= 1, "{status:?}");
+    assert!(!status.failed);
+}
+
+/// Collects log lines of the code under test (current-thread runtime: every task logs on this thread).
+fn capture_logs() -> (Arc<Mutex<Vec<u8>>>, tracing::subscriber::DefaultGuard) {
+    let buffer: Arc<Mutex<Vec<u8>>> = Arc::default();
+    let writer = buffer.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_ansi(false)
+        .with_max_level(tracing::Level::INFO)
+        .with_writer(move || LogWriter(writer.clone()))
+        .finish();
+    (buffer, tracing::subscriber::set_default(subscriber))
+}
+
+struct LogWriter(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for LogWriter {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A rival publisher: claims with its own identity and renews every ttl/6 until `renew_for` has passed, then either
+/// releases (a clean stop) or simply stops renewing.
+async fn run_rival(store: LeaseStore, renew_for: Duration, release_at_end: bool) -> String {
+    let rival = identity("rival-publisher");
+    let lease_id = Uuid::new_v4().to_string();
+    let started = Instant::now();
+    let mut term = loop {
+        match store.claim(&lease_id, &rival).await.unwrap() {
+            ClaimOutcome::Held { term, .. } => break term,
+            _ => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    };
+    while started.elapsed() < renew_for {
+        tokio::time::sleep(TTL / 6).await;
+        if let ClaimOutcome::Held { term: next, .. } = store.renew(&lease_id, &rival, term).await.unwrap() {
+            term = next;
+        }
+    }
+    if release_at_end {
+        store.release(&lease_id, &rival, term).await.unwrap();
+    }
+    rival.holder()
+}
+
+#[tokio::test]
+async fn a_rival_that_stops_within_two_ttls_does_not_latch() {
+    let (logs, _guard) = capture_logs();
+    let catalog = catalog(false).await;
+    let rival = tokio::spawn(run_rival(catalog.store(&catalog.config.catalog_name), TTL, true));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let keeper = catalog.keeper(identity("patient"));
+    let handle = keeper.handle();
+    let (_shutdown_tx, shutdown_rx) = watch::channel(false);
+    tokio::spawn(keeper.run(shutdown_rx));
+    rival.await.unwrap();
+    wait_for_state(&handle, LeaseState::Held, TTL * 2).await;
+    let status = handle.status();
+    assert!(!status.failed, "{status:?}");
+    let logs = String::from_utf8_lossy(&logs.lock().unwrap()).to_string();
+    assert!(!logs.contains("ERROR"), "no latch, no ERROR line: {logs}");
+}
+
+#[tokio::test]
+async fn a_rival_that_keeps_renewing_latches_after_two_ttls_with_one_error_line() {
+    let (logs, _guard) = capture_logs();
+    let catalog = catalog(false).await;
+    let rival_started = Instant::now();
+    let rival = tokio::spawn(run_rival(catalog.store(&catalog.config.catalog_name), TTL * 4, false));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let keeper = catalog.keeper(identity("loser"));
+    let handle = keeper.handle();
+    let (_shutdown_tx, shutdown_rx) = watch::channel(false);
+    let keeper_task = tokio::spawn(keeper.run(shutdown_rx));
+    wait_for_state(&handle, LeaseState::Failed, TTL * 4).await;
+    let latched_after = rival_started.elapsed();
+    assert!(latched_after >= TTL * 2, "latched after {latched_after:?}, sooner than 2 x TTL");
+    keeper_task.await.unwrap();
+    let rival_holder = rival.await.unwrap();
+    let status = handle.status();
+    assert!(status.failed && status.lease_state == LeaseState::Failed, "{status:?}");
+    let logs = String::from_utf8_lossy(&logs.lock().unwrap()).to_string();
+    let error_lines: Vec<&str> = logs.lines().filter(|line| line.contains("ERROR")).collect();
+    assert_eq!(error_lines.len(), 1, "exactly one ERROR line: {logs}");
+    assert!(error_lines[0].contains(&rival_holder), "the ERROR line names the rival: {}", error_lines[0]);
+}
+
+/// A `capstore debug hold-lease` child process: owns `spool_dir` and holds the catalog's lease until killed.
+struct Holder {
+    child: Child,
+    term: u64,
+    holder: String,
+}
+
+impl Drop for Holder {
+    /// A failing test must not leave a lease holder running.
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn spawn_holder(config: &Config, spool_dir: &std::path::Path, start_wait: &str) -> Holder {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_capstore"))
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("CAPSTORE_CATALOG_NAME", &config.catalog_name)
+        .env("CAPSTORE_CATALOG_URL", &config.catalog.url)
+        .env("CAPSTORE_CATALOG_DATABASE", &config.catalog.database)
+        .env("CAPSTORE_CATALOG_TABLE_PREFIX", &config.catalog.table_prefix)
+        .env("CAPSTORE_CATALOG_REQUEST_TIMEOUT", "2s")
+        .env("CAPSTORE_LEASE_TTL", "3s")
+        .env("CAPSTORE_LEASE_PUBLISH_TIMEOUT", "1s")
+        .env("CAPSTORE_LEASE_START_WAIT", start_wait)
+        .env("CAPSTORE_SPOOL_DIR", spool_dir)
+        .env("CAPSTORE_SPOOL_MIN_FREE_BYTES", "1MiB")
+        .env("CAPSTORE_LOG_LEVEL", "warn")
+        .args(["debug", "hold-lease"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let mut fields = line.split_whitespace();
+    assert_eq!(fields.next(), Some("HELD"), "holder did not take the lease: {line:?}");
+    let term = fields.next().unwrap().parse().unwrap();
+    Holder { child, term, holder: fields.next().unwrap().to_string() }
+}
+
+fn sigkill(child: &mut Child) {
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+    child.wait().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_wait_for_a_killed_holder_and_same_spool_takeover() {
+    let catalog = catalog(false).await;
+    let dir = tempfile::tempdir().unwrap();
+    let spool_a = dir.path().join("spool-a");
+    let store = catalog.store(&catalog.config.catalog_name);
+
+    // Another identity waits for a SIGKILLed holder's lease, within the start wait.
+    let mut first = spawn_holder(&catalog.config, &spool_a, "0s");
+    sigkill(&mut first.child);
+    let waiter = catalog.keeper(identity("successor"));
+    let (_shutdown_tx, mut shutdown_rx) = watch::channel(false);
+    let started = Instant::now();
+    waiter.acquire_at_start(catalog.config.start_wait(), &mut shutdown_rx).await.unwrap();
+    let waited = started.elapsed();
+    let bound = catalog.config.start_wait() + Duration::from_secs(2);
+    assert!(waited >= Duration::from_millis(500) && waited <= bound, "waited {waited:?}, expected 0.5 s..{bound:?}");
+    let successor_status = waiter.handle().status();
+    store
+        .release(&waiter.handle().permit().unwrap().lease_id, waiter.handle().identity(), successor_status.lease_term)
+        .await
+        .unwrap();
+
+    // With start_wait = 0 a live holder refuses at once, naming itself.
+    let mut live = spawn_holder(&catalog.config, &spool_a, "0s");
+    let impatient = catalog.keeper(identity("impatient"));
+    let started = Instant::now();
+    let error = impatient.acquire_at_start(Duration::ZERO, &mut shutdown_rx).await.unwrap_err();
+    assert!(started.elapsed() < TTL, "start_wait = 0 must refuse at once");
+    match &error {
+        StartError::Refused { holder, .. } => assert_eq!(holder, &live.holder, "{error}"),
+        other => panic!("{other}"),
+    }
+    assert!(error.to_string().contains(&live.holder), "{error}");
+
+    // The same spool's restart takes over at once: the new term is written while the old one is still live.
+    sigkill(&mut live.child);
+    let old_head = store.read_head().await.unwrap();
+    assert!(old_head.term >= live.term && old_head.entries[0].holder == live.holder, "{old_head:?}");
+    let mut restarted = spawn_holder(&catalog.config, &spool_a, "0s");
+    assert_eq!(restarted.term, old_head.term + 1, "takeover at the next term");
+    let written_at: u64 = shared_server()
+        .query(&format!(
+            "SELECT min(written_at_ms) FROM {} WHERE catalog = '{}' AND term = {} FORMAT TSV",
+            catalog.tables.lease, catalog.config.catalog_name, restarted.term
+        ))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(written_at < old_head.entries[0].expires_at_ms, "the takeover did not wait for the old lease to expire");
+
+    // Safe: a late statement of the dead predecessor (its old lease_id) cannot land.
+    let stale = PublishPermit {
+        lease_id: old_head.entries[0].lease_id.clone(),
+        term: live.term,
+        holder: live.holder.clone(),
+        deadline: Instant::now() + TTL,
+        fence: store.fence_condition(&old_head.entries[0].lease_id),
+    };
+    let publisher = Publisher::new(
+        catalog.client.clone(),
+        catalog.tables.clone(),
+        &catalog.config.catalog_name,
+        impatient.handle(),
+    );
+    let result = publisher.publish_with_permit(&stale, &[one_capture_pack()]).await;
+    assert!(matches!(result, Err(PublishError::NotCommitted)), "{result:?}");
+    assert!(catalog.committed_versions().is_empty());
+    sigkill(&mut restarted.child);
+}
+
+#[tokio::test]
+async fn a_publish_whose_reply_is_lost_is_decided_by_read_back_with_gapless_versions() {
+    let catalog = catalog(true).await;
+    let proxy = catalog.proxy.as_ref().unwrap();
+    let keeper = catalog.keeper(identity("blackholed"));
+    let (_shutdown_tx, mut shutdown_rx) = watch::channel(false);
+    keeper.acquire_at_start(Duration::ZERO, &mut shutdown_rx).await.unwrap();
+    let handle = keeper.handle();
+    tokio::spawn(keeper.run(shutdown_rx));
+    let publisher =
+        Publisher::new(catalog.client.clone(), catalog.tables.clone(), &catalog.config.catalog_name, handle.clone());
+
+    let batch = vec![one_capture_pack()];
+    proxy.blackhole_replies_matching(&format!("INSERT INTO {} ", catalog.tables.publishes));
+    let result = publisher.publish_batch(&batch).await;
+    assert!(matches!(result, Err(PublishError::OutcomeUnknown(_))), "{result:?}");
+    assert_eq!(handle.state(), LeaseState::Quarantined, "an unknown outcome quarantines the lease");
+    proxy.pass();
+    assert_eq!(catalog.committed_versions(), vec![1], "the statement ran although its reply was lost");
+
+    wait_for_state(&handle, LeaseState::Held, TTL * 3).await;
+    let outcome = loop {
+        match publisher.publish_batch(&batch).await {
+            Ok(outcome) => break outcome,
+            Err(PublishError::NotCommitted | PublishError::NoLease) => {
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            Err(other) => panic!("{other}"),
+        }
+    };
+    assert_eq!(outcome, PublishOutcome::AlreadyPublished, "read-back found the earlier publish");
+    let next = loop {
+        match publisher.publish_batch(&[one_capture_pack()]).await {
+            Ok(PublishOutcome::Committed { version, .. }) => break version,
+            Ok(other) => panic!("{other:?}"),
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    };
+    assert_eq!(next, 2);
+    assert_eq!(catalog.committed_versions(), vec![1, 2], "no version used twice, none skipped");
+}
+
+#[tokio::test]
+async fn a_black_holed_clickhouse_ends_every_lease_request_at_its_timeout() {
+    let catalog = catalog(true).await;
+    let proxy = catalog.proxy.as_ref().unwrap();
+    let store = catalog.store(&catalog.config.catalog_name);
+    let who = identity("stuck");
+    proxy.blackhole();
+    let request_timeout = catalog.config.catalog.request_timeout.0;
+    let bound = request_timeout + Duration::from_secs(2);
+    for attempt in 0..3 {
+        let started = Instant::now();
+        let outcome = tokio::time::timeout(bound, store.claim("lease-x", &who)).await;
+        let elapsed = started.elapsed();
+        let error = outcome.expect("the claim hung past its request timeout").unwrap_err();
+        assert_eq!(error.kind, ErrorKind::OutcomeUnknown, "attempt {attempt}: {error}");
+        assert!(elapsed >= request_timeout, "attempt {attempt} ended before the timeout: {elapsed:?}");
+        let started = Instant::now();
+        let renewal = tokio::time::timeout(bound, store.renew("lease-x", &who, 1)).await;
+        assert!(renewal.expect("the renewal hung").is_err());
+        assert!(started.elapsed() >= request_timeout);
+    }
+    let keeper = catalog.keeper(who.clone());
+    let (_shutdown_tx, mut shutdown_rx) = watch::channel(false);
+    let started = Instant::now();
+    let start =
+        tokio::time::timeout(Duration::from_secs(8), keeper.acquire_at_start(Duration::ZERO, &mut shutdown_rx)).await;
+    assert!(start.is_err(), "an unreachable catalog is not a refusal: the start keeps retrying");
+    assert!(started.elapsed() < Duration::from_secs(9));
+    proxy.pass();
+}
+
+#[tokio::test]
+async fn schema_is_idempotent_and_a_newer_schema_is_refused() {
+    let catalog = catalog(false).await;
+    capstore::catalog::schema::ensure_schema(&catalog.client, &catalog.tables).await.unwrap();
+    shared_server()
+        .query(&format!(
+            "INSERT INTO {} (component, version, written_at_ms) VALUES ('catalog', 99, 0)",
+            catalog.tables.schema
+        ))
+        .unwrap();
+    let error = capstore::catalog::schema::ensure_schema(&catalog.client, &catalog.tables).await.unwrap_err();
+    let text = error.to_string();
+    assert!(text.contains("99") && text.contains("newer"), "{text}");
+}
