@@ -25,6 +25,9 @@ use uuid::Uuid;
 
 const TTL: Duration = Duration::from_secs(3);
 
+/// The S3 outage test stops the shared S3 server: S3 tests of this file take turns.
+static S3_TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 enum BucketKind {
     File,
     S3,
@@ -298,6 +301,7 @@ fn mixed_sizes() -> Vec<usize> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_thousand_mixed_captures_through_s3_are_listed_once_and_read_back_identical() {
+    let _turn = S3_TURN.lock().await;
     let world = World::new(BucketKind::S3, false);
     let mut producer = Producer::new(world.inbox_stream(), mixed_sizes());
     let daemon = world.start(&[]);
@@ -386,6 +390,7 @@ async fn a_clickhouse_cut_of_three_ttls_never_stops_ingest_and_uploads_nothing_w
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_s3_outage_under_load_retries_and_drains_after() {
+    let _turn = S3_TURN.lock().await;
     let world = World::new(BucketKind::S3, false);
     let s3 = common::s3::shared_s3();
     let mut producer = Producer::new(world.inbox_stream(), vec![100, 5000, 200_000]);

@@ -234,7 +234,9 @@ async fn concurrent_claimers_never_overlap() {
         }
     }
     assert!(rounds_with_holder > 0, "no round produced a holder at all");
-    eprintln!("{rounds_with_holder} of 50 rounds produced a holder; {contested_after_hold} were contested after the hold");
+    eprintln!(
+        "{rounds_with_holder} of 50 rounds produced a holder; {contested_after_hold} were contested after the hold"
+    );
 }
 
 #[tokio::test]
