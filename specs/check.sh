@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Run every spin model/variant in specs/ and compare each verdict with the
-# table of expected results below.  Exits non-zero on any mismatch.
+# table of expected results below.  Exits non-zero on any mismatch, on a
+# search that did not complete, or when spin/gcc is missing.
 #
 # Verdicts:
-#   refuted  pan found an assertion violation (a counterexample: definite)
-#   no-cex   pan found none.  With mode "bit" this is a PARTIAL search
-#            (bitstate hashing, -DBITSTATE): evidence, not a proof.  See
-#            specs/README.md, "Coverage".
+#   refuted  pan found a counterexample (definite: a concrete trace)
+#   holds    pan found none.  Mode "exhaustive": a full search (the state
+#            count is every reachable state; the depth bound was not hit).
+#            Mode "bitstate": a PARTIAL search (-DBITSTATE), evidence only.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -20,29 +21,46 @@ done
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 
-# model | variant flags (comma separated, "-" for none) | mode | expected | property named by the counterexample
-# mode: dfs = exhaustive DFS (stops at the first violation)
-#       bit = bitstate DFS, -w24, randomised order (partial search)
+# model | variant flags (comma separated, "-" for none) | mode | expected | property a counterexample must name
+# mode: exhaustive = safety DFS, full search
+#       ltl        = full search for acceptance cycles and assertions (pan -a) with the model's ltl formula
+#       bitstate   = safety DFS with bitstate hashing (partial)
 table='
-lease.pml|-|bit|no-cex|-
-lease.pml|STRICT_I3|dfs|refuted|I3_publisher_held_head_lease
-lease.pml|NO_PT_MARGIN|dfs|refuted|I3_publisher_held_head_lease
-lease.pml|REL_NEXT|dfs|refuted|I3_publisher_held_head_lease
-lease.pml|NO_QUAR|dfs|refuted|I3_publisher_held_head_lease
-lease.pml|SKEW_BUG|dfs|refuted|NO_OVERLAPPING_BELIEF
-lease.pml|TAKEOVER|bit|refuted|I3_publisher_held_head_lease
-lease.pml|TAKEOVER,TAKEOVER_FIX|bit|no-cex|-
+lease_safety.pml|-|exhaustive|holds|-
+lease_safety.pml|MAXF=1,MAXD=1|exhaustive|holds|-
+lease_safety.pml|STRICT_I3|exhaustive|refuted|I3_publisher_held_head_lease
+lease_safety.pml|NO_PT_MARGIN|exhaustive|refuted|I3_publisher_held_head_lease
+lease_safety.pml|REL_NEXT|exhaustive|refuted|NO_OVERLAPPING_BELIEF
+lease_safety.pml|NO_QUAR|exhaustive|refuted|I3_publisher_held_head_lease
+lease_safety.pml|SKEW_BUG,MAXD=2|exhaustive|refuted|NO_OVERLAPPING_BELIEF
+lease_safety.pml|NO_VCHECK,STALE_WM|exhaustive|refuted|I4_versions_gapless_increasing
+lease_safety.pml|OVERRUN|exhaustive|refuted|I3_publisher_held_head_lease
+lease_safety.pml|N3|bitstate|holds|-
+takeover.pml|-|exhaustive|refuted|I3_serial_publishes
+takeover.pml|EMB_SENT|exhaustive|refuted|I3_serial_publishes
+takeover.pml|EMB_REPLY|exhaustive|holds|-
+takeover.pml|EMB_REPLY,LITERAL_I3|exhaustive|refuted|I3_publisher_held_head_lease
+lease_live.pml|-|ltl|holds|-
+lease_live.pml|LATCH_EARLY|ltl|refuted|LATCH_ONLY_AFTER_LONG_REFUSAL
+lease_live.pml|STUCK_QUAR|ltl|refuted|held_eventually
 '
+# Slower "holds" runs (about 2 more minutes), run with CHECK_ALL=1:
+if [ "${CHECK_ALL:-0}" = 1 ]; then
+  table="$table
+lease_safety.pml|NO_VCHECK|exhaustive|holds|-
+lease_safety.pml|STALE_WM|exhaustive|holds|-
+lease_safety.pml|LOST_LITERAL|exhaustive|holds|-
+"
+fi
 
-limit="${CHECK_TIMEOUT:-60}"
+limit="${CHECK_TIMEOUT:-90}"
 fail=0
-start_all=$SECONDS
-printf '%-10s %-24s %-8s %-8s %-8s %12s %8s  %s\n' model variant mode expected got states seconds property
+printf '%-17s %-22s %-10s %-8s %-8s %10s %7s  %s\n' model variant mode expected got states seconds property
 while IFS='|' read -r model variant mode expected prop; do
   [ -z "$model" ] && continue
   run="$work/$model.$variant"
   mkdir -p "$run"
-  cp "$here/$model" "$run/"
+  cp "$here"/*.pml "$run/"
   defs=()
   if [ "$variant" != "-" ]; then
     IFS=',' read -ra vs <<<"$variant"
@@ -52,33 +70,47 @@ while IFS='|' read -r model variant mode expected prop; do
   (
     cd "$run"
     spin "${defs[@]}" -a "$model" >spin.log 2>&1
-    if [ "$mode" = bit ]; then
-      gcc -O2 -w -DSAFETY -DBITSTATE -DT_RAND -DP_RAND -o pan pan.c >gcc.log 2>&1
-      timeout "$limit" ./pan -w24 -m5000 -RS7 >pan.log 2>&1 || true
-    else
-      gcc -O2 -w -DSAFETY -DMEMLIM=2000 -o pan pan.c >gcc.log 2>&1
-      timeout "$limit" ./pan -m3000000 >pan.log 2>&1 || true
-    fi
-  ) || { echo "check.sh: spin/gcc failed on $model $variant (see logs)" >&2; cat "$run"/*.log >&2; fail=1; continue; }
+    case "$mode" in
+      exhaustive)
+        gcc -O2 -w -DSAFETY -DMEMLIM=8000 -o pan pan.c >gcc.log 2>&1
+        timeout "$limit" ./pan -m2000000 >pan.log 2>&1 || true ;;
+      ltl)
+        gcc -O2 -w -DMEMLIM=2000 -o pan pan.c >gcc.log 2>&1
+        timeout "$limit" ./pan -a -m2000000 >pan.log 2>&1 || true ;;
+      bitstate)
+        gcc -O2 -w -DSAFETY -DBITSTATE -o pan pan.c >gcc.log 2>&1
+        timeout "$limit" ./pan -w24 -m2000000 >pan.log 2>&1 || true ;;
+    esac
+  ) || { echo "check.sh: spin/gcc failed on $model $variant" >&2; cat "$run"/*.log >&2; fail=1; continue; }
   t1=$(date +%s.%N)
   secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.1f", b-a}')
   log="$run/pan.log"
   states=$(awk '/states, stored/{print $1; exit}' "$log")
+  gotprop=-
   if grep -q 'assertion violated' "$log"; then
     got=refuted
-    gotprop=$(grep -o 'assertion violated.*' "$log" | head -1 | grep -oE '[A-Z][A-Z0-9_]+[a-z_]*[A-Za-z0-9_]*' | grep -E '^(I3|I4|NO_|LOST|LIVE)' | head -1 || true)
-  elif grep -q 'states, stored' "$log"; then
-    got=no-cex; gotprop=-
+    gotprop=$(grep -m1 -oE '\|\| *[A-Za-z0-9_]+\)' "$log" | grep -oE '[A-Za-z0-9_]+' || true)
+  elif grep -q 'acceptance cycle' "$log"; then
+    got=refuted
+    gotprop=$(grep -m1 -oE 'never claim.*\(([a-z_]+)\)' "$log" | grep -oE '\([a-z_]+\)' | tr -d '()' || true)
+    [ -n "$gotprop" ] || gotprop=$(grep -oE '^ltl [a-z_]+' "$run/$model" | head -1 | cut -d' ' -f2)
+  elif grep -q 'states, stored' "$log" && grep -q 'errors: 0' "$log"; then
+    got=holds
   else
-    got=timeout; gotprop=-
+    got=timeout
+  fi
+  # an exhaustive "holds" is only a proof if the search was not truncated
+  if [ "$got" = holds ] && grep -qE 'max search depth too small|search not completed|depth-limit' "$log"; then
+    got=truncated
   fi
   ok=yes
   [ "$got" = "$expected" ] || ok=no
   if [ "$got" = refuted ] && [ "$prop" != "-" ] && [ "$gotprop" != "$prop" ]; then ok=no; fi
   [ "$ok" = yes ] || fail=1
-  printf '%-10s %-24s %-8s %-8s %-8s %12s %8s  %s%s\n' "$model" "$variant" "$mode" "$expected" "$got" "${states:-?}" "$secs" "$gotprop" "$([ "$ok" = yes ] || echo '   <-- MISMATCH')"
+  printf '%-17s %-22s %-10s %-8s %-8s %10s %7s  %s%s\n' "$model" "$variant" "$mode" "$expected" "$got" \
+    "${states:-?}" "$secs" "$gotprop" "$([ "$ok" = yes ] || echo '   <-- MISMATCH')"
 done <<<"$table"
-echo "total ${SECONDS}s (started at ${start_all}s)"
+echo "total ${SECONDS}s"
 if [ "$fail" -ne 0 ]; then
   echo "check.sh: at least one verdict differs from the expected table" >&2
   exit 1

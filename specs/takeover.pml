@@ -1,0 +1,18 @@
+/*
+ * capstore: same-spool takeover (DESIGN.md section 7; LeaseStore::claim with
+ * publish_not_before, LeaseHandle::permit).  Publisher 0 runs the full
+ * protocol (claims, renewals, publishes, unknown outcomes) until it is
+ * SIGKILLed at any instant; publisher 1 has the same spool id, gets the flock,
+ * and may claim over publisher 0's live head at once.
+ *
+ * Variants (expected verdicts in check.sh):
+ *   (none)      claim and publish at once (DESIGN 7 as first written)
+ *   EMB_SENT    no permit until publish_timeout + clock_skew + 0.1 s after the
+ *               takeover claim was SENT (src/catalog/lease.rs today)
+ *   EMB_REPLY   the same embargo counted from when the claim's read-back said
+ *               held (the proposed correction)
+ * The protocol itself is specs/lease_safety.pml.
+ */
+#define TAKEOVER 1
+#define TTL 5           /* TTL 4 leaves the fence open for one instant only (see README) */
+#include "lease_safety.pml"
