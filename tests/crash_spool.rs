@@ -191,9 +191,20 @@ fn inbox_ingest_is_exactly_once_across_sigkills() {
         sigkill(&mut child);
         check(&producer, round);
     }
-    // A last clean run drains the inbox; SIGTERM stops it cleanly.
-    let mut child = capstore(&spool_dir).arg("run").stderr(Stdio::inherit()).spawn().unwrap();
+    // A last clean run drains the inbox; SIGTERM stops it cleanly (once it is up: a signal before the handlers are
+    // installed would kill it by default action).
+    let log_path = dir.path().join("last-run.log");
+    let mut child = capstore(&spool_dir)
+        .env("CAPSTORE_LOG_LEVEL", "info")
+        .arg("run")
+        .stderr(std::fs::File::create(&log_path).unwrap())
+        .spawn()
+        .unwrap();
     let started = Instant::now();
+    while !std::fs::read_to_string(&log_path).unwrap_or_default().contains("ingest ready") {
+        assert!(started.elapsed() < Duration::from_secs(30), "the last run never came up");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     while !inbox_ids(&inbox_stream).is_empty() {
         assert!(started.elapsed() < Duration::from_secs(60), "inbox did not drain");
         std::thread::sleep(Duration::from_millis(20));

@@ -263,15 +263,15 @@ impl LeaseStore {
         let outcome =
             self.insert_and_read_back(head.term + 1, lease_id, &identity.holder(), "claim", &condition).await?;
         match outcome {
-            // Same-spool takeover: the predecessor is dead, but a publish of its whose fence check passed just before
-            // it died can still be running on the server (up to max_execution_time). Its fence no longer matters
-            // once it has passed, so we hold the lease at once (no rival can take it) but publish nothing until such
-            // a statement has certainly finished: publish_timeout + clock skew after our claim was sent.
+            // Same-spool takeover: the predecessor is dead, but a publish of its can pass its fence right up to the
+            // moment our claim row lands, and then run on the server for up to max_execution_time. So we hold the
+            // lease at once (no rival can take it) but publish nothing until publish_timeout + clock skew after our
+            // claim is known to have landed, i.e. after its read-back returned (specs/takeover.pml, EMB_REPLY; counting
+            // from when the claim was sent is too short: EMB_SENT is refuted).
             ClaimOutcome::Held { term, deadline, .. } if takeover => {
-                let sent_at = deadline - self.timings.local_lifetime();
                 let embargo = self.timings.fence_margin() + DEADLINE_MARGIN;
                 tracing::info!(term, ?embargo, "took over the lease of this spool's previous process");
-                Ok(ClaimOutcome::Held { term, deadline, publish_not_before: Some(sent_at + embargo) })
+                Ok(ClaimOutcome::Held { term, deadline, publish_not_before: Some(Instant::now() + embargo) })
             }
             other => Ok(other),
         }
