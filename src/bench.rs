@@ -313,3 +313,154 @@ fn run_clickhouse_client(port: u16, table: &str, tsv: &[u8]) -> std::io::Result<
     child.stdin.take().expect("piped stdin").write_all(tsv)?;
     child.wait()
 }
+
+/// One row of `capstore bench e2e`.
+#[derive(Debug, Clone, Serialize)]
+pub struct E2eBenchRow {
+    pub capture_bytes: u64,
+    pub captures: u64,
+    pub seconds: f64,
+    pub captures_per_s: f64,
+    pub mb_per_s: f64,
+    /// Drop into the inbox -> listed in the catalog (an upper bound of ack -> listed), milliseconds.
+    pub latency_p50_ms: f64,
+    pub latency_p99_ms: f64,
+    /// Peak resident set of the daemon process (VmHWM), MiB.
+    pub daemon_peak_rss_mib: f64,
+    pub rclone_seconds: f64,
+    pub rclone_captures_per_s: f64,
+    pub rclone_mb_per_s: f64,
+}
+
+pub struct E2eBenchOptions {
+    pub config: crate::config::Config,
+    /// Scratch directory for the spool and the staged files (same filesystem, so dropping is a rename).
+    pub dir: PathBuf,
+    pub capture_sizes: Vec<u64>,
+    pub total_bytes: u64,
+    pub max_captures: u64,
+    /// rclone destination for the same files, e.g. `/path/to/dir` or `:s3:bucket/prefix` (with `rclone_args`).
+    pub rclone_destination: String,
+    pub rclone_args: Vec<String>,
+}
+
+/// End to end through a real `capstore run` child: captures dropped into the inbox until every one is listed in the
+/// catalog, beside `rclone copy` of the same files as individual objects to the same bucket, in the same run.
+pub async fn e2e(options: &E2eBenchOptions) -> anyhow::Result<Vec<E2eBenchRow>> {
+    use crate::catalog::query::{CatalogReader, ListQuery};
+    let mut rows = Vec::new();
+    let executable = std::env::current_exe()?;
+    for &capture_bytes in &options.capture_sizes {
+        let captures = (options.total_bytes / capture_bytes).clamp(1, options.max_captures);
+        let run_dir = options.dir.join(format!("e2e-{}", Uuid::now_v7()));
+        let staging = run_dir.join("staging");
+        std::fs::create_dir_all(&staging)?;
+        let ids: Vec<Uuid> = (0..captures).map(|_| Uuid::now_v7()).collect();
+        for id in &ids {
+            std::fs::write(staging.join(id.to_string()), expected_payload(*id, capture_bytes as usize))?;
+        }
+
+        // Baseline first: rclone copies the same files as individual objects.
+        let started = Instant::now();
+        let status = Command::new("rclone")
+            .arg("copy")
+            .arg(&staging)
+            .arg(format!("{}/rclone-{}", options.rclone_destination.trim_end_matches('/'), Uuid::now_v7()))
+            .args(&options.rclone_args)
+            .arg("--transfers=4")
+            .status()?;
+        anyhow::ensure!(status.success(), "rclone failed: {status}");
+        let rclone_seconds = started.elapsed().as_secs_f64();
+
+        let mut config = options.config.clone();
+        config.spool.dir = run_dir.join("spool");
+        config.catalog_name = format!("bench-{}", rand::random::<u32>());
+        let log_path = run_dir.join("daemon.log");
+        let mut child = Command::new(&executable)
+            .arg("run")
+            .env("CAPSTORE_SPOOL_DIR", &config.spool.dir)
+            .env("CAPSTORE_CATALOG_NAME", &config.catalog_name)
+            .stderr(std::fs::File::create(&log_path)?)
+            .spawn()?;
+        let daemon_pid = child.id();
+        let wait_started = Instant::now();
+        while !std::fs::read_to_string(&log_path)?.contains("capstore running") {
+            anyhow::ensure!(
+                wait_started.elapsed() < Duration::from_secs(60),
+                "the daemon did not start: see {}",
+                log_path.display()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let client = crate::catalog::CatalogClient::connect(&config.catalog).await?;
+        let tables = crate::catalog::Tables::new(
+            &config.catalog.database,
+            &config.catalog.table_prefix,
+            config.catalog.cluster.as_deref(),
+        );
+        let reader = CatalogReader::new(client, tables, &config.catalog_name);
+
+        let inbox = config.spool.dir.join("inbox").join("bench");
+        std::fs::create_dir_all(&inbox)?;
+        let mut dropped_at = std::collections::HashMap::new();
+        let started = Instant::now();
+        for id in &ids {
+            std::fs::rename(staging.join(id.to_string()), inbox.join(id.to_string()))?;
+            dropped_at.insert(id.to_string(), Instant::now());
+        }
+        let mut latencies = Vec::with_capacity(ids.len());
+        let mut seen = std::collections::HashSet::new();
+        let mut cursor = None;
+        while (seen.len() as u64) < captures {
+            anyhow::ensure!(started.elapsed() < Duration::from_secs(1800), "not everything was listed in 30 minutes");
+            let page = reader
+                .list(&ListQuery {
+                    stream: Some("bench".into()),
+                    limit: 10_000,
+                    cursor: cursor.clone(),
+                    ..Default::default()
+                })
+                .await?;
+            let now = Instant::now();
+            for capture in &page.captures {
+                if seen.insert(capture.capture_id.clone()) {
+                    if let Some(at) = dropped_at.get(&capture.capture_id) {
+                        latencies.push(now.duration_since(*at).as_secs_f64() * 1000.0);
+                    }
+                }
+            }
+            cursor = page.next_cursor.or(cursor);
+            if page.captures.is_empty() {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        let seconds = started.elapsed().as_secs_f64();
+        let peak_rss_kib = std::fs::read_to_string(format!("/proc/{daemon_pid}/status"))?
+            .lines()
+            .find_map(|line| {
+                line.strip_prefix("VmHWM:").map(|rest| rest.trim().trim_end_matches(" kB").trim().parse::<f64>())
+            })
+            .transpose()?
+            .unwrap_or(0.0);
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(daemon_pid as i32), nix::sys::signal::Signal::SIGTERM)?;
+        child.wait()?;
+        std::fs::remove_dir_all(&run_dir).ok();
+        latencies.sort_by(f64::total_cmp);
+        let percentile = |p: f64| latencies.get(((latencies.len() as f64 - 1.0) * p) as usize).copied().unwrap_or(0.0);
+        let megabytes = (captures * capture_bytes) as f64 / 1e6;
+        rows.push(E2eBenchRow {
+            capture_bytes,
+            captures,
+            seconds,
+            captures_per_s: captures as f64 / seconds,
+            mb_per_s: megabytes / seconds,
+            latency_p50_ms: percentile(0.5),
+            latency_p99_ms: percentile(0.99),
+            daemon_peak_rss_mib: peak_rss_kib / 1024.0,
+            rclone_seconds,
+            rclone_captures_per_s: captures as f64 / rclone_seconds,
+            rclone_mb_per_s: megabytes / rclone_seconds,
+        });
+    }
+    Ok(rows)
+}

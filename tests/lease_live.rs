@@ -575,30 +575,44 @@ async fn start_wait_for_a_killed_holder_and_same_spool_takeover() {
     }
     assert!(error.to_string().contains(&live.holder), "{error}");
 
-    // The same spool's restart takes over at once: the new term is written while the old one is still live.
+    // The same spool's restart takes over at once: the new term is written while the old one is still live. (A
+    // renewal the dead process sent just before the kill may still land, so the predecessor's last term is read
+    // from the table, not taken from what it printed.)
     sigkill(&mut live.child);
-    let old_head = store.read_head().await.unwrap();
-    assert!(old_head.term >= live.term && old_head.entries[0].holder == live.holder, "{old_head:?}");
     let mut restarted = spawn_holder(&catalog.config, &spool_a, "0s");
-    assert_eq!(restarted.term, old_head.term + 1, "takeover at the next term");
-    let written_at: u64 = shared_server()
+    let number = |sql: String| -> u64 { shared_server().query(&sql).unwrap().trim().parse().unwrap() };
+    let lease_table = &catalog.tables.lease;
+    let catalog_name = &catalog.config.catalog_name;
+    let predecessor_term = restarted.term - 1;
+    let predecessor_holder = shared_server()
         .query(&format!(
-            "SELECT min(written_at_ms) FROM {} WHERE catalog = '{}' AND term = {} FORMAT TSV",
-            catalog.tables.lease, catalog.config.catalog_name, restarted.term
+            "SELECT any(holder) FROM {lease_table} WHERE catalog = '{catalog_name}' AND term = {predecessor_term} FORMAT TSV"
+        ))
+        .unwrap();
+    assert_eq!(predecessor_holder.trim(), live.holder, "the restart took over from its own spool's predecessor");
+    let predecessor_expiry = number(format!(
+        "SELECT min(expires_at_ms) FROM {lease_table} WHERE catalog = '{catalog_name}' AND term = {predecessor_term} FORMAT TSV"
+    ));
+    let written_at = number(format!(
+        "SELECT min(written_at_ms) FROM {lease_table} WHERE catalog = '{catalog_name}' AND term = {} FORMAT TSV",
+        restarted.term
+    ));
+    assert!(written_at < predecessor_expiry, "the takeover did not wait for the old lease to expire");
+    let old_lease_id: String = shared_server()
+        .query(&format!(
+            "SELECT any(lease_id) FROM {lease_table} WHERE catalog = '{catalog_name}' AND term = {predecessor_term} FORMAT TSV"
         ))
         .unwrap()
         .trim()
-        .parse()
-        .unwrap();
-    assert!(written_at < old_head.entries[0].expires_at_ms, "the takeover did not wait for the old lease to expire");
+        .to_string();
 
     // Safe: a late statement of the dead predecessor (its old lease_id) cannot land.
     let stale = PublishPermit {
-        lease_id: old_head.entries[0].lease_id.clone(),
-        term: live.term,
+        lease_id: old_lease_id.clone(),
+        term: predecessor_term,
         holder: live.holder.clone(),
         deadline: Instant::now() + TTL,
-        fence: store.fence_condition(&old_head.entries[0].lease_id),
+        fence: store.fence_condition(&old_lease_id),
     };
     let publisher = Publisher::new(
         catalog.client.clone(),

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::Subcommand;
 
-use capstore::bench::{catalog_publish, spool_append, CatalogBenchOptions, SpoolBenchOptions};
+use capstore::bench::{catalog_publish, e2e, spool_append, CatalogBenchOptions, E2eBenchOptions, SpoolBenchOptions};
 use capstore::config::{ByteSize, Config};
 use capstore::exit_code;
 
@@ -28,6 +28,29 @@ pub enum BenchCommand {
         /// Runs per size; the median is reported.
         #[arg(long, default_value_t = 3)]
         repeats: usize,
+        #[arg(long)]
+        json: bool,
+    },
+    /// End to end through a `capstore run` child (captures/s, MB/s, drop -> listed latency, peak RSS), beside
+    /// `rclone copy` of the same captures as individual files. Bucket and catalog come from the config.
+    E2e {
+        /// Scratch directory (spool and staged files).
+        #[arg(long, default_value = "./capstore-bench")]
+        dir: PathBuf,
+        #[arg(long, value_delimiter = ',', default_value = "4KiB,1MiB")]
+        sizes: Vec<ByteSize>,
+        /// Bytes per capture size.
+        #[arg(long, default_value = "1GiB")]
+        total: ByteSize,
+        /// At most this many captures per size.
+        #[arg(long, default_value_t = 20_000)]
+        max_captures: u64,
+        /// rclone destination: a directory, or a remote such as `:s3:bucket/prefix`.
+        #[arg(long)]
+        rclone_destination: String,
+        /// Extra rclone arguments (e.g. --s3-endpoint=...), repeatable.
+        #[arg(long = "rclone-arg", allow_hyphen_values = true)]
+        rclone_args: Vec<String>,
         #[arg(long)]
         json: bool,
     },
@@ -67,6 +90,41 @@ pub fn run(config: &Config, command: BenchCommand) -> anyhow::Result<i32> {
     let (dir, total, sizes, producers, repeats, json) = match command {
         BenchCommand::Spool { dir, total, sizes, producers, repeats, json } => {
             (dir, total, sizes, producers, repeats, json)
+        }
+        BenchCommand::E2e { dir, sizes, total, max_captures, rclone_destination, rclone_args, json } => {
+            let options = E2eBenchOptions {
+                config: config.clone(),
+                dir,
+                capture_sizes: sizes.iter().map(|s| s.0).collect(),
+                total_bytes: total.0,
+                max_captures,
+                rclone_destination,
+                rclone_args,
+            };
+            let results = runtime.block_on(e2e(&options))?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&results)?);
+                return Ok(exit_code::CLEAN);
+            }
+            println!(
+                "{:>8}  {:>8}  {:>10}  {:>8}  {:>9}  {:>9}  {:>8}  {:>11}  {:>9}",
+                "capture", "count", "captures/s", "MB/s", "p50 ms", "p99 ms", "RSS MiB", "rclone c/s", "rclone MB/s"
+            );
+            for row in results {
+                println!(
+                    "{:>8}  {:>8}  {:>10.0}  {:>8.1}  {:>9.0}  {:>9.0}  {:>8.1}  {:>11.0}  {:>9.1}",
+                    ByteSize(row.capture_bytes).to_string(),
+                    row.captures,
+                    row.captures_per_s,
+                    row.mb_per_s,
+                    row.latency_p50_ms,
+                    row.latency_p99_ms,
+                    row.daemon_peak_rss_mib,
+                    row.rclone_captures_per_s,
+                    row.rclone_mb_per_s
+                );
+            }
+            return Ok(exit_code::CLEAN);
         }
         BenchCommand::Catalog { native_port, rows, repeats, json } => {
             let options =
