@@ -1030,7 +1030,8 @@ pub struct PackWriter {
     needs_fsync: bool,
     /// A created file's directory entry is made durable at its first sync.
     needs_dir_fsync: bool,
-    /// SHA-256 of every byte appended so far, written or pending.
+    /// SHA-256 of every byte written so far (`written_len` bytes). Pending bytes are hashed as they are written, on a
+    /// second thread for large writes, so hashing overlaps the copy into the page cache instead of adding to it.
     hasher: Sha256,
     entries: Vec<IndexEntry>,
     /// Size the footer will have, kept to enforce MAX_FOOTER_BYTES at append time.
@@ -1053,14 +1054,30 @@ impl std::fmt::Debug for PackWriter {
     }
 }
 
+/// Writes of at least this many bytes are hashed on a second thread while the first copies them to the kernel.
+const PARALLEL_HASH_MIN_BYTES: usize = 256 << 10;
+
+/// Write `bytes` and add them to `hasher`, in parallel when that pays for the thread.
+fn write_and_hash(file: &mut File, hasher: &mut Sha256, bytes: &[u8]) -> io::Result<()> {
+    if bytes.len() < PARALLEL_HASH_MIN_BYTES {
+        hasher.update(bytes);
+        return file.write_all(bytes);
+    }
+    std::thread::scope(|scope| {
+        let hashing = scope.spawn(|| hasher.update(bytes));
+        let written = file.write_all(bytes);
+        hashing.join().expect("the hashing thread does not panic");
+        written
+    })
+}
+
 impl PackWriter {
     /// Creates a new pack file (`create_new`: an existing file is an error) and buffers its header.
     pub fn create(path: &Path, pack_id: Uuid, created_at_ns: u64) -> Result<Self, PackError> {
         let file = OpenOptions::new().write(true).create_new(true).open(path)?;
         let header = PackHeader { major: FORMAT_MAJOR, minor: FORMAT_MINOR, pack_id, created_at_ns };
         let header_bytes = encode_header(&header);
-        let mut hasher = Sha256::new();
-        hasher.update(header_bytes);
+        let hasher = Sha256::new();
         let mut pending = Vec::with_capacity(64 << 10);
         pending.extend_from_slice(&header_bytes);
         Ok(PackWriter {
@@ -1150,7 +1167,7 @@ impl PackWriter {
         if self.pending.is_empty() {
             return Ok(());
         }
-        if let Err(error) = self.file.write_all(&self.pending) {
+        if let Err(error) = write_and_hash(&mut self.file, &mut self.hasher, &self.pending) {
             return Err(self.poison(error));
         }
         self.written_len += self.pending.len() as u64;
@@ -1204,16 +1221,13 @@ impl PackWriter {
         if record_len > WRITE_BUFFER_FLUSH_BYTES as u64 {
             // Large payload: write it straight from the caller's slice instead of copying it into the buffer.
             self.flush_pending()?;
-            if let Err(error) = self.file.write_all(payload) {
+            if let Err(error) = write_and_hash(&mut self.file, &mut self.hasher, payload) {
                 return Err(self.poison(error));
             }
             self.written_len += payload_len;
         } else {
             self.pending.extend_from_slice(payload);
         }
-        self.hasher.update(record_header);
-        self.hasher.update(&self.meta_scratch);
-        self.hasher.update(payload);
         self.footer_len += entry_footer_len;
 
         let entry = IndexEntry {
@@ -1255,17 +1269,20 @@ impl PackWriter {
         let footer = encode_footer(&self.entries);
         debug_assert_eq!(footer.len() as u64, self.footer_len);
         let footer_offset = self.len_bytes();
-        self.hasher.update(&footer);
+        let footer_len = footer.len() as u64;
+        let footer_crc32c = crc32c::crc32c(&footer);
+        self.pending.extend_from_slice(&footer);
+        // Every byte before the trailer is now written, hence hashed.
+        self.flush_pending()?;
         let trailer = Trailer {
             footer_offset,
-            footer_len: footer.len() as u64,
-            footer_crc32c: crc32c::crc32c(&footer),
+            footer_len,
+            footer_crc32c,
             record_count: self.entries.len() as u64,
             sha256: self.hasher.clone().finalize().into(),
             major: self.header.major,
             minor: self.header.minor,
         };
-        self.pending.extend_from_slice(&footer);
         self.pending.extend_from_slice(&encode_trailer(&trailer));
         self.sync()?;
         Ok(summarize(&self.header, &trailer, &self.entries))
