@@ -380,6 +380,8 @@ pub async fn e2e(options: &E2eBenchOptions) -> anyhow::Result<Vec<E2eBenchRow>> 
             .arg("run")
             .env("CAPSTORE_SPOOL_DIR", &config.spool.dir)
             .env("CAPSTORE_CATALOG_NAME", &config.catalog_name)
+            // The bench does not use the HTTP API; any free port keeps it clear of a daemon already running here.
+            .env("CAPSTORE_HTTP_LISTEN", "127.0.0.1:0")
             .stderr(std::fs::File::create(&log_path)?)
             .spawn()?;
         let daemon_pid = child.id();

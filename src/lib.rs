@@ -19,6 +19,7 @@
 //! - [`catalog`]: ClickHouse: client and error classification, schema, the publisher lease, fenced publish, reads.
 //! - [`bucket`]: the object store: key layout, verified uploads, range reads.
 //! - [`pipeline`]: uploader, indexer (`pending_index`), reconcile, and the supervisor behind `capstore run`.
+//! - [`http`]: the HTTP API of `capstore run`: ingest, reads, status, metrics, health.
 //! - [`reader`]: reading captures back (catalog location, one range read, CRC), from the spool when still local.
 //! - [`failpoint`]: test-only crash points for crash tests.
 //! - [`bench`]: throughput benchmarks with same-run baselines (`capstore bench`).
@@ -34,6 +35,7 @@ pub mod capture;
 pub mod catalog;
 pub mod config;
 pub mod failpoint;
+pub mod http;
 pub mod pipeline;
 pub mod reader;
 pub mod spool;

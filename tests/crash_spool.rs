@@ -26,6 +26,8 @@ fn capstore(spool_dir: &Path) -> Command {
         .env_clear()
         .env("PATH", std::env::var_os("PATH").unwrap_or_default())
         .env("CAPSTORE_SPOOL_DIR", spool_dir)
+        // Any free port: daemons of parallel tests (and other processes) must not fight over the default one.
+        .env("CAPSTORE_HTTP_LISTEN", "127.0.0.1:0")
         // No catalog here (port 1 refuses at once): ingest must work regardless, publishing just waits.
         .env("CAPSTORE_CATALOG_URL", "http://127.0.0.1:1")
         .env("CAPSTORE_BUCKET_URL", format!("file://{}", spool_dir.with_extension("bucket").display()))

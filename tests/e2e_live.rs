@@ -64,6 +64,8 @@ impl World {
             ("CAPSTORE_UPLOAD_PART_SIZE", "5MiB".into()),
             ("CAPSTORE_SHUTDOWN_GRACE", "20s".into()),
             ("CAPSTORE_LOG_LEVEL", "info".into()),
+            // Any free port: parallel daemons must not fight over the default HTTP port.
+            ("CAPSTORE_HTTP_LISTEN", "127.0.0.1:0".into()),
         ]
         .into_iter()
         .map(|(key, value)| (key.to_string(), value))

@@ -85,6 +85,11 @@ pub struct Page {
     pub watermark: u64,
 }
 
+/// Check a cursor's syntax without a round trip, so a caller can reject a bad one as a usage error.
+pub fn validate_cursor(text: &str) -> Result<(), String> {
+    Cursor::decode(text).map(|_| ()).map_err(|error| error.message)
+}
+
 #[derive(clickhouse::Row, serde::Deserialize)]
 struct VersionRow {
     version: u64,

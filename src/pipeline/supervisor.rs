@@ -3,7 +3,9 @@
 //! Start order: config (checked by the caller) -> signals -> spool lock -> spool recovery -> writer + inbox ingest
 //! (READY=1 for systemd: from here on captures are accepted) -> bucket -> catalog connect + schema (retried with
 //! backoff: ClickHouse being down delays publishing, never ingest) -> lease with the start wait -> owed packs ->
-//! reconcile (when `catalog.reconcile_on_start`) -> the loop.
+//! reconcile (when `catalog.reconcile_on_start`) -> the loop. The HTTP API ([`crate::http`]) serves from "ingest up" on
+//! (a bind failure is fatal); its catalog reads start working once the catalog is connected. On the way out intake
+//! stops first (HTTP writes answer 503) and the HTTP server stops last, after the drain.
 //!
 //! The loop: publish what is owed, then upload sealed packs (only while the lease is held and nothing is owed), then
 //! wait for a new sealed pack, a lease state change (a re-acquired lease wakes it at once), the error backoff (capped)
@@ -27,9 +29,12 @@ use super::{Pipeline, PipelineCounters, RoundError};
 use crate::bucket::Bucket;
 use crate::catalog::lease::{Identity, LeaseHandle, LeaseKeeper, LeaseState, LeaseStore, LeaseTimings, StartError};
 use crate::catalog::publish::Publisher;
+use crate::catalog::query::CatalogReader;
 use crate::catalog::{CatalogClient, Tables};
 use crate::config::Config;
 use crate::exit_code;
+use crate::http::HttpServer;
+use crate::reader::Reader;
 use crate::spool::inbox::{IngestStats, Ingestor};
 use crate::spool::writer::{spawn_writer, SpoolWriter, WriterSettings, WriterStats};
 use crate::spool::{RecoveryReport, Spool, SpoolError, SpoolPaths};
@@ -48,6 +53,8 @@ pub enum SupervisorError {
     Signals(std::io::Error),
     #[error("catalog: {0}")]
     Schema(#[from] crate::catalog::schema::SchemaError),
+    #[error(transparent)]
+    Http(#[from] crate::http::HttpError),
 }
 
 impl SupervisorError {
@@ -62,23 +69,24 @@ impl SupervisorError {
     }
 }
 
-/// Everything the status snapshot reads; filled in as the start order progresses.
-struct StatusBoard {
+/// Everything the status snapshot (and the HTTP API's /status and /metrics) reads; filled in as the start order
+/// progresses.
+pub(crate) struct StatusBoard {
     config: Arc<Config>,
-    paths: SpoolPaths,
+    pub(crate) paths: SpoolPaths,
     spool_id: String,
     recovery: RecoveryReport,
-    writer_stats: Arc<WriterStats>,
-    ingest_stats: Arc<IngestStats>,
+    pub(crate) writer_stats: Arc<WriterStats>,
+    pub(crate) ingest_stats: Arc<IngestStats>,
     clickhouse_version: OnceLock<String>,
-    lease: OnceLock<LeaseHandle>,
-    pipeline_counters: OnceLock<Arc<PipelineCounters>>,
+    pub(crate) lease: OnceLock<LeaseHandle>,
+    pub(crate) pipeline_counters: OnceLock<Arc<PipelineCounters>>,
     reconcile: Mutex<Option<ReconcileReport>>,
     last_error: Mutex<Option<String>>,
 }
 
 impl StatusBoard {
-    fn snapshot(&self) -> serde_json::Value {
+    pub(crate) fn snapshot(&self) -> serde_json::Value {
         let lease = self.lease.get().map(|lease| lease.status());
         let ingest = &self.ingest_stats;
         serde_json::json!({
@@ -147,28 +155,50 @@ pub async fn run(config: Config) -> Result<i32, SupervisorError> {
     let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
     tracing::info!(spool = %paths.root.display(), spool_id = %spool.id(), "ingest ready");
 
+    // HTTP serves from here on: writes at once, catalog reads once the catalog is connected.
+    let http_result =
+        HttpServer::start(&config.http, board.clone(), writer.clone(), config.spool.max_capture_bytes.0).await;
+    let http_state_opt = http_result.as_ref().ok().map(|http| http.state().clone());
     let stop_intake = |writer: SpoolWriter| async move {
+        if let Some(http_state) = http_state_opt {
+            http_state.close_intake();
+        }
         let _ = ingest_stop_tx.send(true);
         let _ = ingest_task.await;
         writer.close();
         drop(writer);
         let _ = tokio::task::spawn_blocking(move || writer_thread.join()).await;
     };
+    let http = match http_result {
+        Ok(http) => http,
+        Err(error) => {
+            stop_intake(writer).await;
+            status_task.abort();
+            return Err(error.into());
+        }
+    };
 
     let bucket = match Bucket::from_config(&config) {
         Ok(bucket) => Arc::new(bucket),
         Err(error) => {
             stop_intake(writer).await;
+            http.stop().await;
             return Err(error.into());
         }
     };
     let Some((client, tables)) = connect_until_ready(&config, &board, &mut shutdown_rx).await? else {
         tracing::info!("shutdown before the catalog was reachable: sealing the open pack");
         stop_intake(writer).await;
+        http.stop().await;
         status_task.abort();
         return Ok(exit_code::CLEAN);
     };
     let _ = board.clickhouse_version.set(client.server_version().to_string());
+    http.state().set_reader(Reader::new(
+        CatalogReader::new(client.clone(), tables.clone(), &config.catalog_name),
+        bucket.clone(),
+        Some(paths.clone()),
+    ));
 
     let identity = Identity { spool_id: spool.id(), host: crate::spool::lock::host_name(), pid: std::process::id() };
     let timings = LeaseTimings::from_config(&config.lease, &client);
@@ -185,11 +215,13 @@ pub async fn run(config: Config) -> Result<i32, SupervisorError> {
             tracing::error!(%error, "cannot publish: the catalog is held by another publisher");
             eprintln!("capstore: {error}");
             stop_intake(writer).await;
+            http.stop().await;
             status_task.abort();
             return Ok(exit_code::CATALOG_HELD);
         }
         Err(StartError::Shutdown) => {
             stop_intake(writer).await;
+            http.stop().await;
             status_task.abort();
             return Ok(exit_code::CLEAN);
         }
@@ -231,6 +263,7 @@ pub async fn run(config: Config) -> Result<i32, SupervisorError> {
         stop_intake(writer).await;
         let _ = keeper_stop_tx.send(true);
         let _ = keeper_task.await;
+        http.stop().await;
         status_task.abort();
         write_status(&paths.root, &board.snapshot()).ok();
         return Ok(exit_code::CATALOG_HELD);
@@ -241,6 +274,7 @@ pub async fn run(config: Config) -> Result<i32, SupervisorError> {
     drain(&pipeline, config.shutdown_grace.0).await;
     let _ = keeper_stop_tx.send(true);
     let _ = keeper_task.await;
+    http.stop().await;
     status_task.abort();
     write_status(&paths.root, &board.snapshot()).ok();
     tracing::info!(lease_state = ?lease.state(), "stopped cleanly");

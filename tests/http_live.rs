@@ -1,0 +1,281 @@
+//! The HTTP API of `capstore run` against a real daemon process, a real ClickHouse and a file:// bucket.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::clickhouse::shared_server;
+use reqwest::StatusCode;
+use serde_json::Value;
+
+const MIB: usize = 1024 * 1024;
+
+struct Daemon {
+    child: Child,
+    base: String,
+    log_path: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Daemon {
+    /// A failing test must not leave a daemon running.
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Daemon {
+    /// Start `capstore run` on a fresh catalog and spool; returns once /healthz answers.
+    async fn start(extra_env: &[(&str, String)]) -> Daemon {
+        let server = shared_server();
+        let dir = tempfile::tempdir().unwrap();
+        let port = common::free_port(false);
+        let env: Vec<(String, String)> = [
+            ("CAPSTORE_CATALOG_NAME", format!("http-{}", rand::random::<u32>())),
+            ("CAPSTORE_CATALOG_URL", server.url()),
+            ("CAPSTORE_CATALOG_DATABASE", server.fresh_database("http")),
+            ("CAPSTORE_CATALOG_TABLE_PREFIX", "cs".into()),
+            ("CAPSTORE_CATALOG_REQUEST_TIMEOUT", "2s".into()),
+            ("CAPSTORE_LEASE_TTL", "3s".into()),
+            ("CAPSTORE_LEASE_PUBLISH_TIMEOUT", "1s".into()),
+            ("CAPSTORE_SPOOL_DIR", dir.path().join("spool").display().to_string()),
+            ("CAPSTORE_SPOOL_PACK_MAX_AGE", "200ms".into()),
+            ("CAPSTORE_SPOOL_MIN_FREE_BYTES", "1MiB".into()),
+            ("CAPSTORE_SPOOL_MAX_CAPTURE_BYTES", "3MiB".into()),
+            ("CAPSTORE_BUCKET_URL", format!("file://{}", dir.path().join("bucket").display())),
+            ("CAPSTORE_HTTP_LISTEN", format!("127.0.0.1:{port}")),
+            ("CAPSTORE_SHUTDOWN_GRACE", "5s".into()),
+            ("CAPSTORE_LOG_LEVEL", "info".into()),
+        ]
+        .into_iter()
+        .map(|(key, value)| (key.to_string(), value))
+        .chain(extra_env.iter().map(|(key, value)| (key.to_string(), value.clone())))
+        .collect();
+        let log_path = dir.path().join("daemon.log");
+        let mut command = Command::new(env!("CARGO_BIN_EXE_capstore"));
+        command
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .envs(env)
+            .arg("run")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log_path).unwrap());
+        let child = common::spawn_tied_to_process(command).unwrap();
+        let mut daemon = Daemon { child, base: format!("http://127.0.0.1:{port}"), log_path, _dir: dir };
+        let client = reqwest::Client::new();
+        let started = Instant::now();
+        loop {
+            if let Ok(response) = client.get(daemon.url("/healthz")).send().await {
+                assert_eq!(response.status(), StatusCode::OK);
+                return daemon;
+            }
+            assert!(daemon.child.try_wait().unwrap().is_none(), "daemon exited:\n{}", daemon.log());
+            assert!(started.elapsed() < Duration::from_secs(20), "http never came up:\n{}", daemon.log());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    /// Poll GET `path` until it answers 200 (the catalog connects after HTTP is up); returns the answer.
+    async fn get_ok(&self, client: &reqwest::Client, path: &str) -> reqwest::Response {
+        let started = Instant::now();
+        loop {
+            let response = client.get(self.url(path)).send().await.unwrap();
+            if response.status() == StatusCode::OK {
+                return response;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "GET {path}: {} {}\n{}",
+                response.status(),
+                response.text().await.unwrap_or_default(),
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+async fn json(response: reqwest::Response) -> Value {
+    serde_json::from_slice(&response.bytes().await.unwrap()).unwrap()
+}
+
+fn payload(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+}
+
+#[tokio::test]
+async fn post_get_list_status_metrics() {
+    let daemon = Daemon::start(&[]).await;
+    let client = reqwest::Client::new();
+
+    // Writes work before the catalog is connected; reads wait for it.
+    let mut posted = Vec::new();
+    for (len, seed, content_type) in [(0, 0, None), (1000, 1, Some("text/plain")), (2 * MIB, 2, None)] {
+        let body = payload(len, seed);
+        let mut url = daemon.url("/v1/captures?stream=cam/1&label=site=berlin");
+        if let Some(content_type) = content_type {
+            url.push_str(&format!("&content_type={content_type}"));
+        }
+        let response = client.post(url).body(body.clone()).send().await.unwrap();
+        assert_eq!(response.status(), StatusCode::CREATED);
+        let answer = json(response).await;
+        assert!(answer["pack_id"].is_string(), "{answer}");
+        posted.push((answer["capture_id"].as_str().unwrap().to_string(), body, content_type));
+    }
+    for (capture_id, body, content_type) in &posted {
+        let response = daemon.get_ok(&client, &format!("/v1/captures/{capture_id}")).await;
+        let headers = response.headers().clone();
+        assert_eq!(headers["x-capstore-stream"], "cam/1");
+        assert_eq!(headers["content-type"], content_type.unwrap_or("application/octet-stream"));
+        assert_eq!(&response.bytes().await.unwrap()[..], &body[..], "capture {capture_id}");
+    }
+
+    // wait=published answers with the version, and the listing shows the capture.
+    let capture_id = uuid::Uuid::now_v7();
+    let url = daemon.url(&format!("/v1/captures?stream=cam/2&id={capture_id}&wait=published"));
+    let response = client.post(url).body("published").send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::CREATED);
+    let answer = json(response).await;
+    assert!(answer["version"].as_u64().unwrap() > 0, "{answer}");
+    let page = json(daemon.get_ok(&client, "/v1/captures?stream=cam/2").await).await;
+    let listed: Vec<&str> =
+        page["captures"].as_array().unwrap().iter().map(|c| c["capture_id"].as_str().unwrap()).collect();
+    assert_eq!(listed, vec![capture_id.to_string().as_str()]);
+    assert!(page["watermark"].as_u64().unwrap() >= answer["version"].as_u64().unwrap());
+    let response = daemon.get_ok(&client, &format!("/v1/captures/{capture_id}")).await;
+    assert!(response.headers().contains_key("x-capstore-version"));
+    assert_eq!(&response.bytes().await.unwrap()[..], b"published");
+
+    // Bad input: 400 naming the field; too large: 413 naming the setting; unknown: 404.
+    for (method_post, path, field) in [
+        (true, "/v1/captures?stream=.hidden", "stream"),
+        (true, "/v1/captures?stream=a&label=novalue", "label"),
+        (true, "/v1/captures", "stream"),
+        (false, "/v1/captures/not-a-uuid", "id"),
+        (false, "/v1/captures?since=yesterday", "since"),
+    ] {
+        let request = if method_post { client.post(daemon.url(path)).body("x") } else { client.get(daemon.url(path)) };
+        let response = request.send().await.unwrap();
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{path}");
+        assert_eq!(json(response).await["field"], field, "{path}");
+    }
+    let response = client.post(daemon.url("/v1/captures?stream=a")).body(vec![0u8; 3 * MIB + 1]).send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(json(response).await["field"], "spool.max_capture_bytes");
+    let unknown = uuid::Uuid::now_v7();
+    let response = client.get(daemon.url(&format!("/v1/captures/{unknown}"))).send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::NOT_FOUND);
+
+    // Status, metrics, health.
+    let status = json(daemon.get_ok(&client, "/status").await).await;
+    assert_eq!(status["lease_state"], "held", "{status}");
+    let metrics = daemon.get_ok(&client, "/metrics").await.text().await.unwrap();
+    assert!(metrics.contains("capstore_captures_appended_total 4\n"), "{metrics}");
+    assert!(metrics.contains("capstore_lease_state{state=\"held\"} 1\n"), "{metrics}");
+    assert!(metrics.contains("capstore_spool_packs{state=\"open\"}"), "{metrics}");
+    daemon.get_ok(&client, "/readyz").await;
+    daemon.get_ok(&client, "/healthz").await;
+}
+
+#[tokio::test]
+async fn token_required_when_configured() {
+    let token_dir = tempfile::tempdir().unwrap();
+    let token_path = token_dir.path().join("token");
+    std::fs::write(&token_path, "s3cret-token\n").unwrap();
+    let daemon = Daemon::start(&[("CAPSTORE_HTTP_TOKEN_FILE", token_path.display().to_string())]).await;
+    let client = reqwest::Client::new();
+    for path in ["/status", "/metrics", "/v1/captures?stream=a"] {
+        let response = client.get(daemon.url(path)).send().await.unwrap();
+        assert_eq!(response.status(), StatusCode::UNAUTHORIZED, "{path}");
+        let response = client.get(daemon.url(path)).bearer_auth("wrong").send().await.unwrap();
+        assert_eq!(response.status(), StatusCode::UNAUTHORIZED, "{path}");
+    }
+    let response = client.post(daemon.url("/v1/captures?stream=a")).body("x").send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+    let response =
+        client.post(daemon.url("/v1/captures?stream=a")).bearer_auth("s3cret-token").body("x").send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::CREATED);
+    let response = client.get(daemon.url("/status")).bearer_auth("s3cret-token").send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    daemon.get_ok(&client, "/healthz").await;
+    daemon.get_ok(&client, "/readyz").await;
+    assert!(!daemon.log().contains("s3cret-token"), "the token was logged");
+}
+
+#[tokio::test]
+async fn spool_full_answers_503_with_retry_after_and_loses_nothing() {
+    // The open pack never seals (large size and age limits), so the spool cannot free space during the test.
+    let daemon = Daemon::start(&[
+        ("CAPSTORE_SPOOL_MAX_BYTES", "1MiB".to_string()),
+        ("CAPSTORE_SPOOL_PACK_MAX_BYTES", "64MiB".to_string()),
+        ("CAPSTORE_SPOOL_PACK_MAX_AGE", "1h".to_string()),
+    ])
+    .await;
+    let client = reqwest::Client::new();
+    let mut acked = Vec::new();
+    let mut refusal_opt = None;
+    let started = Instant::now();
+    while refusal_opt.is_none() {
+        assert!(started.elapsed() < Duration::from_secs(20), "never refused; acked {}", acked.len());
+        let body = payload(256 * 1024, acked.len() as u8);
+        let response = client.post(daemon.url("/v1/captures?stream=full")).body(body.clone()).send().await.unwrap();
+        match response.status() {
+            StatusCode::CREATED => {
+                acked.push((json(response).await["capture_id"].as_str().unwrap().to_string(), body));
+            }
+            StatusCode::SERVICE_UNAVAILABLE => refusal_opt = Some(response),
+            other => panic!("unexpected {other}: {}", response.text().await.unwrap_or_default()),
+        }
+    }
+    let refusal = refusal_opt.unwrap();
+    assert_eq!(refusal.headers()["retry-after"], "1");
+    let error = json(refusal).await;
+    assert!(error["error"].as_str().unwrap().contains("spool full"), "{error}");
+    assert!(acked.len() >= 3, "refused after only {} appends", acked.len());
+    for (capture_id, body) in &acked {
+        let response = daemon.get_ok(&client, &format!("/v1/captures/{capture_id}")).await;
+        assert_eq!(&response.bytes().await.unwrap()[..], &body[..], "capture {capture_id}");
+    }
+    let metrics = daemon.get_ok(&client, "/metrics").await.text().await.unwrap();
+    assert!(metrics.contains(&format!("capstore_captures_appended_total {}\n", acked.len())), "{metrics}");
+    assert!(!metrics.contains("capstore_appends_refused_total 0\n"), "{metrics}");
+}
+
+#[tokio::test]
+async fn catalog_unreachable_writes_work_reads_wait_and_shutdown_is_clean() {
+    // Nothing listens on the catalog port: ingest is up, the catalog never connects.
+    let dead_catalog = format!("http://127.0.0.1:{}", common::free_port(false));
+    let mut daemon = Daemon::start(&[("CAPSTORE_CATALOG_URL", dead_catalog)]).await;
+    let client = reqwest::Client::new();
+    let url = daemon.url("/v1/captures?stream=offline&wait=published&timeout_ms=300");
+    let response = client.post(url).body("kept").send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::ACCEPTED);
+    let answer = json(response).await;
+    assert_eq!(answer["published"], false, "{answer}");
+    let capture_id = answer["capture_id"].as_str().unwrap();
+    let response = client.get(daemon.url(&format!("/v1/captures/{capture_id}"))).send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let response = client.get(daemon.url("/v1/captures?stream=offline")).send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    daemon.get_ok(&client, "/readyz").await;
+    let status = json(daemon.get_ok(&client, "/status").await).await;
+    assert_eq!(status["writer"]["records_appended"], 1, "{status}");
+
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(daemon.child.id() as i32), nix::sys::signal::Signal::SIGTERM)
+        .unwrap();
+    assert!(common::wait_until(Duration::from_secs(10), || matches!(daemon.child.try_wait(), Ok(Some(_)))));
+    assert_eq!(daemon.child.wait().unwrap().code(), Some(0), "{}", daemon.log());
+    assert!(client.get(daemon.url("/healthz")).send().await.is_err(), "still serving after exit");
+    assert!(daemon.log().contains("http stopped"), "{}", daemon.log());
+}
