@@ -382,6 +382,8 @@ pub async fn e2e(options: &E2eBenchOptions) -> anyhow::Result<Vec<E2eBenchRow>> 
             .env("CAPSTORE_CATALOG_NAME", &config.catalog_name)
             // The bench does not use the HTTP API; any free port keeps it clear of a daemon already running here.
             .env("CAPSTORE_HTTP_LISTEN", "127.0.0.1:0")
+            // The bench waits for the start line, which is logged at info.
+            .env("CAPSTORE_LOG_LEVEL", "info")
             .stderr(std::fs::File::create(&log_path)?)
             .spawn()?;
         let daemon_pid = child.id();
