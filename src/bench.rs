@@ -347,7 +347,7 @@ pub struct E2eBenchOptions {
 /// End to end through a real `capstore run` child: captures dropped into the inbox until every one is listed in the
 /// catalog, beside `rclone copy` of the same files as individual objects to the same bucket, in the same run.
 pub async fn e2e(options: &E2eBenchOptions) -> anyhow::Result<Vec<E2eBenchRow>> {
-    use crate::catalog::query::{CatalogReader, ListQuery};
+    use crate::catalog::query::CatalogReader;
     let mut rows = Vec::new();
     let executable = std::env::current_exe()?;
     for &capture_bytes in &options.capture_sizes {
@@ -412,30 +412,27 @@ pub async fn e2e(options: &E2eBenchOptions) -> anyhow::Result<Vec<E2eBenchRow>> 
             std::fs::rename(staging.join(id.to_string()), inbox.join(id.to_string()))?;
             dropped_at.insert(id.to_string(), Instant::now());
         }
+        // Follow the catalog by version (what a consumer tailing "everything after version N" sees).
         let mut latencies = Vec::with_capacity(ids.len());
         let mut seen = std::collections::HashSet::new();
-        let mut cursor = None;
+        let mut after_version = 0;
         while (seen.len() as u64) < captures {
             anyhow::ensure!(started.elapsed() < Duration::from_secs(1800), "not everything was listed in 30 minutes");
-            let page = reader
-                .list(&ListQuery {
-                    stream: Some("bench".into()),
-                    limit: 10_000,
-                    cursor: cursor.clone(),
-                    ..Default::default()
-                })
-                .await?;
-            let now = Instant::now();
-            for capture in &page.captures {
-                if seen.insert(capture.capture_id.clone()) {
-                    if let Some(at) = dropped_at.get(&capture.capture_id) {
-                        latencies.push(now.duration_since(*at).as_secs_f64() * 1000.0);
+            let publishes = reader.publishes_after(after_version, 1000).await?;
+            for publish in &publishes {
+                let listed = reader.captures_of_version(publish.version).await?;
+                let now = Instant::now();
+                for capture in listed {
+                    if seen.insert(capture.capture_id.clone()) {
+                        if let Some(at) = dropped_at.get(&capture.capture_id) {
+                            latencies.push(now.duration_since(*at).as_secs_f64() * 1000.0);
+                        }
                     }
                 }
+                after_version = publish.version;
             }
-            cursor = page.next_cursor.or(cursor);
-            if page.captures.is_empty() {
-                tokio::time::sleep(Duration::from_millis(50)).await;
+            if publishes.is_empty() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
             }
         }
         let seconds = started.elapsed().as_secs_f64();

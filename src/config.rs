@@ -200,7 +200,7 @@ impl Default for BucketConfig {
 
 impl Default for UploadConfig {
     fn default() -> Self {
-        UploadConfig { batch_packs: 8, concurrency: 4, part_size: ByteSize(16 * MIB) }
+        UploadConfig { batch_packs: 8, concurrency: 2, part_size: ByteSize(8 * MIB) }
     }
 }
 

@@ -144,6 +144,10 @@ impl Pipeline {
         if let PublishOutcome::Committed { .. } = outcome {
             self.counters.publishes.fetch_add(1, Ordering::Relaxed);
         }
+        if !self.inbox_unlinks_durable().await {
+            // Keep the packs: the replay guard makes the next round a no-op for them, and it retries the delete.
+            return Ok(0);
+        }
         for descriptor in batch {
             let path = self.paths.pack_path(descriptor.summary.pack_id, PackState::Uploaded);
             if let Err(error) = durable::remove_durable(&path) {
@@ -155,6 +159,21 @@ impl Pipeline {
             self.counters.captures_indexed.fetch_add(descriptor.entries.len() as u64, Ordering::Relaxed);
         }
         Ok(batch.len())
+    }
+}
+
+impl Pipeline {
+    /// A pack may leave the spool only once the unlinks of its inbox sources are durable (see `UnlinkLog`).
+    async fn inbox_unlinks_durable(&self) -> bool {
+        let Some(unlinks) = self.inbox_unlinks.clone() else { return true };
+        match tokio::task::spawn_blocking(move || unlinks.sync()).await {
+            Ok(Ok(())) => true,
+            Ok(Err(error)) => {
+                tracing::warn!(%error, "cannot fsync inbox directories; published packs stay in the spool for now");
+                false
+            }
+            Err(_) => false,
+        }
     }
 }
 

@@ -94,6 +94,8 @@ pub struct Pipeline {
     pub publisher: Arc<Publisher>,
     pub lease: LeaseHandle,
     pub counters: Arc<PipelineCounters>,
+    /// Inbox unlinks to make durable before published packs leave the spool (none in offline tools).
+    pub inbox_unlinks: Option<Arc<crate::spool::inbox::UnlinkLog>>,
     /// Publish failures per pack for reasons of the pack's own (the server rejected its rows).
     index_attempts: Mutex<HashMap<Uuid, u32>>,
 }
@@ -106,7 +108,16 @@ impl Pipeline {
         publisher: Arc<Publisher>,
         lease: LeaseHandle,
     ) -> Pipeline {
-        Pipeline { config, paths, bucket, publisher, lease, counters: Arc::default(), index_attempts: Mutex::default() }
+        Pipeline {
+            config,
+            paths,
+            bucket,
+            publisher,
+            lease,
+            counters: Arc::default(),
+            inbox_unlinks: None,
+            index_attempts: Mutex::default(),
+        }
     }
 
     /// Move a pack file to quarantine with one ERROR line: an operator must look at it.

@@ -136,6 +136,7 @@ pub async fn run(config: Config) -> Result<i32, SupervisorError> {
         config.spool.max_capture_bytes.0,
         config.spool.inbox_rescan_interval.0,
     );
+    let inbox_unlinks = ingestor.unlinks();
     let board = Arc::new(StatusBoard {
         config: config.clone(),
         paths: paths.clone(),
@@ -229,7 +230,8 @@ pub async fn run(config: Config) -> Result<i32, SupervisorError> {
     let (keeper_stop_tx, keeper_stop_rx) = watch::channel(false);
     let keeper_task = tokio::spawn(keeper.run(keeper_stop_rx));
     let publisher = Arc::new(Publisher::new(client.clone(), tables.clone(), &config.catalog_name, lease.clone()));
-    let pipeline = Pipeline::new(config.clone(), paths.clone(), bucket, publisher, lease.clone());
+    let mut pipeline = Pipeline::new(config.clone(), paths.clone(), bucket, publisher, lease.clone());
+    pipeline.inbox_unlinks = Some(inbox_unlinks);
     let _ = board.pipeline_counters.set(pipeline.counters.clone());
     tracing::info!(
         catalog = %config.catalog_name,

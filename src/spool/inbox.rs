@@ -47,8 +47,11 @@ use crate::capture;
 pub const ENVELOPE_EXTENSION: &str = "capenv";
 const ENVELOPE_MAGIC: &[u8] = b"capenv1 ";
 const MAX_ENVELOPE_HEADER: usize = 1024 * 1024;
-/// Bytes of payload read into memory at once across all ingest tasks (a single larger file still goes alone).
-const READ_BUDGET_KIB: u32 = 64 * 1024;
+/// Bytes of payload in memory at once across all ingest tasks, from the read until the spool acknowledged the append
+/// (a single larger file still goes, alone). This bounds the daemon's memory however large the inbox backlog is.
+const READ_BUDGET_KIB: u32 = 16 * 1024;
+/// How often the directories of unlinked inbox files are fsynced (one fsync per directory, not one per file).
+const UNLINK_SYNC_INTERVAL: Duration = Duration::from_millis(50);
 /// How soon to look again after the spool refused a file for lack of space.
 const RETRY_AFTER_REFUSAL: Duration = Duration::from_secs(1);
 
@@ -141,6 +144,40 @@ pub struct IngestStats {
     pub files_deferred: AtomicU64,
 }
 
+/// Inbox directories with unlinks not yet made durable. Ingest records every unlink here and fsyncs the directories
+/// every [`UNLINK_SYNC_INTERVAL`]; the indexer calls [`UnlinkLog::sync`] before it deletes published packs, so a pack
+/// never leaves the spool while the unlink of one of its sources could still be undone by a crash (recovery finds
+/// such a source's key only in a pack that is still local).
+#[derive(Debug, Default)]
+pub struct UnlinkLog {
+    dirty_dirs: std::sync::Mutex<HashSet<PathBuf>>,
+}
+
+impl UnlinkLog {
+    fn record(&self, file: &Path) {
+        if let Some(dir) = file.parent() {
+            self.dirty_dirs.lock().unwrap_or_else(|p| p.into_inner()).insert(dir.to_path_buf());
+        }
+    }
+
+    /// Make every recorded unlink durable.
+    pub fn sync(&self) -> io::Result<()> {
+        let dirs: Vec<PathBuf> = self.dirty_dirs.lock().unwrap_or_else(|p| p.into_inner()).drain().collect();
+        for dir in dirs {
+            match durable::fsync_dir(&dir) {
+                Ok(()) => {}
+                // The directory went away (a stream's directory removed by hand): nothing left to make durable.
+                Err(error) if error.kind() == io::ErrorKind::NotFound => {}
+                Err(error) => {
+                    self.dirty_dirs.lock().unwrap_or_else(|p| p.into_inner()).insert(dir);
+                    return Err(error);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 /// What happened to one inbox file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum FileOutcome {
@@ -154,6 +191,7 @@ enum FileOutcome {
 
 struct IngestContext {
     paths: SpoolPaths,
+    unlinks: Arc<UnlinkLog>,
     writer: SpoolWriter,
     max_capture_bytes: u64,
     stats: Arc<IngestStats>,
@@ -170,6 +208,7 @@ impl Ingestor {
     pub fn new(paths: SpoolPaths, writer: SpoolWriter, max_capture_bytes: u64, rescan_interval: Duration) -> Ingestor {
         let context = IngestContext {
             paths,
+            unlinks: Arc::default(),
             writer,
             max_capture_bytes,
             stats: Arc::new(IngestStats::default()),
@@ -182,11 +221,19 @@ impl Ingestor {
         self.context.stats.clone()
     }
 
+    /// The log of unlinked inbox files whose removal may not be durable yet.
+    pub fn unlinks(&self) -> Arc<UnlinkLog> {
+        self.context.unlinks.clone()
+    }
+
     pub async fn run(self, mut shutdown_rx: watch::Receiver<bool>) {
         let (events_tx, mut events_rx) = mpsc::channel::<Vec<PathBuf>>(1024);
-        let _watcher = start_watcher(&self.context.paths.inbox, events_tx);
+        let rescan_now = Arc::new(tokio::sync::Notify::new());
+        let _watcher = start_watcher(&self.context.paths.inbox, events_tx, rescan_now.clone());
         let (done_tx, mut done_rx) = mpsc::unbounded_channel::<(PathBuf, FileOutcome)>();
         let mut in_flight: HashSet<PathBuf> = HashSet::new();
+        let mut unlink_sync = tokio::time::interval(UNLINK_SYNC_INTERVAL);
+        unlink_sync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut rescan = tokio::time::interval(self.rescan_interval);
         rescan.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let retry = tokio::time::sleep(Duration::MAX / 4);
@@ -195,8 +242,13 @@ impl Ingestor {
         loop {
             let candidates: Vec<PathBuf> = tokio::select! {
                 _ = shutdown_rx.changed() => break,
+                _ = unlink_sync.tick() => {
+                    self.sync_unlinks().await;
+                    continue;
+                }
                 Some(paths) = events_rx.recv() => paths,
                 _ = rescan.tick() => self.walk().await,
+                _ = rescan_now.notified() => self.walk().await,
                 _ = &mut retry, if retry_armed => { retry_armed = false; self.walk().await }
                 Some((path, outcome)) = done_rx.recv() => {
                     in_flight.remove(&path);
@@ -231,6 +283,14 @@ impl Ingestor {
                 None => break,
             }
         }
+        self.sync_unlinks().await;
+    }
+
+    async fn sync_unlinks(&self) {
+        let unlinks = self.context.unlinks.clone();
+        if let Ok(Err(error)) = tokio::task::spawn_blocking(move || unlinks.sync()).await {
+            tracing::warn!(%error, "cannot fsync inbox directories after unlinks");
+        }
     }
 
     async fn walk(&self) -> Vec<PathBuf> {
@@ -264,20 +324,31 @@ impl Ingestor {
     }
 }
 
-fn start_watcher(inbox: &Path, events_tx: mpsc::Sender<Vec<PathBuf>>) -> Option<notify::RecommendedWatcher> {
+/// Forward interesting events; when they come faster than ingest takes them (the channel is full, or the kernel's
+/// inotify queue overflowed), ask for a rescan instead, so a burst never waits for the periodic one.
+fn start_watcher(
+    inbox: &Path,
+    events_tx: mpsc::Sender<Vec<PathBuf>>,
+    rescan_now: Arc<tokio::sync::Notify>,
+) -> Option<notify::RecommendedWatcher> {
     use notify::event::{AccessKind, AccessMode, CreateKind, ModifyKind};
     use notify::{EventKind, RecursiveMode, Watcher};
     let handler = move |result: notify::Result<notify::Event>| {
-        let Ok(event) = result else { return };
+        let event = match result {
+            Ok(event) if !event.need_rescan() => event,
+            _ => {
+                rescan_now.notify_one();
+                return;
+            }
+        };
         let interesting = matches!(
             event.kind,
             EventKind::Access(AccessKind::Close(AccessMode::Write))
                 | EventKind::Modify(ModifyKind::Name(_))
                 | EventKind::Create(CreateKind::Folder)
         );
-        if interesting {
-            // A full channel only delays files until the next rescan.
-            let _ = events_tx.try_send(event.paths);
+        if interesting && events_tx.try_send(event.paths).is_err() {
+            rescan_now.notify_one();
         }
     };
     let watcher = notify::recommended_watcher(handler).and_then(|mut watcher| {
@@ -295,7 +366,8 @@ fn start_watcher(inbox: &Path, events_tx: mpsc::Sender<Vec<PathBuf>>) -> Option<
 
 async fn ingest_file(context: &IngestContext, path: &Path) -> FileOutcome {
     let outcome = match prepare(context, path).await {
-        Ok(Some((meta, payload))) => append_and_unlink(context, path, meta, payload).await,
+        // The read budget stays taken until the append is answered: queued payloads count against it too.
+        Ok(Some((meta, payload, _budget))) => append_and_unlink(context, path, meta, payload).await,
         Ok(None) => FileOutcome::Skipped,
         Err(Rejection::Quarantine(reason)) => quarantine(context, path, &reason),
         Err(Rejection::Defer(reason)) => {
@@ -318,8 +390,12 @@ enum Rejection {
     Defer(String),
 }
 
-/// Read and validate one inbox file. `Ok(None)`: nothing to ingest (gone, or not a regular file).
-async fn prepare(context: &IngestContext, path: &Path) -> Result<Option<(CaptureMeta, Vec<u8>)>, Rejection> {
+/// Read and validate one inbox file, with its share of the read budget. `Ok(None)`: nothing to ingest (gone, or not
+/// a regular file).
+async fn prepare<'a>(
+    context: &'a IngestContext,
+    path: &Path,
+) -> Result<Option<(CaptureMeta, Vec<u8>, tokio::sync::SemaphorePermit<'a>)>, Rejection> {
     let metadata = match tokio::fs::symlink_metadata(path).await {
         Ok(metadata) if metadata.is_file() => metadata,
         Ok(_) => return Ok(None),
@@ -341,7 +417,7 @@ async fn prepare(context: &IngestContext, path: &Path) -> Result<Option<(Capture
         )));
     }
     let budget_kib = ((metadata.len() / 1024) as u32).clamp(1, READ_BUDGET_KIB);
-    let _permit = context.read_budget.acquire_many(budget_kib).await.map_err(|e| Rejection::Defer(e.to_string()))?;
+    let permit = context.read_budget.acquire_many(budget_kib).await.map_err(|e| Rejection::Defer(e.to_string()))?;
     let contents = match tokio::fs::read(path).await {
         Ok(contents) => contents,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
@@ -366,15 +442,20 @@ async fn prepare(context: &IngestContext, path: &Path) -> Result<Option<(Capture
         source_name: Some(source_key(&relative, &metadata)),
     };
     capture::validate_meta(&meta).map_err(Rejection::Quarantine)?;
-    Ok(Some((meta, payload)))
+    Ok(Some((meta, payload, permit)))
 }
 
 async fn append_and_unlink(context: &IngestContext, path: &Path, meta: CaptureMeta, payload: Vec<u8>) -> FileOutcome {
     match context.writer.append(meta, payload).await {
         Ok(_ack) => {
-            // The record is durable; only now may the source go. A crash before this unlink is handled by recovery.
-            if let Err(error) = durable::remove_durable(path) {
-                tracing::warn!(file = %path.display(), %error, "captured inbox file could not be removed");
+            // The record is durable; only now may the source go. A crash before the unlink is durable is handled by
+            // recovery (the source key is in a pack); the directory fsync is batched (see `UnlinkLog`).
+            match std::fs::remove_file(path) {
+                Ok(()) => context.unlinks.record(path),
+                Err(error) if error.kind() == io::ErrorKind::NotFound => {}
+                Err(error) => {
+                    tracing::warn!(file = %path.display(), %error, "captured inbox file could not be removed")
+                }
             }
             FileOutcome::Ingested
         }
