@@ -77,7 +77,9 @@ pub fn main() -> i32 {
         Ok(config) => config,
         Err(code) => return code,
     };
-    init_logging(&config);
+    // Tools print their results; their own progress logs would only clutter a terminal or a pipe.
+    let quiet_by_default = !matches!(cli.command, Command::Run | Command::Debug(_));
+    init_logging(&config, quiet_by_default);
     let result = match cli.command {
         Command::Run => run_daemon(config),
         Command::CheckConfig => unreachable!("handled above"),
@@ -115,9 +117,10 @@ pub fn load_config(path: Option<&std::path::Path>) -> Result<Config, i32> {
     })
 }
 
-fn init_logging(config: &Config) {
-    let filter = tracing_subscriber::EnvFilter::try_new(&config.log.level)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+fn init_logging(config: &Config, quiet_by_default: bool) {
+    let level = if quiet_by_default && config.log.level == "info" { "warn" } else { config.log.level.as_str() };
+    let filter =
+        tracing_subscriber::EnvFilter::try_new(level).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     let _ = match config.log.format {
         LogFormat::Json => builder.json().try_init(),
