@@ -299,17 +299,7 @@ impl LeaseStore {
         kind: &str,
         condition: &str,
     ) -> Result<ClaimOutcome, CatalogError> {
-        let ttl_ms = self.timings.ttl.as_millis() as u64;
-        let sql = format!(
-            "INSERT INTO {table} (catalog, term, lease_id, holder, written_at_ms, expires_at_ms, kind) \
-             SELECT {catalog}, {term}, {id}, {holder}, {now}, {now} + {ttl_ms}, {kind} FROM system.one WHERE {condition}",
-            table = self.table,
-            catalog = self.catalog_literal(),
-            id = sql_string_literal(lease_id),
-            holder = sql_string_literal(holder),
-            now = self.server_now_ms(),
-            kind = sql_string_literal(kind),
-        );
+        let sql = self.lease_row_sql(term, lease_id, holder, kind, self.timings.ttl, Some(condition));
         // The deadline counts from before the request left: the server stamped the expiry no earlier than this.
         let sent_at = Instant::now();
         self.client.execute_deciding(&sql, self.timings.statement_cap()).await?;
@@ -353,17 +343,33 @@ impl LeaseStore {
     }
 
     async fn write_tombstone(&self, term: u64, lease_id: &str, holder: &str, kind: &str) -> Result<(), CatalogError> {
-        let sql = format!(
+        let sql = self.lease_row_sql(term, lease_id, holder, kind, Duration::ZERO, None);
+        self.client.execute_deciding(&sql, self.timings.statement_cap()).await
+    }
+
+    /// The one shape of every lease statement: a row stamped with server time, living `lifetime` (zero for a
+    /// tombstone), written only if `condition_opt` holds when the statement runs.
+    fn lease_row_sql(
+        &self,
+        term: u64,
+        lease_id: &str,
+        holder: &str,
+        kind: &str,
+        lifetime: Duration,
+        condition_opt: Option<&str>,
+    ) -> String {
+        format!(
             "INSERT INTO {table} (catalog, term, lease_id, holder, written_at_ms, expires_at_ms, kind) \
-             SELECT {catalog}, {term}, {id}, {holder}, {now}, {now}, {kind} FROM system.one",
+             SELECT {catalog}, {term}, {id}, {holder}, {now}, {now} + {lifetime_ms}, {kind} FROM system.one{condition}",
             table = self.table,
             catalog = self.catalog_literal(),
             id = sql_string_literal(lease_id),
             holder = sql_string_literal(holder),
             now = self.server_now_ms(),
+            lifetime_ms = lifetime.as_millis(),
             kind = sql_string_literal(kind),
-        );
-        self.client.execute_deciding(&sql, self.timings.statement_cap()).await
+            condition = condition_opt.map(|condition| format!(" WHERE {condition}")).unwrap_or_default(),
+        )
     }
 
     /// Operator action (`capstore lease break --force`): tombstone every lease_id at the head. Returns the head as it

@@ -21,6 +21,7 @@ use uuid::Uuid;
 
 use super::client::{sql_string_literal, CatalogClient, CatalogError, ErrorKind};
 use super::lease::{server_now_ms_expr, LeaseHandle, PublishPermit};
+use super::query::CatalogReader;
 use super::schema::Tables;
 use crate::spool::pack::{IndexEntry, PackSummary};
 
@@ -122,15 +123,7 @@ impl Publisher {
 
     /// The highest committed version (0 before the first publish).
     pub async fn watermark(&self) -> Result<u64, CatalogError> {
-        let rows: Vec<VersionRow> = self
-            .client
-            .fetch_all(&format!(
-                "SELECT max(version) AS version FROM {} WHERE catalog = {}",
-                self.tables.publishes,
-                self.catalog_literal()
-            ))
-            .await?;
-        Ok(rows.first().map_or(0, |row| row.version))
+        CatalogReader::new(self.client.clone(), self.tables.clone(), &self.catalog).watermark().await
     }
 
     /// The committed version of `publish_id`, if it landed.
@@ -227,13 +220,13 @@ impl Publisher {
             now = server_now_ms_expr(&self.client),
             fence = permit.fence,
         );
-        let timings = self.lease_timings_cap();
+        let statement_cap = self.lease.timings().statement_cap();
         let unknown = |error: CatalogError| {
             *self.unresolved.lock().unwrap_or_else(|p| p.into_inner()) = Some(Unresolved { version, publish_id });
             self.lease.report_unknown_outcome(&error.to_string());
             PublishError::OutcomeUnknown(error)
         };
-        match self.client.execute_deciding(&sql, timings).await {
+        match self.client.execute_deciding(&sql, statement_cap).await {
             Ok(()) => {}
             Err(error) if error.kind == ErrorKind::DefinitelyFailed => return Err(PublishError::Catalog(error)),
             Err(error) => return Err(unknown(error)),
@@ -250,10 +243,6 @@ impl Publisher {
             }
             Err(error) => Err(unknown(error)),
         }
-    }
-
-    fn lease_timings_cap(&self) -> std::time::Duration {
-        self.lease.timings().statement_cap()
     }
 
     async fn insert_descriptor_rows(
