@@ -123,9 +123,12 @@ async fn run_spool(dir: &Path, capture_bytes: u64, captures: u64, producers: usi
         min_free_bytes: 0,
     };
     let (writer, thread) = spawn_writer(paths, settings);
-    // Incompressible, non-constant payload so checksums do real work.
-    let payload: Arc<Vec<u8>> =
-        Arc::new((0..capture_bytes).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect());
+    // Incompressible, non-constant payload so checksums do real work. Every producer hands over the same immutable
+    // buffer (a reference count, not a copy), as dd writes the same buffer again and again: the run measures the
+    // spool's own work (checksums, the copy into the page cache, fsyncs), not the producers' allocations.
+    let payload = bytes::Bytes::from(
+        (0..capture_bytes).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect::<Vec<u8>>(),
+    );
     let next = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let started = Instant::now();
     let mut tasks = Vec::new();
@@ -143,7 +146,7 @@ async fn run_spool(dir: &Path, capture_bytes: u64, captures: u64, producers: usi
                     content_type: None,
                     source_name: None,
                 };
-                writer.append(meta, payload.to_vec()).await.map_err(std::io::Error::other)?;
+                writer.append(meta, payload.clone()).await.map_err(std::io::Error::other)?;
             }
             Ok::<(), std::io::Error>(())
         }));

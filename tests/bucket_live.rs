@@ -47,7 +47,7 @@ fn capture(index: u64, payload: Vec<u8>) -> (CaptureMeta, Vec<u8>) {
 fn write_pack(path: &Path, pack_id: Uuid, captures: Vec<(CaptureMeta, Vec<u8>)>) -> WrittenPack {
     let mut writer = PackWriter::create(path, pack_id, FIRST_CAPTURED_AT_NS + 10_000_000_000).unwrap();
     for (meta, payload) in &captures {
-        writer.append(meta, payload).unwrap();
+        writer.append(meta, bytes::Bytes::copy_from_slice(payload)).unwrap();
     }
     let entries = writer.entries().to_vec();
     let summary = writer.finish().unwrap();

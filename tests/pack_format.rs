@@ -74,7 +74,7 @@ fn golden_captures() -> Vec<(CaptureMeta, Vec<u8>)> {
 fn write_pack(path: &Path, pack_id: Uuid, created_at_ns: u64, captures: &[(CaptureMeta, Vec<u8>)]) -> Vec<u8> {
     let mut writer = PackWriter::create(path, pack_id, created_at_ns).unwrap();
     for (meta, payload) in captures {
-        writer.append(meta, payload).unwrap();
+        writer.append(meta, bytes::Bytes::copy_from_slice(payload)).unwrap();
     }
     writer.finish().unwrap();
     std::fs::read(path).unwrap()

@@ -20,6 +20,7 @@
 //! - pack ids are UUIDv7, so sorting names sorts packs oldest first.
 
 pub mod durable;
+pub mod hasher;
 pub mod inbox;
 pub mod lock;
 pub mod pack;

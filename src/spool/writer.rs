@@ -1,15 +1,22 @@
 //! The spool writer: one thread owns the `.open` pack and turns queued appends into durable records (group commit).
 //!
-//! States of the writer thread: `idle` (no open pack), `open` (a `.open` pack with records, all of them fsynced
-//! between batches), `closed` (after [`SpoolWriter::close`] or when every handle is dropped: the open pack is sealed).
+//! States of the writer thread: `idle` (no open pack), `open` (a `.open` pack with records), `closed` (after
+//! [`SpoolWriter::close`] or when every handle is dropped: the syncer has answered every append and the open pack is
+//! sealed).
 //!
-//! One batch: take every append waiting in the queue (bounded by count and bytes), append each record to the pack,
-//! call `fdatasync` once, then acknowledge every append of the batch. An append is never acknowledged before the fsync
-//! that covers it; an append that fails (quota, size, I/O) is answered with an error and is not in the spool.
+//! One batch: take every append waiting in the queue (bounded by count and bytes), append each record to the pack, hand
+//! the bytes to the kernel, and pass the batch's acknowledgements with the pack's [`SyncPoint`] to the syncer thread.
+//! The syncer fdatasyncs (once for every batch waiting on the same file) and only then acknowledges. So batch N+1 is
+//! written while batch N is fsynced, and the pack's SHA-256 is computed meanwhile on a third thread
+//! ([`super::hasher`]). An append is never acknowledged before the fsync that covers it; an append that fails (quota,
+//! size, I/O) is answered with an error and is not in the spool.
+//!
+//! A failed fsync poisons the pack (the syncer answers that batch and every later one of the pack with an error); the
+//! writer sees the poison at its next batch and recovers the pack from disk like a restart would.
 //!
 //! Seal: when the pack reaches `pack_max_bytes` or `pack_max_records`, when its first record is `pack_max_age` old
-//! (linger), on [`SpoolWriter::seal`], and at close. Sealing writes footer and trailer, fsyncs, and renames
-//! `.open` -> `.sealed` with a directory fsync.
+//! (linger), on [`SpoolWriter::seal`], and at close. Sealing waits for the hash, writes footer and trailer, fsyncs, and
+//! renames `.open` -> `.sealed` with a directory fsync.
 //!
 //! Quotas: before each append the writer checks `spool.max_bytes` (bytes under `packs/`) and
 //! `spool.min_free_bytes` (free space on the filesystem). Both readings are refreshed at most every
@@ -20,11 +27,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use serde::Serialize;
 use tokio::sync::{oneshot, Notify};
 use uuid::Uuid;
 
-use super::pack::{CaptureMeta, PackError, PackSummary, PackWriter};
+use super::pack::{CaptureMeta, PackError, PackSummary, PackWriter, SyncPoint};
 use super::{durable, list_packs, PackState, SpoolPaths};
 use crate::config::SpoolConfig;
 
@@ -35,6 +43,8 @@ const QUEUE_CAPACITY: usize = 4096;
 /// Upper bound of one batch, so an fsync is never delayed behind an unbounded amount of writing.
 const BATCH_MAX_RECORDS: usize = 4096;
 const BATCH_MAX_BYTES: u64 = 64 * 1024 * 1024;
+/// Batches written but not yet handed to the syncer wait here; the writer blocks when it is full.
+const SYNC_QUEUE_CAPACITY: usize = 2;
 
 #[derive(Debug, Clone)]
 pub struct WriterSettings {
@@ -122,8 +132,10 @@ impl WriterStats {
     }
 }
 
+type AckReply = oneshot::Sender<Result<Ack, AppendError>>;
+
 enum Request {
-    Append { meta: CaptureMeta, payload: Vec<u8>, reply: oneshot::Sender<Result<Ack, AppendError>> },
+    Append { meta: CaptureMeta, payload: Bytes, reply: AckReply },
     Seal { reply: oneshot::Sender<Result<Option<PackSummary>, AppendError>> },
     Close,
 }
@@ -135,9 +147,21 @@ pub struct SpoolWriter {
     stats: Arc<WriterStats>,
 }
 
-/// Joins the writer thread; returned by [`spawn_writer`].
+/// Joins the writer thread (which joins the syncer); returned by [`spawn_writer`].
 pub struct WriterThread {
     thread: std::thread::JoinHandle<()>,
+}
+
+type SealReply = oneshot::Sender<Result<Option<PackSummary>, AppendError>>;
+
+/// Work for the syncer thread, done in order. Each job carries the acknowledgements of every append since the previous
+/// job; they are answered once the job's fsync has returned.
+enum SyncJob {
+    /// Make durable what was written up to `point`.
+    Sync { point: SyncPoint, acks: Vec<(AckReply, Ack)> },
+    /// Seal a pack the writer has moved on from: wait for its hash, write footer and trailer, fsync, rename `.open`
+    /// -> `.sealed`, fsync the directory.
+    Seal { pack: Box<OpenPack>, reason: &'static str, acks: Vec<(AckReply, Ack)>, reply: Option<SealReply> },
 }
 
 impl WriterThread {
@@ -151,26 +175,43 @@ impl WriterThread {
 
 pub fn spawn_writer(paths: SpoolPaths, settings: WriterSettings) -> (SpoolWriter, WriterThread) {
     let (requests_tx, requests_rx) = flume::bounded(QUEUE_CAPACITY);
+    let (sync_tx, sync_rx) = flume::bounded(SYNC_QUEUE_CAPACITY);
     let stats = Arc::new(WriterStats::default());
-    let mut state = WriterState::new(paths, settings, stats.clone());
+    let syncer_stats = stats.clone();
+    let syncer_paths = paths.clone();
+    let syncer = std::thread::Builder::new()
+        .name("spool-syncer".into())
+        .spawn(move || run_syncer(sync_rx, &syncer_paths, &syncer_stats))
+        .expect("spawning the spool syncer thread");
+    let mut state = WriterState::new(paths, settings, stats.clone(), sync_tx);
     let thread = std::thread::Builder::new()
         .name("spool-writer".into())
-        .spawn(move || state.run(requests_rx))
+        .spawn(move || {
+            state.run(requests_rx);
+            // Every queued batch is answered before the thread ends; the seal above already made them durable.
+            drop(state);
+            if syncer.join().is_err() {
+                tracing::error!("spool syncer thread panicked");
+            }
+        })
         .expect("spawning the spool writer thread");
     (SpoolWriter { requests_tx, stats }, WriterThread { thread })
 }
 
 impl SpoolWriter {
-    /// Append one capture; resolves once it is fsynced (or refused).
-    pub async fn append(&self, meta: CaptureMeta, payload: Vec<u8>) -> Result<Ack, AppendError> {
+    /// Append one capture; resolves once it is fsynced (or refused). The payload is written from this buffer, not
+    /// copied.
+    pub async fn append(&self, meta: CaptureMeta, payload: impl Into<Bytes>) -> Result<Ack, AppendError> {
         let (reply, reply_rx) = oneshot::channel();
+        let payload = payload.into();
         self.requests_tx.send_async(Request::Append { meta, payload, reply }).await.map_err(|_| AppendError::Closed)?;
         reply_rx.await.map_err(|_| AppendError::Closed)?
     }
 
     /// Blocking form of [`SpoolWriter::append`], for callers outside an async runtime.
-    pub fn append_blocking(&self, meta: CaptureMeta, payload: Vec<u8>) -> Result<Ack, AppendError> {
+    pub fn append_blocking(&self, meta: CaptureMeta, payload: impl Into<Bytes>) -> Result<Ack, AppendError> {
         let (reply, reply_rx) = oneshot::channel();
+        let payload = payload.into();
         self.requests_tx.send(Request::Append { meta, payload, reply }).map_err(|_| AppendError::Closed)?;
         reply_rx.blocking_recv().map_err(|_| AppendError::Closed)?
     }
@@ -202,10 +243,13 @@ struct WriterState {
     paths: SpoolPaths,
     settings: WriterSettings,
     stats: Arc<WriterStats>,
+    sync_tx: flume::Sender<SyncJob>,
     open_pack: Option<OpenPack>,
     quota: QuotaReadings,
-    /// Set by any write, fsync or seal failure during the current batch: none of its appends may be acknowledged,
-    /// because the failure may have cost records appended before it.
+    /// Acknowledgements of this batch's appends so far, for the next sync or seal job.
+    batch_acks: Vec<(AckReply, Ack)>,
+    /// Set by any write failure during the current batch: none of its appends may be acknowledged, because the
+    /// failure may have cost records appended before it.
     batch_io_failed: bool,
 }
 
@@ -217,13 +261,20 @@ struct QuotaReadings {
 }
 
 impl WriterState {
-    fn new(paths: SpoolPaths, settings: WriterSettings, stats: Arc<WriterStats>) -> WriterState {
+    fn new(
+        paths: SpoolPaths,
+        settings: WriterSettings,
+        stats: Arc<WriterStats>,
+        sync_tx: flume::Sender<SyncJob>,
+    ) -> WriterState {
         WriterState {
             paths,
             settings,
             stats,
+            sync_tx,
             open_pack: None,
             quota: QuotaReadings { spool_bytes: 0, free_bytes: u64::MAX, read_at: None },
+            batch_acks: Vec::new(),
             batch_io_failed: false,
         }
     }
@@ -237,7 +288,7 @@ impl WriterState {
             let first = match received {
                 Ok(request) => request,
                 Err(flume::RecvTimeoutError::Timeout) => {
-                    self.seal_logged("pack_max_age");
+                    self.seal("pack_max_age", None);
                     continue;
                 }
                 Err(flume::RecvTimeoutError::Disconnected) => break,
@@ -259,62 +310,74 @@ impl WriterState {
                 break;
             }
         }
-        self.seal_logged("shutdown");
+        self.seal("shutdown", None);
     }
 
     /// Returns false once a close request was seen.
     fn process_batch(&mut self, batch: Vec<Request>) -> bool {
-        let mut pending_acks: Vec<(oneshot::Sender<Result<Ack, AppendError>>, Ack)> = Vec::with_capacity(batch.len());
         let mut keep_running = true;
         self.batch_io_failed = false;
+        if let Some(reason) = self.open_pack.as_ref().and_then(|open| open.writer.poisoned_reason()) {
+            tracing::error!(reason, "an fsync of the open pack failed; recovering it from disk");
+            self.reset_after_io_error();
+            self.batch_io_failed = false;
+        }
         for request in batch {
             match request {
-                Request::Append { meta, payload, reply } => match self.append_one(&meta, &payload) {
-                    Ok(ack) => pending_acks.push((reply, ack)),
+                Request::Append { meta, payload, reply } => match self.append_one(&meta, payload) {
+                    Ok(ack) => self.batch_acks.push((reply, ack)),
                     Err(error) => {
                         self.stats.appends_refused.fetch_add(1, Ordering::Relaxed);
                         let _ = reply.send(Err(error));
                     }
                 },
-                Request::Seal { reply } => {
-                    // Records appended earlier in this batch are made durable by the seal's own fsync.
-                    let sealed = self.seal().map_err(|e| AppendError::Io(e.to_string()));
-                    let failed = sealed.is_err();
-                    Self::answer(&mut pending_acks, &sealed.as_ref().map(|_| ()).map_err(Clone::clone));
-                    let _ = reply.send(sealed);
-                    if failed {
-                        self.reset_after_io_error();
-                    }
-                }
+                Request::Seal { reply } => self.seal("requested", Some(reply)),
                 Request::Close => keep_running = false,
             }
         }
-        if pending_acks.is_empty() {
-            return keep_running;
-        }
-        let mut synced = self.sync_open_pack();
-        if synced.is_err() {
-            self.reset_after_io_error();
-        } else if self.batch_io_failed {
-            synced = Err(AppendError::Io("an earlier write of this batch failed".into()));
-        } else {
-            crate::failpoint::hit("after_append_before_ack");
-        }
-        Self::answer(&mut pending_acks, &synced);
+        self.hand_to_syncer();
         self.seal_if_full();
         keep_running
     }
 
-    fn answer(
-        pending_acks: &mut Vec<(oneshot::Sender<Result<Ack, AppendError>>, Ack)>,
-        outcome: &Result<(), AppendError>,
-    ) {
-        for (reply, ack) in pending_acks.drain(..) {
-            let _ = reply.send(outcome.clone().map(|()| ack));
+    /// Writes what the batch appended to the kernel and queues its acknowledgements for the syncer's fsync.
+    fn hand_to_syncer(&mut self) {
+        if self.batch_acks.is_empty() {
+            return;
+        }
+        let acks = std::mem::take(&mut self.batch_acks);
+        if self.batch_io_failed {
+            answer(acks, &Err(AppendError::Io("an earlier write of this batch failed".into())));
+            return;
+        }
+        let Some(open) = &mut self.open_pack else {
+            unreachable!("acknowledgements wait only for records of the open pack; a seal takes them along");
+        };
+        match open.writer.flush() {
+            Ok(point) => self.send_to_syncer(SyncJob::Sync { point, acks }),
+            Err(error) => {
+                answer(acks, &Err(AppendError::Io(error.to_string())));
+                self.reset_after_io_error();
+            }
         }
     }
 
-    fn append_one(&mut self, meta: &CaptureMeta, payload: &[u8]) -> Result<Ack, AppendError> {
+    fn send_to_syncer(&mut self, job: SyncJob) {
+        if let Err(flume::SendError(job)) = self.sync_tx.send(job) {
+            // Only if the syncer thread died (it panicked): nothing can be made durable any more.
+            match job {
+                SyncJob::Sync { acks, .. } => answer(acks, &Err(AppendError::Closed)),
+                SyncJob::Seal { acks, reply, .. } => {
+                    answer(acks, &Err(AppendError::Closed));
+                    if let Some(reply) = reply {
+                        let _ = reply.send(Err(AppendError::Closed));
+                    }
+                }
+            }
+        }
+    }
+
+    fn append_one(&mut self, meta: &CaptureMeta, payload: Bytes) -> Result<Ack, AppendError> {
         let size = payload.len() as u64;
         if size > self.settings.max_capture_bytes {
             return Err(AppendError::TooLarge { size, limit: self.settings.max_capture_bytes });
@@ -327,10 +390,7 @@ impl WriterState {
         });
         if pack_would_overflow {
             // Records already appended in this batch become durable with the seal's fsync.
-            if let Err(error) = self.seal() {
-                self.reset_after_io_error();
-                return Err(AppendError::Io(error.to_string()));
-            }
+            self.seal("full", None);
         }
         if self.open_pack.is_none() {
             self.open_new_pack().map_err(|e| AppendError::Io(e.to_string()))?;
@@ -342,9 +402,9 @@ impl WriterState {
         let pack_id = open.writer.pack_id();
         match appended {
             Ok(_) => {}
-            Err(PackError::Io(e)) => {
+            Err(error @ (PackError::Io(_) | PackError::Poisoned { .. })) => {
                 self.reset_after_io_error();
-                return Err(AppendError::Io(e.to_string()));
+                return Err(AppendError::Io(error.to_string()));
             }
             Err(other) => return Err(AppendError::Invalid(other.to_string())),
         }
@@ -402,51 +462,43 @@ impl WriterState {
         Ok(())
     }
 
-    fn sync_open_pack(&mut self) -> Result<(), AppendError> {
-        let Some(open) = &mut self.open_pack else {
-            return Ok(());
-        };
-        open.writer.sync().map_err(|e| AppendError::Io(e.to_string()))?;
-        self.stats.fsyncs.fetch_add(1, Ordering::Relaxed);
-        Ok(())
-    }
-
     fn seal_if_full(&mut self) {
         let full = self.open_pack.as_ref().is_some_and(|open| {
             open.writer.len_bytes() >= self.settings.pack_max_bytes
                 || open.writer.record_count() >= self.settings.pack_max_records
         });
         if full {
-            self.seal_logged("full");
+            self.seal("full", None);
         }
     }
 
-    fn seal_logged(&mut self, reason: &str) {
-        if let Err(error) = self.seal() {
-            tracing::error!(%error, reason, "sealing the open pack failed; it will be recovered at next start");
-            self.reset_after_io_error();
-        }
-    }
-
-    /// Seal the open pack (if it has records): footer, trailer, fsync, rename to `.sealed`, directory fsync.
-    fn seal(&mut self) -> Result<Option<PackSummary>, PackError> {
-        let Some(open) = self.open_pack.take() else {
-            return Ok(None);
+    /// Hands the open pack (if it has records) to the syncer to be sealed, with the acknowledgements waiting on it, and
+    /// goes on without it: the next append opens a new pack. `reply` is answered once the pack is sealed.
+    fn seal(&mut self, reason: &'static str, reply: Option<SealReply>) {
+        let acks = std::mem::take(&mut self.batch_acks);
+        let Some(pack) = self.open_pack.take() else {
+            answer(acks, &Ok(()));
+            if let Some(reply) = reply {
+                let _ = reply.send(Ok(None));
+            }
+            return;
         };
-        if open.writer.record_count() == 0 {
-            drop(open.writer);
-            durable::remove_durable(&open.path)?;
-            return Ok(None);
+        if pack.writer.record_count() == 0 {
+            drop(pack.writer);
+            let removed = durable::remove_durable(&pack.path).map_err(|e| AppendError::Io(e.to_string()));
+            answer(acks, &removed);
+            if let Some(reply) = reply {
+                let _ = reply.send(removed.map(|()| None));
+            }
+            return;
         }
-        let pack_id = open.writer.pack_id();
-        let summary = open.writer.finish()?;
-        durable::rename_durable(&open.path, &self.paths.pack_path(pack_id, PackState::Sealed))?;
-        crate::failpoint::hit("after_seal");
-        self.stats.packs_sealed.fetch_add(1, Ordering::Relaxed);
-        self.stats.fsyncs.fetch_add(1, Ordering::Relaxed);
-        self.stats.sealed_notify.notify_one();
-        tracing::debug!(pack_id = %pack_id, records = summary.records, bytes = summary.bytes, "pack sealed");
-        Ok(Some(summary))
+        if self.batch_io_failed {
+            answer(acks, &Err(AppendError::Io("an earlier write of this batch failed".into())));
+            self.batch_io_failed = false;
+            self.send_to_syncer(SyncJob::Seal { pack: Box::new(pack), reason, acks: Vec::new(), reply });
+            return;
+        }
+        self.send_to_syncer(SyncJob::Seal { pack: Box::new(pack), reason, acks, reply });
     }
 
     /// After a failed write or fsync the open pack's tail is unknown: recover it like a crash would, so every record
@@ -470,6 +522,70 @@ impl WriterState {
             ),
         }
     }
+}
+
+fn answer(acks: Vec<(AckReply, Ack)>, outcome: &Result<(), AppendError>) {
+    for (reply, ack) in acks {
+        let _ = reply.send(outcome.clone().map(|()| ack));
+    }
+}
+
+/// The syncer thread: runs the writer's jobs in order and answers their acknowledgements after each fsync. Sync jobs
+/// that queued up while an fsync ran share the next one when they are on the same file. Ends when the writer drops
+/// its sender.
+fn run_syncer(jobs_rx: flume::Receiver<SyncJob>, paths: &SpoolPaths, stats: &WriterStats) {
+    let mut waiting: Vec<(AckReply, Ack)> = Vec::new();
+    while let Ok(first) = jobs_rx.recv() {
+        let mut jobs = vec![first];
+        jobs.extend(jobs_rx.try_iter());
+        let mut jobs = jobs.into_iter().peekable();
+        while let Some(job) = jobs.next() {
+            match job {
+                SyncJob::Sync { point, acks } => {
+                    waiting.extend(acks);
+                    let covered_later = matches!(jobs.peek(), Some(SyncJob::Sync { point: next, .. }) if next.same_file(&point))
+                        || matches!(jobs.peek(), Some(SyncJob::Seal { pack, .. }) if pack.writer.same_file(&point));
+                    if covered_later {
+                        // A later fsync of the same file covers this batch: it was written first.
+                        continue;
+                    }
+                    let synced = point.sync().map_err(|e| AppendError::Io(e.to_string()));
+                    if synced.is_ok() {
+                        stats.fsyncs.fetch_add(1, Ordering::Relaxed);
+                        crate::failpoint::hit("after_append_before_ack");
+                    }
+                    answer(std::mem::take(&mut waiting), &synced);
+                }
+                SyncJob::Seal { pack, reason, acks, reply } => {
+                    waiting.extend(acks);
+                    let sealed = seal_pack(*pack, paths, stats);
+                    if let Err(error) = &sealed {
+                        tracing::error!(%error, reason, "sealing a pack failed; it will be recovered at next start");
+                    } else if !waiting.is_empty() {
+                        crate::failpoint::hit("after_append_before_ack");
+                    }
+                    let sealed = sealed.map_err(|e| AppendError::Io(e.to_string()));
+                    answer(std::mem::take(&mut waiting), &sealed.as_ref().map(|_| ()).map_err(Clone::clone));
+                    if let Some(reply) = reply {
+                        let _ = reply.send(sealed.map(Some));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Footer, trailer, fsync, rename `.open` -> `.sealed`, directory fsync.
+fn seal_pack(pack: OpenPack, paths: &SpoolPaths, stats: &WriterStats) -> Result<PackSummary, PackError> {
+    let pack_id = pack.writer.pack_id();
+    let summary = pack.writer.finish()?;
+    durable::rename_durable(&pack.path, &paths.pack_path(pack_id, PackState::Sealed))?;
+    crate::failpoint::hit("after_seal");
+    stats.packs_sealed.fetch_add(1, Ordering::Relaxed);
+    stats.fsyncs.fetch_add(1, Ordering::Relaxed);
+    stats.sealed_notify.notify_one();
+    tracing::debug!(pack_id = %pack_id, records = summary.records, bytes = summary.bytes, "pack sealed");
+    Ok(summary)
 }
 
 #[cfg(test)]

@@ -1,0 +1,93 @@
+//! SHA-256 of a pack, computed on a thread of its own while the pack is written.
+//!
+//! SHA-256 is the costliest per-byte work of the spool (about as slow as the disk). Done inline it adds to every
+//! batch; here the writer hands each chunk over as it writes it (a reference-counted [`Bytes`], never a copy) and goes
+//! on writing and fsyncing, while the hashing thread follows. Only sealing a pack waits for the hash.
+//!
+//! States: `running` (chunks are accepted in order; at most [`MAX_CHUNKS_IN_FLIGHT`] chunks of at most
+//! [`CHUNK_BYTES`] each wait, so the writer is held back rather than memory growing when hashing falls behind) and
+//! `finished` ([`BackgroundHasher::finish`] has joined the thread and returned the hash state). The hash covers
+//! exactly the chunks passed to [`BackgroundHasher::update`], in the order passed.
+
+use std::thread::JoinHandle;
+
+use bytes::Bytes;
+use sha2::{Digest, Sha256};
+
+/// Largest piece handed to the hashing thread; bigger chunks are split (zero-copy) so the in-flight bound holds.
+const CHUNK_BYTES: usize = 1 << 20;
+/// Bound of the queue to the hashing thread: with [`CHUNK_BYTES`], at most 16 MiB wait to be hashed.
+const MAX_CHUNKS_IN_FLIGHT: usize = 16;
+
+pub struct BackgroundHasher {
+    chunks_tx: Option<flume::Sender<Bytes>>,
+    thread: Option<JoinHandle<Sha256>>,
+}
+
+impl BackgroundHasher {
+    /// Starts hashing from `state` (a fresh hasher, or the state of bytes already on disk).
+    pub fn start(mut state: Sha256) -> BackgroundHasher {
+        let (chunks_tx, chunks_rx) = flume::bounded::<Bytes>(MAX_CHUNKS_IN_FLIGHT);
+        let thread = std::thread::Builder::new()
+            .name("pack-hasher".into())
+            .spawn(move || {
+                for chunk in chunks_rx.iter() {
+                    state.update(&chunk);
+                }
+                state
+            })
+            .expect("spawning the pack hashing thread");
+        BackgroundHasher { chunks_tx: Some(chunks_tx), thread: Some(thread) }
+    }
+
+    /// Queues `bytes` for hashing after everything queued before; blocks while the queue is full.
+    pub fn update(&mut self, bytes: &Bytes) {
+        let Some(chunks_tx) = &self.chunks_tx else { return };
+        let mut start = 0;
+        while start < bytes.len() {
+            let end = (start + CHUNK_BYTES).min(bytes.len());
+            // A send fails only if the thread is gone (it panicked); finish() reports that.
+            if chunks_tx.send(bytes.slice(start..end)).is_err() {
+                return;
+            }
+            start = end;
+        }
+    }
+
+    /// Waits until every queued chunk is hashed and returns the hash state. Later updates are ignored.
+    pub fn finish(&mut self) -> std::io::Result<Sha256> {
+        self.chunks_tx = None;
+        let thread = self.thread.take().ok_or_else(|| std::io::Error::other("the pack hash was already finished"))?;
+        thread.join().map_err(|_| std::io::Error::other("the pack hashing thread panicked"))
+    }
+}
+
+impl Drop for BackgroundHasher {
+    fn drop(&mut self) {
+        // Closing the queue ends the thread once it has drained; joining keeps no thread behind.
+        self.chunks_tx = None;
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hash_equals_the_hash_of_the_concatenation_in_order() {
+        let mut expected = Sha256::new();
+        expected.update(b"prefix");
+        let mut hasher = BackgroundHasher::start(expected.clone());
+        let mut all = Vec::new();
+        for size in [0usize, 1, 5000, CHUNK_BYTES, 3 * CHUNK_BYTES + 17] {
+            let chunk: Vec<u8> = (0..size).map(|i| (i * 31 + size) as u8).collect();
+            all.extend_from_slice(&chunk);
+            hasher.update(&Bytes::from(chunk));
+        }
+        expected.update(&all);
+        assert_eq!(hasher.finish().unwrap().finalize(), expected.finalize());
+    }
+}
