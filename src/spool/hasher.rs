@@ -14,25 +14,30 @@ use std::thread::JoinHandle;
 use bytes::Bytes;
 use sha2::{Digest, Sha256};
 
-/// Largest piece handed to the hashing thread; bigger chunks are split (zero-copy) so the in-flight bound holds.
+/// Largest group handed to the hashing thread at once; bigger ones are split (zero-copy) so the in-flight bound holds.
 const CHUNK_BYTES: usize = 1 << 20;
 /// Bound of the queue to the hashing thread: with [`CHUNK_BYTES`], at most 16 MiB wait to be hashed.
 const MAX_CHUNKS_IN_FLIGHT: usize = 16;
 
+/// Pieces hashed in order as one unit of the queue.
+type Chunk = Vec<Bytes>;
+
 pub struct BackgroundHasher {
-    chunks_tx: Option<flume::Sender<Bytes>>,
+    chunks_tx: Option<flume::Sender<Chunk>>,
     thread: Option<JoinHandle<Sha256>>,
 }
 
 impl BackgroundHasher {
     /// Starts hashing from `state` (a fresh hasher, or the state of bytes already on disk).
     pub fn start(mut state: Sha256) -> BackgroundHasher {
-        let (chunks_tx, chunks_rx) = flume::bounded::<Bytes>(MAX_CHUNKS_IN_FLIGHT);
+        let (chunks_tx, chunks_rx) = flume::bounded::<Chunk>(MAX_CHUNKS_IN_FLIGHT);
         let thread = std::thread::Builder::new()
             .name("pack-hasher".into())
             .spawn(move || {
                 for chunk in chunks_rx.iter() {
-                    state.update(&chunk);
+                    for piece in chunk {
+                        state.update(&piece);
+                    }
                 }
                 state
             })
@@ -40,17 +45,20 @@ impl BackgroundHasher {
         BackgroundHasher { chunks_tx: Some(chunks_tx), thread: Some(thread) }
     }
 
-    /// Queues `bytes` for hashing after everything queued before; blocks while the queue is full.
-    pub fn update(&mut self, bytes: &Bytes) {
+    /// Queues `pieces` for hashing, in order, after everything queued before; blocks while the queue is full.
+    /// Callers pass at most about [`CHUNK_BYTES`] at once; a single larger piece is split.
+    pub fn update(&mut self, pieces: Vec<Bytes>) {
         let Some(chunks_tx) = &self.chunks_tx else { return };
-        let mut start = 0;
-        while start < bytes.len() {
-            let end = (start + CHUNK_BYTES).min(bytes.len());
+        let chunks = if pieces.len() == 1 && pieces[0].len() > CHUNK_BYTES {
+            pieces[0].chunks(CHUNK_BYTES).map(|part| vec![pieces[0].slice_ref(part)]).collect()
+        } else {
+            vec![pieces]
+        };
+        for chunk in chunks {
             // A send fails only if the thread is gone (it panicked); finish() reports that.
-            if chunks_tx.send(bytes.slice(start..end)).is_err() {
+            if chunks_tx.send(chunk).is_err() {
                 return;
             }
-            start = end;
         }
     }
 
@@ -85,7 +93,8 @@ mod tests {
         for size in [0usize, 1, 5000, CHUNK_BYTES, 3 * CHUNK_BYTES + 17] {
             let chunk: Vec<u8> = (0..size).map(|i| (i * 31 + size) as u8).collect();
             all.extend_from_slice(&chunk);
-            hasher.update(&Bytes::from(chunk));
+            all.extend_from_slice(&chunk);
+            hasher.update(vec![Bytes::from(chunk.clone()), Bytes::from(chunk)]);
         }
         expected.update(&all);
         assert_eq!(hasher.finish().unwrap().finalize(), expected.finalize());

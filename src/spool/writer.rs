@@ -44,7 +44,7 @@ const QUEUE_CAPACITY: usize = 4096;
 const BATCH_MAX_RECORDS: usize = 4096;
 const BATCH_MAX_BYTES: u64 = 64 * 1024 * 1024;
 /// Batches written but not yet handed to the syncer wait here; the writer blocks when it is full.
-const SYNC_QUEUE_CAPACITY: usize = 2;
+const SYNC_QUEUE_CAPACITY: usize = 16;
 
 #[derive(Debug, Clone)]
 pub struct WriterSettings {
@@ -687,6 +687,31 @@ mod tests {
         let packs = sealed_packs(&paths);
         assert!(packs.len() >= 2, "five 250 KiB captures must not fit one 1 MiB pack");
         assert!(packs.iter().all(|p| p.summary().bytes <= 1024 * 1024 + 64 * 1024));
+    }
+
+    #[tokio::test]
+    async fn a_seal_is_answered_once_the_pack_is_sealed_on_disk_with_every_acknowledged_record() {
+        let (_dir, paths) = new_spool();
+        let (writer, thread) = spawn_writer(paths.clone(), settings());
+        let mut acked = Vec::new();
+        for size in [10usize, 20 * 1024, 200 * 1024 - 100] {
+            let meta = meta("s");
+            acked.push((meta.capture_id, size));
+            // Mixed sizes take both paths: copied into the buffer, and written from the producer's buffer.
+            writer.append(meta, vec![size as u8; size]).await.unwrap();
+        }
+        let summary = writer.seal().await.unwrap().expect("the pack had records");
+        assert_eq!(summary.records, 3);
+        let packs = sealed_packs(&paths);
+        assert_eq!(packs.len(), 1, "the seal was answered before the pack was sealed");
+        packs[0].verify().unwrap();
+        for (id, size) in acked {
+            let index = packs[0].find(id).unwrap();
+            assert_eq!(packs[0].read_capture(index).unwrap().1, vec![size as u8; size]);
+        }
+        assert_eq!(writer.seal().await.unwrap(), None, "nothing is open after a seal");
+        writer.close();
+        thread.join();
     }
 
     #[tokio::test]
