@@ -322,13 +322,16 @@ fn run_clickhouse_client(port: u16, table: &str, tsv: &[u8]) -> std::io::Result<
 pub struct E2eBenchRow {
     pub capture_bytes: u64,
     pub captures: u64,
+    /// Throughput phase: from dropping every capture into the inbox at once until the last one is listed.
     pub seconds: f64,
     pub captures_per_s: f64,
     pub mb_per_s: f64,
-    /// Drop into the inbox -> listed in the catalog (an upper bound of ack -> listed), milliseconds.
+    /// Latency phase: captures posted over HTTP at a steady rate well below capacity; from the HTTP acknowledgement
+    /// (the record is fsynced) until the catalog lists the capture, milliseconds.
+    pub latency_captures: u64,
     pub latency_p50_ms: f64,
     pub latency_p99_ms: f64,
-    /// Peak resident set of the daemon process (VmHWM), MiB.
+    /// Peak resident set of the daemon process (VmHWM) over both phases, MiB.
     pub daemon_peak_rss_mib: f64,
     pub rclone_seconds: f64,
     pub rclone_captures_per_s: f64,
@@ -347,8 +350,17 @@ pub struct E2eBenchOptions {
     pub rclone_args: Vec<String>,
 }
 
-/// End to end through a real `capstore run` child: captures dropped into the inbox until every one is listed in the
-/// catalog, beside `rclone copy` of the same files as individual objects to the same bucket, in the same run.
+/// Captures posted in the latency phase, and their pace.
+const LATENCY_CAPTURES: u64 = 200;
+const LATENCY_INTERVAL: Duration = Duration::from_millis(20);
+
+/// End to end through a real `capstore run` child, beside `rclone copy` of the same files as individual objects to the
+/// same bucket, in the same run.
+///
+/// Throughput: the staged files are dropped into the inbox all at once (their directory is renamed in as the stream
+/// directory, so the drop costs the producer nothing, as rclone's sources cost it nothing) and the clock runs until the
+/// catalog lists every capture. Latency: then captures are posted over HTTP at a steady rate, and each is timed from its
+/// acknowledgement until the catalog lists it.
 pub async fn e2e(options: &E2eBenchOptions) -> anyhow::Result<Vec<E2eBenchRow>> {
     use crate::catalog::query::CatalogReader;
     let mut rows = Vec::new();
@@ -356,7 +368,7 @@ pub async fn e2e(options: &E2eBenchOptions) -> anyhow::Result<Vec<E2eBenchRow>> 
     for &capture_bytes in &options.capture_sizes {
         let captures = (options.total_bytes / capture_bytes).clamp(1, options.max_captures);
         let run_dir = options.dir.join(format!("e2e-{}", Uuid::now_v7()));
-        let staging = run_dir.join("staging");
+        let staging = run_dir.join("staging").join("bench");
         std::fs::create_dir_all(&staging)?;
         let ids: Vec<Uuid> = (0..captures).map(|_| Uuid::now_v7()).collect();
         for id in &ids {
@@ -378,13 +390,16 @@ pub async fn e2e(options: &E2eBenchOptions) -> anyhow::Result<Vec<E2eBenchRow>> 
         let mut config = options.config.clone();
         config.spool.dir = run_dir.join("spool");
         config.catalog_name = format!("bench-{}", rand::random::<u32>());
+        let http_listen = {
+            let probe = std::net::TcpListener::bind("127.0.0.1:0")?;
+            probe.local_addr()?
+        };
         let log_path = run_dir.join("daemon.log");
         let mut child = Command::new(&executable)
             .arg("run")
             .env("CAPSTORE_SPOOL_DIR", &config.spool.dir)
             .env("CAPSTORE_CATALOG_NAME", &config.catalog_name)
-            // The bench does not use the HTTP API; any free port keeps it clear of a daemon already running here.
-            .env("CAPSTORE_HTTP_LISTEN", "127.0.0.1:0")
+            .env("CAPSTORE_HTTP_LISTEN", http_listen.to_string())
             // The bench waits for the start line, which is logged at info.
             .env("CAPSTORE_LOG_LEVEL", "info")
             .stderr(std::fs::File::create(&log_path)?)
@@ -406,39 +421,29 @@ pub async fn e2e(options: &E2eBenchOptions) -> anyhow::Result<Vec<E2eBenchRow>> 
             config.catalog.cluster.as_deref(),
         );
         let reader = CatalogReader::new(client, tables, &config.catalog_name);
+        let mut follower = CatalogFollower { reader, after_version: 0 };
 
-        let inbox = config.spool.dir.join("inbox").join("bench");
-        std::fs::create_dir_all(&inbox)?;
-        let mut dropped_at = std::collections::HashMap::new();
+        // Throughput phase.
+        let inbox_stream = config.spool.dir.join("inbox").join("bench");
         let started = Instant::now();
-        for id in &ids {
-            std::fs::rename(staging.join(id.to_string()), inbox.join(id.to_string()))?;
-            dropped_at.insert(id.to_string(), Instant::now());
-        }
-        // Follow the catalog by version (what a consumer tailing "everything after version N" sees).
-        let mut latencies = Vec::with_capacity(ids.len());
-        let mut seen = std::collections::HashSet::new();
-        let mut after_version = 0;
-        while (seen.len() as u64) < captures {
-            anyhow::ensure!(started.elapsed() < Duration::from_secs(1800), "not everything was listed in 30 minutes");
-            let publishes = reader.publishes_after(after_version, 1000).await?;
-            for publish in &publishes {
-                let listed = reader.captures_of_version(publish.version).await?;
-                let now = Instant::now();
-                for capture in listed {
-                    if seen.insert(capture.capture_id.clone()) {
-                        if let Some(at) = dropped_at.get(&capture.capture_id) {
-                            latencies.push(now.duration_since(*at).as_secs_f64() * 1000.0);
-                        }
-                    }
-                }
-                after_version = publish.version;
-            }
-            if publishes.is_empty() {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }
+        std::fs::rename(&staging, &inbox_stream)?;
+        let mut waiting: std::collections::HashSet<String> = ids.iter().map(Uuid::to_string).collect();
+        follower.wait_for(&mut waiting, Duration::from_secs(1800), |_, _| {}).await?;
         let seconds = started.elapsed().as_secs_f64();
+
+        // Latency phase.
+        let payload = bytes::Bytes::from(expected_payload(Uuid::now_v7(), capture_bytes as usize));
+        let acked_at = post_paced(http_listen, &payload, LATENCY_CAPTURES, LATENCY_INTERVAL).await?;
+        let mut waiting: std::collections::HashSet<String> = acked_at.keys().cloned().collect();
+        let mut latencies = Vec::with_capacity(acked_at.len());
+        follower
+            .wait_for(&mut waiting, Duration::from_secs(300), |capture_id, listed_at| {
+                if let Some(acked) = acked_at.get(capture_id) {
+                    latencies.push(listed_at.duration_since(*acked).as_secs_f64() * 1000.0);
+                }
+            })
+            .await?;
+
         let peak_rss_kib = std::fs::read_to_string(format!("/proc/{daemon_pid}/status"))?
             .lines()
             .find_map(|line| {
@@ -458,6 +463,7 @@ pub async fn e2e(options: &E2eBenchOptions) -> anyhow::Result<Vec<E2eBenchRow>> 
             seconds,
             captures_per_s: captures as f64 / seconds,
             mb_per_s: megabytes / seconds,
+            latency_captures: latencies.len() as u64,
             latency_p50_ms: percentile(0.5),
             latency_p99_ms: percentile(0.99),
             daemon_peak_rss_mib: peak_rss_kib / 1024.0,
@@ -467,4 +473,68 @@ pub async fn e2e(options: &E2eBenchOptions) -> anyhow::Result<Vec<E2eBenchRow>> 
         });
     }
     Ok(rows)
+}
+
+/// Follows the catalog by version, as a consumer tailing "everything after version N" does.
+struct CatalogFollower {
+    reader: crate::catalog::query::CatalogReader,
+    after_version: u64,
+}
+
+impl CatalogFollower {
+    /// Until every id in `waiting` is listed; `on_listed` gets each one with the instant it was seen.
+    async fn wait_for(
+        &mut self,
+        waiting: &mut std::collections::HashSet<String>,
+        timeout: Duration,
+        mut on_listed: impl FnMut(&str, Instant),
+    ) -> anyhow::Result<()> {
+        let started = Instant::now();
+        while !waiting.is_empty() {
+            anyhow::ensure!(started.elapsed() < timeout, "{} captures were not listed in {timeout:?}", waiting.len());
+            let publishes = self.reader.publishes_after(self.after_version, 1000).await?;
+            for publish in &publishes {
+                let listed = self.reader.captures_of_version(publish.version).await?;
+                let now = Instant::now();
+                for capture in listed {
+                    if waiting.remove(&capture.capture_id) {
+                        on_listed(&capture.capture_id, now);
+                    }
+                }
+                self.after_version = publish.version;
+            }
+            if publishes.is_empty() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// POSTs `count` captures of `payload` to the daemon's HTTP API, one every `interval`, and returns when each was
+/// acknowledged (201: the record is fsynced), by capture id.
+async fn post_paced(
+    listen: std::net::SocketAddr,
+    payload: &bytes::Bytes,
+    count: u64,
+    interval: Duration,
+) -> anyhow::Result<std::collections::HashMap<String, Instant>> {
+    use http_body_util::Full;
+    use hyper_util::client::legacy::Client;
+    use hyper_util::rt::TokioExecutor;
+    let client: Client<_, Full<bytes::Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let mut acked_at = std::collections::HashMap::new();
+    let mut ticks = tokio::time::interval(interval);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    for _ in 0..count {
+        ticks.tick().await;
+        let capture_id = Uuid::now_v7().to_string();
+        let request = axum::http::Request::post(format!("http://{listen}/v1/captures?stream=latency&id={capture_id}"))
+            .body(Full::new(payload.clone()))?;
+        let response = client.request(request).await?;
+        let acked = Instant::now();
+        anyhow::ensure!(response.status() == axum::http::StatusCode::CREATED, "POST answered {}", response.status());
+        acked_at.insert(capture_id, acked);
+    }
+    Ok(acked_at)
 }

@@ -31,7 +31,7 @@ pub enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
-    /// End to end through a `capstore run` child (captures/s, MB/s, drop -> listed latency, peak RSS), beside
+    /// End to end through a `capstore run` child (captures/s, MB/s, ack -> listed latency, peak RSS), beside
     /// `rclone copy` of the same captures as individual files. Bucket and catalog come from the config.
     E2e {
         /// Scratch directory (spool and staged files).
@@ -107,12 +107,20 @@ pub fn run(config: &Config, command: BenchCommand) -> anyhow::Result<i32> {
                 return Ok(exit_code::CLEAN);
             }
             println!(
-                "{:>8}  {:>8}  {:>10}  {:>8}  {:>9}  {:>9}  {:>8}  {:>11}  {:>9}",
-                "capture", "count", "captures/s", "MB/s", "p50 ms", "p99 ms", "RSS MiB", "rclone c/s", "rclone MB/s"
+                "{:>8}  {:>8}  {:>10}  {:>8}  {:>18}  {:>9}  {:>8}  {:>11}  {:>9}",
+                "capture",
+                "count",
+                "captures/s",
+                "MB/s",
+                "ack->listed p50 ms",
+                "p99 ms",
+                "RSS MiB",
+                "rclone c/s",
+                "rclone MB/s"
             );
             for row in results {
                 println!(
-                    "{:>8}  {:>8}  {:>10.0}  {:>8.1}  {:>9.0}  {:>9.0}  {:>8.1}  {:>11.0}  {:>9.1}",
+                    "{:>8}  {:>8}  {:>10.0}  {:>8.1}  {:>18.0}  {:>9.0}  {:>8.1}  {:>11.0}  {:>9.1}",
                     ByteSize(row.capture_bytes).to_string(),
                     row.captures,
                     row.captures_per_s,

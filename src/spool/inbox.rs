@@ -26,7 +26,7 @@
 //! Discovery: a recursive `notify` watcher reports files closed after writing and files renamed in; a periodic rescan
 //! backs it up, so a missed event only delays a file.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::fs;
 use std::io::{self, Write};
 use std::os::unix::fs::MetadataExt;
@@ -199,10 +199,26 @@ struct IngestContext {
 }
 
 /// Runs until `shutdown_rx` turns true; then finishes the files in flight and returns.
+///
+/// States of the loop: a `backlog` of candidate paths (from events and rescans; it may hold duplicates and files
+/// already gone, which cost one `stat`), up to [`MAX_BATCHES_IN_FLIGHT`] batches being ingested (`in_flight` holds
+/// their paths, so no file is ever ingested by two batches at once), and `rescan_pending`: a rescan was asked for (by
+/// the timer, an event overflow or a deferral) and runs once the backlog is empty, replacing nothing that is queued.
+/// So memory stays bounded by the batches in flight and one path per waiting file, and a burst of events never
+/// causes a rescan per event.
 pub struct Ingestor {
     context: Arc<IngestContext>,
     rescan_interval: Duration,
 }
+
+/// Files stat'ed, read, appended and unlinked together: one hop to a blocking thread per step and batch, not per file.
+const BATCH_FILES: usize = 64;
+/// Batches ingested at once. Their appends wait on the spool's group commit together, which fills its batches.
+const MAX_BATCHES_IN_FLIGHT: usize = 16;
+/// Files of a batch are read together up to this many bytes (a larger file is read alone).
+const READ_GROUP_BYTES: u64 = 4 << 20;
+
+type BatchOutcomes = Vec<(PathBuf, FileOutcome)>;
 
 impl Ingestor {
     pub fn new(paths: SpoolPaths, writer: SpoolWriter, max_capture_bytes: u64, rescan_interval: Duration) -> Ingestor {
@@ -230,60 +246,80 @@ impl Ingestor {
         let (events_tx, mut events_rx) = mpsc::channel::<Vec<PathBuf>>(1024);
         let rescan_now = Arc::new(tokio::sync::Notify::new());
         let _watcher = start_watcher(&self.context.paths.inbox, events_tx, rescan_now.clone());
-        let (done_tx, mut done_rx) = mpsc::unbounded_channel::<(PathBuf, FileOutcome)>();
+        let mut batches: tokio::task::JoinSet<BatchOutcomes> = tokio::task::JoinSet::new();
+        let mut backlog: VecDeque<PathBuf> = VecDeque::new();
         let mut in_flight: HashSet<PathBuf> = HashSet::new();
+        let mut rescan_pending = true;
         let mut unlink_sync = tokio::time::interval(UNLINK_SYNC_INTERVAL);
         unlink_sync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut rescan = tokio::time::interval(self.rescan_interval);
         rescan.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        rescan.reset();
         let retry = tokio::time::sleep(Duration::MAX / 4);
         tokio::pin!(retry);
         let mut retry_armed = false;
         loop {
-            let candidates: Vec<PathBuf> = tokio::select! {
+            if *shutdown_rx.borrow() {
+                break;
+            }
+            if backlog.is_empty() && rescan_pending {
+                rescan_pending = false;
+                backlog.extend(self.walk(self.context.paths.inbox.clone()).await);
+            }
+            while batches.len() < MAX_BATCHES_IN_FLIGHT && !backlog.is_empty() {
+                let batch = self.take_batch(&mut backlog, &mut in_flight);
+                if !batch.is_empty() {
+                    batches.spawn(ingest_batch(self.context.clone(), batch));
+                }
+            }
+            tokio::select! {
                 _ = shutdown_rx.changed() => break,
-                _ = unlink_sync.tick() => {
-                    self.sync_unlinks().await;
-                    continue;
-                }
-                Some(paths) = events_rx.recv() => paths,
-                _ = rescan.tick() => self.walk().await,
-                _ = rescan_now.notified() => self.walk().await,
-                _ = &mut retry, if retry_armed => { retry_armed = false; self.walk().await }
-                Some((path, outcome)) = done_rx.recv() => {
-                    in_flight.remove(&path);
-                    if outcome == FileOutcome::Deferred && !retry_armed {
-                        retry.as_mut().reset(tokio::time::Instant::now() + RETRY_AFTER_REFUSAL);
-                        retry_armed = true;
+                _ = unlink_sync.tick() => self.sync_unlinks().await,
+                Some(paths) = events_rx.recv() => {
+                    for path in paths {
+                        if path.is_dir() {
+                            // A directory appeared: files renamed into it before its watch existed would be missed.
+                            backlog.extend(self.walk(path).await);
+                        } else {
+                            backlog.push_back(path);
+                        }
                     }
-                    continue;
                 }
-            };
-            for path in candidates {
-                if *shutdown_rx.borrow() {
-                    break;
+                _ = rescan.tick() => rescan_pending = true,
+                _ = rescan_now.notified() => rescan_pending = true,
+                _ = &mut retry, if retry_armed => {
+                    retry_armed = false;
+                    rescan_pending = true;
                 }
-                if path.is_dir() {
-                    // A directory appeared: files renamed into it before its watch existed would be missed.
-                    for file in walk_inbox(&path).unwrap_or_default() {
-                        self.dispatch(file, &mut in_flight, &done_tx);
+                Some(finished) = batches.join_next() => {
+                    for (path, outcome) in finished.unwrap_or_default() {
+                        in_flight.remove(&path);
+                        if outcome == FileOutcome::Deferred && !retry_armed {
+                            retry.as_mut().reset(tokio::time::Instant::now() + RETRY_AFTER_REFUSAL);
+                            retry_armed = true;
+                        }
                     }
-                } else {
-                    self.dispatch(path, &mut in_flight, &done_tx);
                 }
             }
         }
-        // Let files in flight finish: each either lands (and is unlinked) or stays in the inbox.
-        drop(done_tx);
-        while !in_flight.is_empty() {
-            match done_rx.recv().await {
-                Some((path, _)) => {
-                    in_flight.remove(&path);
-                }
-                None => break,
-            }
-        }
+        // Let batches in flight finish: each file either lands (and is unlinked) or stays in the inbox.
+        while batches.join_next().await.is_some() {}
         self.sync_unlinks().await;
+    }
+
+    /// Up to [`BATCH_FILES`] ingestible paths from the front of the backlog that no batch is working on.
+    fn take_batch(&self, backlog: &mut VecDeque<PathBuf>, in_flight: &mut HashSet<PathBuf>) -> Vec<PathBuf> {
+        let mut batch = Vec::with_capacity(BATCH_FILES);
+        while batch.len() < BATCH_FILES {
+            let Some(path) = backlog.pop_front() else { break };
+            let name_ignored = path.file_name().is_none_or(|name| is_ignored_name(&name.to_string_lossy()));
+            if name_ignored || !path.starts_with(&self.context.paths.inbox) || in_flight.contains(&path) {
+                continue;
+            }
+            in_flight.insert(path.clone());
+            batch.push(path);
+        }
+        batch
     }
 
     async fn sync_unlinks(&self) {
@@ -293,9 +329,8 @@ impl Ingestor {
         }
     }
 
-    async fn walk(&self) -> Vec<PathBuf> {
-        let inbox = self.context.paths.inbox.clone();
-        match tokio::task::spawn_blocking(move || walk_inbox(&inbox)).await {
+    async fn walk(&self, dir: PathBuf) -> Vec<PathBuf> {
+        match tokio::task::spawn_blocking(move || walk_inbox(&dir)).await {
             Ok(Ok(files)) => files,
             Ok(Err(error)) => {
                 tracing::warn!(%error, "inbox rescan failed");
@@ -304,28 +339,10 @@ impl Ingestor {
             Err(_) => Vec::new(),
         }
     }
-
-    fn dispatch(
-        &self,
-        path: PathBuf,
-        in_flight: &mut HashSet<PathBuf>,
-        done_tx: &mpsc::UnboundedSender<(PathBuf, FileOutcome)>,
-    ) {
-        let name_ignored = path.file_name().is_none_or(|name| is_ignored_name(&name.to_string_lossy()));
-        if name_ignored || !path.starts_with(&self.context.paths.inbox) || !in_flight.insert(path.clone()) {
-            return;
-        }
-        let context = self.context.clone();
-        let done_tx = done_tx.clone();
-        tokio::spawn(async move {
-            let outcome = ingest_file(&context, &path).await;
-            let _ = done_tx.send((path, outcome));
-        });
-    }
 }
 
 /// Forward interesting events; when they come faster than ingest takes them (the channel is full, or the kernel's
-/// inotify queue overflowed), ask for a rescan instead, so a burst never waits for the periodic one.
+/// inotify queue overflowed), ask for a rescan instead, so nothing is lost and memory stays bounded.
 fn start_watcher(
     inbox: &Path,
     events_tx: mpsc::Sender<Vec<PathBuf>>,
@@ -364,25 +381,95 @@ fn start_watcher(
     }
 }
 
-async fn ingest_file(context: &IngestContext, path: &Path) -> FileOutcome {
-    let outcome = match prepare(context, path).await {
-        // The read budget stays taken until the append is answered: queued payloads count against it too.
-        Ok(Some((meta, payload, _budget))) => append_and_unlink(context, path, meta, payload).await,
-        Ok(None) => FileOutcome::Skipped,
-        Err(Rejection::Quarantine(reason)) => quarantine(context, path, &reason),
-        Err(Rejection::Defer(reason)) => {
-            tracing::debug!(file = %path.display(), reason, "inbox file deferred");
-            FileOutcome::Deferred
+/// One inbox file between its `stat` and its append.
+struct Candidate {
+    path: PathBuf,
+    metadata: fs::Metadata,
+    relative: String,
+}
+
+/// A file read and validated, ready to append.
+struct Prepared {
+    path: PathBuf,
+    meta: CaptureMeta,
+    payload: Vec<u8>,
+}
+
+/// Ingest a batch of inbox files: stat them, then per read group (bounded by bytes and by the shared read budget, held
+/// until the appends are answered) read them, append them all at once (they share the spool's fsyncs), and unlink
+/// the ones acknowledged.
+async fn ingest_batch(context: Arc<IngestContext>, paths: Vec<PathBuf>) -> BatchOutcomes {
+    let stat_context = context.clone();
+    let (candidates, mut outcomes) = match tokio::task::spawn_blocking(move || stat_all(&stat_context, paths)).await {
+        Ok(stated) => stated,
+        Err(_) => return Vec::new(),
+    };
+    for group in read_groups(candidates) {
+        let group_bytes: u64 = group.iter().map(|candidate| candidate.metadata.len()).sum();
+        let budget_kib = ((group_bytes / 1024) as u32).clamp(1, READ_BUDGET_KIB);
+        let Ok(_budget) = context.read_budget.acquire_many(budget_kib).await else {
+            outcomes.extend(group.into_iter().map(|candidate| (candidate.path, FileOutcome::Deferred)));
+            continue;
+        };
+        let read_context = context.clone();
+        let Ok((prepared, rejected)) = tokio::task::spawn_blocking(move || read_all(&read_context, group)).await else {
+            continue;
+        };
+        outcomes.extend(rejected);
+        let appends = prepared.into_iter().map(|file| {
+            let writer = &context.writer;
+            async move { (file.path, writer.append(file.meta, file.payload).await) }
+        });
+        let answered = futures::future::join_all(appends).await;
+        let finish_context = context.clone();
+        if let Ok(finished) = tokio::task::spawn_blocking(move || finish_all(&finish_context, answered)).await {
+            outcomes.extend(finished);
         }
-    };
-    let counter = match outcome {
-        FileOutcome::Ingested => &context.stats.files_ingested,
-        FileOutcome::Quarantined => &context.stats.files_quarantined,
-        FileOutcome::Deferred => &context.stats.files_deferred,
-        FileOutcome::Skipped => return outcome,
-    };
-    counter.fetch_add(1, Ordering::Relaxed);
-    outcome
+    }
+    for (_, outcome) in &outcomes {
+        let counter = match outcome {
+            FileOutcome::Ingested => &context.stats.files_ingested,
+            FileOutcome::Quarantined => &context.stats.files_quarantined,
+            FileOutcome::Deferred => &context.stats.files_deferred,
+            FileOutcome::Skipped => continue,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+    outcomes
+}
+
+/// Split candidates into groups of at most [`READ_GROUP_BYTES`] (a larger file forms a group of its own).
+fn read_groups(candidates: Vec<Candidate>) -> Vec<Vec<Candidate>> {
+    let mut groups: Vec<Vec<Candidate>> = Vec::new();
+    let mut group_bytes = 0;
+    for candidate in candidates {
+        let len = candidate.metadata.len();
+        if groups.is_empty() || group_bytes + len > READ_GROUP_BYTES {
+            groups.push(Vec::new());
+            group_bytes = 0;
+        }
+        group_bytes += len;
+        groups.last_mut().expect("a group was just pushed").push(candidate);
+    }
+    groups
+}
+
+/// Blocking: stat each path and check what can be checked without reading. Returns the files to read and the
+/// outcomes of the rest.
+fn stat_all(context: &IngestContext, paths: Vec<PathBuf>) -> (Vec<Candidate>, BatchOutcomes) {
+    let mut candidates = Vec::with_capacity(paths.len());
+    let mut outcomes = Vec::new();
+    for path in paths {
+        match stat_one(context, &path) {
+            Ok(Some((metadata, relative))) => candidates.push(Candidate { path, metadata, relative }),
+            Ok(None) => outcomes.push((path, FileOutcome::Skipped)),
+            Err(rejection) => {
+                let outcome = reject(context, &path, rejection);
+                outcomes.push((path, outcome));
+            }
+        }
+    }
+    (candidates, outcomes)
 }
 
 enum Rejection {
@@ -390,13 +477,19 @@ enum Rejection {
     Defer(String),
 }
 
-/// Read and validate one inbox file, with its share of the read budget. `Ok(None)`: nothing to ingest (gone, or not
-/// a regular file).
-async fn prepare<'a>(
-    context: &'a IngestContext,
-    path: &Path,
-) -> Result<Option<(CaptureMeta, Vec<u8>, tokio::sync::SemaphorePermit<'a>)>, Rejection> {
-    let metadata = match tokio::fs::symlink_metadata(path).await {
+fn reject(context: &IngestContext, path: &Path, rejection: Rejection) -> FileOutcome {
+    match rejection {
+        Rejection::Quarantine(reason) => quarantine(context, path, &reason),
+        Rejection::Defer(reason) => {
+            tracing::debug!(file = %path.display(), reason, "inbox file deferred");
+            FileOutcome::Deferred
+        }
+    }
+}
+
+/// `Ok(None)`: nothing to ingest (gone, or not a regular file).
+fn stat_one(context: &IngestContext, path: &Path) -> Result<Option<(fs::Metadata, String)>, Rejection> {
+    let metadata = match fs::symlink_metadata(path) {
         Ok(metadata) if metadata.is_file() => metadata,
         Ok(_) => return Ok(None),
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
@@ -407,8 +500,7 @@ async fn prepare<'a>(
         return Err(Rejection::Quarantine("file is directly in inbox/; put it under inbox/<stream>/".into()));
     };
     capture::validate_stream(stream).map_err(Rejection::Quarantine)?;
-    let is_envelope = name.ends_with(&format!(".{ENVELOPE_EXTENSION}"));
-    let header_allowance = if is_envelope { MAX_ENVELOPE_HEADER as u64 } else { 0 };
+    let header_allowance = if is_envelope_name(name) { MAX_ENVELOPE_HEADER as u64 } else { 0 };
     if metadata.len() > context.max_capture_bytes + header_allowance {
         return Err(Rejection::Quarantine(format!(
             "file is {} bytes, more than spool.max_capture_bytes = {}",
@@ -416,9 +508,33 @@ async fn prepare<'a>(
             context.max_capture_bytes
         )));
     }
-    let budget_kib = ((metadata.len() / 1024) as u32).clamp(1, READ_BUDGET_KIB);
-    let permit = context.read_budget.acquire_many(budget_kib).await.map_err(|e| Rejection::Defer(e.to_string()))?;
-    let contents = match tokio::fs::read(path).await {
+    Ok(Some((metadata, relative)))
+}
+
+fn is_envelope_name(name: &str) -> bool {
+    name.strip_suffix(ENVELOPE_EXTENSION).is_some_and(|stem| stem.ends_with('.'))
+}
+
+/// Blocking: read and validate each file of a group.
+fn read_all(context: &IngestContext, group: Vec<Candidate>) -> (Vec<Prepared>, BatchOutcomes) {
+    let mut prepared = Vec::with_capacity(group.len());
+    let mut outcomes = Vec::new();
+    for candidate in group {
+        match read_one(&candidate) {
+            Ok(Some((meta, payload))) => prepared.push(Prepared { path: candidate.path, meta, payload }),
+            Ok(None) => outcomes.push((candidate.path, FileOutcome::Skipped)),
+            Err(rejection) => {
+                let outcome = reject(context, &candidate.path, rejection);
+                outcomes.push((candidate.path, outcome));
+            }
+        }
+    }
+    (prepared, outcomes)
+}
+
+fn read_one(candidate: &Candidate) -> Result<Option<(CaptureMeta, Vec<u8>)>, Rejection> {
+    let Candidate { path, metadata, relative } = candidate;
+    let contents = match fs::read(path) {
         Ok(contents) => contents,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(Rejection::Defer(e.to_string())),
@@ -427,7 +543,8 @@ async fn prepare<'a>(
         // Still being written in place (the producer did not rename in); the next event or rescan sees it whole.
         return Err(Rejection::Defer("file changed while being read".into()));
     }
-    let (header, payload) = if is_envelope {
+    let (stream, name) = relative.rsplit_once('/').expect("stat_one checked the stream directory");
+    let (header, payload) = if is_envelope_name(name) {
         parse_envelope(contents).map_err(Rejection::Quarantine)?
     } else {
         (EnvelopeHeader::default(), contents)
@@ -439,34 +556,43 @@ async fn prepare<'a>(
         captured_at_ns: header.captured_at_ns.unwrap_or(mtime_ns),
         labels: header.labels,
         content_type: header.content_type,
-        source_name: Some(source_key(&relative, &metadata)),
+        source_name: Some(source_key(relative, metadata)),
     };
     capture::validate_meta(&meta).map_err(Rejection::Quarantine)?;
-    Ok(Some((meta, payload, permit)))
+    Ok(Some((meta, payload)))
 }
 
-async fn append_and_unlink(context: &IngestContext, path: &Path, meta: CaptureMeta, payload: Vec<u8>) -> FileOutcome {
-    match context.writer.append(meta, payload).await {
-        Ok(_ack) => {
-            // The record is durable; only now may the source go. A crash before the unlink is durable is handled by
-            // recovery (the source key is in a pack); the directory fsync is batched (see `UnlinkLog`).
-            match std::fs::remove_file(path) {
-                Ok(()) => context.unlinks.record(path),
-                Err(error) if error.kind() == io::ErrorKind::NotFound => {}
-                Err(error) => {
-                    tracing::warn!(file = %path.display(), %error, "captured inbox file could not be removed")
+/// Blocking: act on the spool's answers. An acknowledged file is unlinked (its record is durable; a crash before the
+/// unlink is durable is handled by recovery, which finds the source key in a pack; the directory fsync is batched,
+/// see [`UnlinkLog`]).
+fn finish_all(
+    context: &IngestContext,
+    answered: Vec<(PathBuf, Result<super::writer::Ack, AppendError>)>,
+) -> BatchOutcomes {
+    let mut outcomes = Vec::with_capacity(answered.len());
+    for (path, answer) in answered {
+        let outcome = match answer {
+            Ok(_ack) => {
+                match fs::remove_file(&path) {
+                    Ok(()) => context.unlinks.record(&path),
+                    Err(error) if error.kind() == io::ErrorKind::NotFound => {}
+                    Err(error) => {
+                        tracing::warn!(file = %path.display(), %error, "captured inbox file could not be removed")
+                    }
                 }
+                FileOutcome::Ingested
             }
-            FileOutcome::Ingested
-        }
-        Err(error @ (AppendError::TooLarge { .. } | AppendError::Invalid(_))) => {
-            quarantine(context, path, &error.to_string())
-        }
-        Err(error) => {
-            tracing::debug!(file = %path.display(), %error, "inbox file deferred");
-            FileOutcome::Deferred
-        }
+            Err(error @ (AppendError::TooLarge { .. } | AppendError::Invalid(_))) => {
+                quarantine(context, &path, &error.to_string())
+            }
+            Err(error) => {
+                tracing::debug!(file = %path.display(), %error, "inbox file deferred");
+                FileOutcome::Deferred
+            }
+        };
+        outcomes.push((path, outcome));
     }
+    outcomes
 }
 
 fn quarantine(context: &IngestContext, path: &Path, reason: &str) -> FileOutcome {

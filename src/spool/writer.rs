@@ -336,7 +336,7 @@ impl WriterState {
             }
         }
         self.hand_to_syncer();
-        self.seal_if_full();
+        self.seal_if_due();
         keep_running
     }
 
@@ -462,13 +462,16 @@ impl WriterState {
         Ok(())
     }
 
-    fn seal_if_full(&mut self) {
-        let full = self.open_pack.as_ref().is_some_and(|open| {
-            open.writer.len_bytes() >= self.settings.pack_max_bytes
-                || open.writer.record_count() >= self.settings.pack_max_records
-        });
-        if full {
+    /// Seals the open pack when it is full or old enough. The age is checked here as well as by the receive
+    /// deadline, because under a steady stream of appends the deadline never passes without a request arriving.
+    fn seal_if_due(&mut self) {
+        let Some(open) = self.open_pack.as_ref() else { return };
+        if open.writer.len_bytes() >= self.settings.pack_max_bytes
+            || open.writer.record_count() >= self.settings.pack_max_records
+        {
             self.seal("full", None);
+        } else if open.first_append_at.elapsed() >= self.settings.pack_max_age {
+            self.seal("pack_max_age", None);
         }
     }
 
@@ -724,6 +727,22 @@ mod tests {
         while sealed_packs(&paths).is_empty() {
             assert!(Instant::now() < deadline, "pack was not sealed by age");
             writer.stats().sealed_notify.notified().await;
+        }
+        writer.close();
+        thread.join();
+    }
+
+    #[tokio::test]
+    async fn a_pack_seals_by_age_under_a_steady_stream_of_appends() {
+        let (_dir, paths) = new_spool();
+        let limits = WriterSettings { pack_max_age: Duration::from_millis(200), ..settings() };
+        let (writer, thread) = spawn_writer(paths.clone(), limits);
+        let started = Instant::now();
+        // Appends every 20 ms never leave the writer idle until the deadline; the pack must seal all the same.
+        while writer.stats().snapshot().packs_sealed == 0 {
+            assert!(started.elapsed() < Duration::from_secs(10), "no pack was sealed by age under steady appends");
+            writer.append(meta("s"), b"x".to_vec()).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
         writer.close();
         thread.join();
