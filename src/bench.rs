@@ -431,18 +431,21 @@ pub async fn e2e(options: &E2eBenchOptions) -> anyhow::Result<Vec<E2eBenchRow>> 
         follower.wait_for(&mut waiting, Duration::from_secs(1800), |_, _| {}).await?;
         let seconds = started.elapsed().as_secs_f64();
 
-        // Latency phase.
+        // Latency phase: post and follow at the same time.
         let payload = bytes::Bytes::from(expected_payload(Uuid::now_v7(), capture_bytes as usize));
-        let acked_at = post_paced(http_listen, &payload, LATENCY_CAPTURES, LATENCY_INTERVAL).await?;
-        let mut waiting: std::collections::HashSet<String> = acked_at.keys().cloned().collect();
-        let mut latencies = Vec::with_capacity(acked_at.len());
-        follower
-            .wait_for(&mut waiting, Duration::from_secs(300), |capture_id, listed_at| {
-                if let Some(acked) = acked_at.get(capture_id) {
-                    latencies.push(listed_at.duration_since(*acked).as_secs_f64() * 1000.0);
-                }
-            })
-            .await?;
+        let latency_ids: Vec<String> = (0..LATENCY_CAPTURES).map(|_| Uuid::now_v7().to_string()).collect();
+        let mut waiting: std::collections::HashSet<String> = latency_ids.iter().cloned().collect();
+        let mut listed_at = std::collections::HashMap::new();
+        let following = follower.wait_for(&mut waiting, Duration::from_secs(300), |capture_id, at| {
+            listed_at.insert(capture_id.to_string(), at);
+        });
+        let (acked_at, followed) =
+            tokio::join!(post_paced(http_listen, &payload, &latency_ids, LATENCY_INTERVAL), following);
+        let (acked_at, ()) = (acked_at?, followed?);
+        let mut latencies: Vec<f64> = latency_ids
+            .iter()
+            .map(|id| listed_at[id].saturating_duration_since(acked_at[id]).as_secs_f64() * 1000.0)
+            .collect();
 
         let peak_rss_kib = std::fs::read_to_string(format!("/proc/{daemon_pid}/status"))?
             .lines()
@@ -511,12 +514,12 @@ impl CatalogFollower {
     }
 }
 
-/// POSTs `count` captures of `payload` to the daemon's HTTP API, one every `interval`, and returns when each was
+/// POSTs one capture of `payload` per id to the daemon's HTTP API, one every `interval`, and returns when each was
 /// acknowledged (201: the record is fsynced), by capture id.
 async fn post_paced(
     listen: std::net::SocketAddr,
     payload: &bytes::Bytes,
-    count: u64,
+    capture_ids: &[String],
     interval: Duration,
 ) -> anyhow::Result<std::collections::HashMap<String, Instant>> {
     use http_body_util::Full;
@@ -526,15 +529,14 @@ async fn post_paced(
     let mut acked_at = std::collections::HashMap::new();
     let mut ticks = tokio::time::interval(interval);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    for _ in 0..count {
+    for capture_id in capture_ids {
         ticks.tick().await;
-        let capture_id = Uuid::now_v7().to_string();
         let request = axum::http::Request::post(format!("http://{listen}/v1/captures?stream=latency&id={capture_id}"))
             .body(Full::new(payload.clone()))?;
         let response = client.request(request).await?;
         let acked = Instant::now();
         anyhow::ensure!(response.status() == axum::http::StatusCode::CREATED, "POST answered {}", response.status());
-        acked_at.insert(capture_id, acked);
+        acked_at.insert(capture_id.clone(), acked);
     }
     Ok(acked_at)
 }
