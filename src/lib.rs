@@ -11,7 +11,9 @@
 //! - [`capture`]: what a capture may look like (stream names, labels), shared by every way in.
 //! - [`spool`]: the durable local buffer.
 //!   - [`spool::pack`]: the pack file format (writer, reader, recovery scan); specified in `specs/pack-format.md`.
-//!   - [`spool::writer`]: the group-commit writer thread that owns the `.open` pack; quotas; sealing.
+//!   - [`spool::writer`]: the group-commit writer thread that owns the `.open` pack, and its syncer thread (fsyncs,
+//!     acknowledgements, seals); quotas.
+//!   - [`spool::hasher`]: the pack's SHA-256, computed on a thread of its own while the pack is written.
 //!   - [`spool::recovery`]: start-time repair of whatever a crash left.
 //!   - [`spool::inbox`]: the inbox watcher and `capstore put`.
 //!   - [`spool::lock`]: the flock that makes one process the owner of a spool.
