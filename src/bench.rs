@@ -5,7 +5,7 @@
 //! of bytes into the same directory. Each size runs `repeats` times and the median is reported, because these machines
 //! are shared and noisy.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
@@ -317,22 +317,35 @@ fn run_clickhouse_client(port: u16, table: &str, tsv: &[u8]) -> std::io::Result<
     child.wait()
 }
 
+/// How the e2e bench hands captures to capstore.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum E2eProducer {
+    /// Files in the inbox of a `capstore run` child (the latency phase posts over its HTTP API).
+    Inbox,
+    /// Appends through the Rust library to a daemon in the bench's own process
+    /// ([`crate::pipeline::supervisor::run_in_process`]).
+    Library,
+}
+
 /// One row of `capstore bench e2e`.
 #[derive(Debug, Clone, Serialize)]
 pub struct E2eBenchRow {
+    pub producer: E2eProducer,
     pub capture_bytes: u64,
     pub captures: u64,
-    /// Throughput phase: from dropping every capture into the inbox at once until the last one is listed.
+    /// Throughput phase: from handing over the first capture until the catalog lists the last one.
     pub seconds: f64,
     pub captures_per_s: f64,
     pub mb_per_s: f64,
-    /// Latency phase: captures posted over HTTP at a steady rate well below capacity; from the HTTP acknowledgement
-    /// (the record is fsynced) until the catalog lists the capture, milliseconds.
+    /// Latency phase: captures handed over one every 20 ms, well below capacity; from the acknowledgement (the record
+    /// is fsynced) until the catalog lists the capture, milliseconds.
     pub latency_captures: u64,
     pub latency_p50_ms: f64,
     pub latency_p99_ms: f64,
-    /// Peak resident set of the daemon process (VmHWM) over both phases, MiB.
-    pub daemon_peak_rss_mib: f64,
+    /// Peak resident set (VmHWM) over both phases, MiB: of the daemon child for `inbox`; of the bench process, which
+    /// is the daemon too, for `library`.
+    pub peak_rss_mib: f64,
     pub rclone_seconds: f64,
     pub rclone_captures_per_s: f64,
     pub rclone_mb_per_s: f64,
@@ -343,6 +356,7 @@ pub struct E2eBenchOptions {
     /// Scratch directory for the spool and the staged files (same filesystem, so dropping is a rename).
     pub dir: PathBuf,
     pub capture_sizes: Vec<u64>,
+    pub producers: Vec<E2eProducer>,
     pub total_bytes: u64,
     pub max_captures: u64,
     /// rclone destination for the same files, e.g. `/path/to/dir` or `:s3:bucket/prefix` (with `rclone_args`).
@@ -350,21 +364,29 @@ pub struct E2eBenchOptions {
     pub rclone_args: Vec<String>,
 }
 
-/// Captures posted in the latency phase, and their pace.
+/// Captures handed over in the latency phase, and their pace.
 const LATENCY_CAPTURES: u64 = 200;
 const LATENCY_INTERVAL: Duration = Duration::from_millis(20);
+/// Concurrent appends of the library producer.
+const LIBRARY_PRODUCERS: usize = 256;
 
-/// End to end through a real `capstore run` child, beside `rclone copy` of the same files as individual objects to the
-/// same bucket, in the same run.
+/// What one producer run measured.
+struct E2eRun {
+    seconds: f64,
+    latencies_ms: Vec<f64>,
+    peak_rss_mib: f64,
+}
+
+/// End to end through a real daemon, beside `rclone copy` of the same files as individual objects to the same bucket,
+/// in the same run.
 ///
-/// Throughput: the staged files are dropped into the inbox all at once (their directory is renamed in as the stream
-/// directory, so the drop costs the producer nothing, as rclone's sources cost it nothing) and the clock runs until the
-/// catalog lists every capture. Latency: then captures are posted over HTTP at a steady rate, and each is timed from its
-/// acknowledgement until the catalog lists it.
+/// Throughput: `inbox` drops the staged files into the inbox all at once (their directory is renamed in as the stream
+/// directory, so the drop costs the producer nothing, as rclone's sources cost it nothing); `library` appends the same
+/// number of captures of the same size from memory with [`LIBRARY_PRODUCERS`] concurrent producers. The clock runs
+/// until the catalog lists every capture. Latency: then captures are handed over at a steady pace (HTTP posts for
+/// `inbox`, appends for `library`), each timed from its acknowledgement until the catalog lists it.
 pub async fn e2e(options: &E2eBenchOptions) -> anyhow::Result<Vec<E2eBenchRow>> {
-    use crate::catalog::query::CatalogReader;
     let mut rows = Vec::new();
-    let executable = std::env::current_exe()?;
     for &capture_bytes in &options.capture_sizes {
         let captures = (options.total_bytes / capture_bytes).clamp(1, options.max_captures);
         let run_dir = options.dir.join(format!("e2e-{}", Uuid::now_v7()));
@@ -387,95 +409,226 @@ pub async fn e2e(options: &E2eBenchOptions) -> anyhow::Result<Vec<E2eBenchRow>> 
         anyhow::ensure!(status.success(), "rclone failed: {status}");
         let rclone_seconds = started.elapsed().as_secs_f64();
 
-        let mut config = options.config.clone();
-        config.spool.dir = run_dir.join("spool");
-        config.catalog_name = format!("bench-{}", rand::random::<u32>());
-        let http_listen = {
-            let probe = std::net::TcpListener::bind("127.0.0.1:0")?;
-            probe.local_addr()?
-        };
-        let log_path = run_dir.join("daemon.log");
-        let mut child = Command::new(&executable)
-            .arg("run")
-            .env("CAPSTORE_SPOOL_DIR", &config.spool.dir)
-            .env("CAPSTORE_CATALOG_NAME", &config.catalog_name)
-            .env("CAPSTORE_HTTP_LISTEN", http_listen.to_string())
-            // The bench waits for the start line, which is logged at info.
-            .env("CAPSTORE_LOG_LEVEL", "info")
-            .stderr(std::fs::File::create(&log_path)?)
-            .spawn()?;
-        let daemon_pid = child.id();
-        let wait_started = Instant::now();
-        while !std::fs::read_to_string(&log_path)?.contains("capstore running") {
-            anyhow::ensure!(
-                wait_started.elapsed() < Duration::from_secs(60),
-                "the daemon did not start: see {}",
-                log_path.display()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
+        for &producer in &options.producers {
+            let mut config = options.config.clone();
+            config.spool.dir = run_dir.join(format!("spool-{producer:?}"));
+            config.catalog_name = format!("bench-{}", rand::random::<u32>());
+            let run = match producer {
+                E2eProducer::Inbox => run_inbox(config, &run_dir, &staging, &ids, capture_bytes).await?,
+                E2eProducer::Library => run_library(config, capture_bytes, captures).await?,
+            };
+            let mut latencies = run.latencies_ms;
+            latencies.sort_by(f64::total_cmp);
+            let percentile =
+                |p: f64| latencies.get(((latencies.len() as f64 - 1.0) * p) as usize).copied().unwrap_or(0.0);
+            let megabytes = (captures * capture_bytes) as f64 / 1e6;
+            rows.push(E2eBenchRow {
+                producer,
+                capture_bytes,
+                captures,
+                seconds: run.seconds,
+                captures_per_s: captures as f64 / run.seconds,
+                mb_per_s: megabytes / run.seconds,
+                latency_captures: latencies.len() as u64,
+                latency_p50_ms: percentile(0.5),
+                latency_p99_ms: percentile(0.99),
+                peak_rss_mib: run.peak_rss_mib,
+                rclone_seconds,
+                rclone_captures_per_s: captures as f64 / rclone_seconds,
+                rclone_mb_per_s: megabytes / rclone_seconds,
+            });
         }
-        let client = crate::catalog::CatalogClient::connect(&config.catalog).await?;
-        let tables = crate::catalog::Tables::new(
-            &config.catalog.database,
-            &config.catalog.table_prefix,
-            config.catalog.cluster.as_deref(),
-        );
-        let reader = CatalogReader::new(client, tables, &config.catalog_name);
-        let mut follower = CatalogFollower { reader, after_version: 0 };
-
-        // Throughput phase.
-        let inbox_stream = config.spool.dir.join("inbox").join("bench");
-        let started = Instant::now();
-        std::fs::rename(&staging, &inbox_stream)?;
-        let mut waiting: std::collections::HashSet<String> = ids.iter().map(Uuid::to_string).collect();
-        follower.wait_for(&mut waiting, Duration::from_secs(1800), |_, _| {}).await?;
-        let seconds = started.elapsed().as_secs_f64();
-
-        // Latency phase: post and follow at the same time.
-        let payload = bytes::Bytes::from(expected_payload(Uuid::now_v7(), capture_bytes as usize));
-        let latency_ids: Vec<String> = (0..LATENCY_CAPTURES).map(|_| Uuid::now_v7().to_string()).collect();
-        let mut waiting: std::collections::HashSet<String> = latency_ids.iter().cloned().collect();
-        let mut listed_at = std::collections::HashMap::new();
-        let following = follower.wait_for(&mut waiting, Duration::from_secs(300), |capture_id, at| {
-            listed_at.insert(capture_id.to_string(), at);
-        });
-        let (acked_at, followed) =
-            tokio::join!(post_paced(http_listen, &payload, &latency_ids, LATENCY_INTERVAL), following);
-        let (acked_at, ()) = (acked_at?, followed?);
-        let mut latencies: Vec<f64> = latency_ids
-            .iter()
-            .map(|id| listed_at[id].saturating_duration_since(acked_at[id]).as_secs_f64() * 1000.0)
-            .collect();
-
-        let peak_rss_kib = std::fs::read_to_string(format!("/proc/{daemon_pid}/status"))?
-            .lines()
-            .find_map(|line| {
-                line.strip_prefix("VmHWM:").map(|rest| rest.trim().trim_end_matches(" kB").trim().parse::<f64>())
-            })
-            .transpose()?
-            .unwrap_or(0.0);
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(daemon_pid as i32), nix::sys::signal::Signal::SIGTERM)?;
-        child.wait()?;
         std::fs::remove_dir_all(&run_dir).ok();
-        latencies.sort_by(f64::total_cmp);
-        let percentile = |p: f64| latencies.get(((latencies.len() as f64 - 1.0) * p) as usize).copied().unwrap_or(0.0);
-        let megabytes = (captures * capture_bytes) as f64 / 1e6;
-        rows.push(E2eBenchRow {
-            capture_bytes,
-            captures,
-            seconds,
-            captures_per_s: captures as f64 / seconds,
-            mb_per_s: megabytes / seconds,
-            latency_captures: latencies.len() as u64,
-            latency_p50_ms: percentile(0.5),
-            latency_p99_ms: percentile(0.99),
-            daemon_peak_rss_mib: peak_rss_kib / 1024.0,
-            rclone_seconds,
-            rclone_captures_per_s: captures as f64 / rclone_seconds,
-            rclone_mb_per_s: megabytes / rclone_seconds,
-        });
     }
     Ok(rows)
+}
+
+async fn follower_for(config: &crate::config::Config) -> anyhow::Result<CatalogFollower> {
+    let client = crate::catalog::CatalogClient::connect(&config.catalog).await?;
+    let tables = crate::catalog::Tables::new(
+        &config.catalog.database,
+        &config.catalog.table_prefix,
+        config.catalog.cluster.as_deref(),
+    );
+    let reader = crate::catalog::query::CatalogReader::new(client, tables, &config.catalog_name);
+    Ok(CatalogFollower { reader, after_version: 0 })
+}
+
+/// The inbox producer against a `capstore run` child.
+async fn run_inbox(
+    config: crate::config::Config,
+    run_dir: &Path,
+    staging: &Path,
+    ids: &[Uuid],
+    capture_bytes: u64,
+) -> anyhow::Result<E2eRun> {
+    let http_listen = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0")?;
+        probe.local_addr()?
+    };
+    let log_path = run_dir.join("daemon.log");
+    let mut child = Command::new(std::env::current_exe()?)
+        .arg("run")
+        .env("CAPSTORE_SPOOL_DIR", &config.spool.dir)
+        .env("CAPSTORE_CATALOG_NAME", &config.catalog_name)
+        .env("CAPSTORE_HTTP_LISTEN", http_listen.to_string())
+        // The bench waits for the start line, which is logged at info.
+        .env("CAPSTORE_LOG_LEVEL", "info")
+        .stderr(std::fs::File::create(&log_path)?)
+        .spawn()?;
+    let daemon_pid = child.id();
+    let wait_started = Instant::now();
+    while !std::fs::read_to_string(&log_path)?.contains("capstore running") {
+        anyhow::ensure!(
+            wait_started.elapsed() < Duration::from_secs(60),
+            "the daemon did not start: see {}",
+            log_path.display()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut follower = follower_for(&config).await?;
+
+    let started = Instant::now();
+    std::fs::rename(staging, config.spool.dir.join("inbox").join("bench"))?;
+    let mut waiting: HashSet<String> = ids.iter().map(Uuid::to_string).collect();
+    follower.wait_for(&mut waiting, Duration::from_secs(1800), |_, _| {}).await?;
+    let seconds = started.elapsed().as_secs_f64();
+
+    let payload = bytes::Bytes::from(expected_payload(Uuid::now_v7(), capture_bytes as usize));
+    let client: hyper_util::client::legacy::Client<_, http_body_util::Full<bytes::Bytes>> =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build_http();
+    let latencies_ms = latency_phase(&mut follower, |capture_id| {
+        let request =
+            axum::http::Request::post(format!("http://{http_listen}/v1/captures?stream=latency&id={capture_id}"))
+                .body(http_body_util::Full::new(payload.clone()));
+        let client = client.clone();
+        async move {
+            let response = client.request(request?).await?;
+            anyhow::ensure!(
+                response.status() == axum::http::StatusCode::CREATED,
+                "POST answered {}",
+                response.status()
+            );
+            Ok(())
+        }
+    })
+    .await?;
+
+    let peak_rss_mib = peak_rss_mib(daemon_pid)?;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(daemon_pid as i32), nix::sys::signal::Signal::SIGTERM)?;
+    child.wait()?;
+    Ok(E2eRun { seconds, latencies_ms, peak_rss_mib })
+}
+
+/// The library producer against a daemon in this process.
+async fn run_library(config: crate::config::Config, capture_bytes: u64, captures: u64) -> anyhow::Result<E2eRun> {
+    let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
+    let (writer_tx, writer_rx) = tokio::sync::oneshot::channel();
+    let daemon = tokio::spawn(crate::pipeline::supervisor::run_in_process(config.clone(), shutdown_rx, writer_tx));
+    let writer = writer_rx.await?;
+    let mut follower = follower_for(&config).await?;
+    // Incompressible, non-constant payload; every producer hands over the same immutable buffer (see the spool bench).
+    let payload = bytes::Bytes::from(expected_payload(Uuid::now_v7(), capture_bytes as usize));
+    let append = {
+        let (writer, payload) = (writer.clone(), payload.clone());
+        move |capture_id: Uuid| {
+            let writer = writer.clone();
+            let payload = payload.clone();
+            async move {
+                let meta = CaptureMeta {
+                    capture_id,
+                    stream: "bench".into(),
+                    captured_at_ns: crate::util::now_ns(),
+                    labels: BTreeMap::new(),
+                    content_type: None,
+                    source_name: None,
+                };
+                writer.append(meta, payload).await.map(|_| ()).map_err(anyhow::Error::from)
+            }
+        }
+    };
+    // Warm up until one capture is listed: the clock starts with the pipeline up (lease held), as for the child.
+    let warm_up = Uuid::now_v7();
+    append(warm_up).await?;
+    follower.wait_for(&mut HashSet::from([warm_up.to_string()]), Duration::from_secs(120), |_, _| {}).await?;
+
+    let ids: Arc<Vec<Uuid>> = Arc::new((0..captures).map(|_| Uuid::now_v7()).collect());
+    let mut waiting: HashSet<String> = ids.iter().map(Uuid::to_string).collect();
+    let started = Instant::now();
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut producers = tokio::task::JoinSet::new();
+    for _ in 0..LIBRARY_PRODUCERS {
+        let (ids, next, append) = (ids.clone(), next.clone(), append.clone());
+        producers.spawn(async move {
+            loop {
+                let index = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(&capture_id) = ids.get(index) else { return Ok::<(), anyhow::Error>(()) };
+                append(capture_id).await?;
+            }
+        });
+    }
+    let producing = async {
+        while let Some(produced) = producers.join_next().await {
+            produced??;
+        }
+        Ok::<(), anyhow::Error>(())
+    };
+    let (produced, followed) =
+        tokio::join!(producing, follower.wait_for(&mut waiting, Duration::from_secs(1800), |_, _| {}));
+    produced?;
+    followed?;
+    let seconds = started.elapsed().as_secs_f64();
+
+    let latencies_ms = latency_phase(&mut follower, |capture_id| {
+        let append = &append;
+        async move { append(Uuid::parse_str(&capture_id)?).await }
+    })
+    .await?;
+    let peak_rss_mib = peak_rss_mib(std::process::id())?;
+    let _ = shutdown_tx.send(true);
+    drop(writer);
+    daemon.await??;
+    Ok(E2eRun { seconds, latencies_ms, peak_rss_mib })
+}
+
+/// Hands over [`LATENCY_CAPTURES`] captures through `submit` (which resolves on the acknowledgement), one every
+/// [`LATENCY_INTERVAL`], while following the catalog; returns each capture's ack -> listed time in milliseconds.
+async fn latency_phase<F, Fut>(follower: &mut CatalogFollower, submit: F) -> anyhow::Result<Vec<f64>>
+where
+    F: Fn(String) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<()>>,
+{
+    let ids: Vec<String> = (0..LATENCY_CAPTURES).map(|_| Uuid::now_v7().to_string()).collect();
+    let mut waiting: HashSet<String> = ids.iter().cloned().collect();
+    let mut listed_at = HashMap::new();
+    let following = follower.wait_for(&mut waiting, Duration::from_secs(300), |capture_id, at| {
+        listed_at.insert(capture_id.to_string(), at);
+    });
+    let submitting = async {
+        let mut acked_at = HashMap::new();
+        let mut ticks = tokio::time::interval(LATENCY_INTERVAL);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        for capture_id in &ids {
+            ticks.tick().await;
+            submit(capture_id.clone()).await?;
+            acked_at.insert(capture_id.clone(), Instant::now());
+        }
+        Ok::<_, anyhow::Error>(acked_at)
+    };
+    let (acked_at, followed) = tokio::join!(submitting, following);
+    let (acked_at, ()) = (acked_at?, followed?);
+    Ok(ids.iter().map(|id| listed_at[id].saturating_duration_since(acked_at[id]).as_secs_f64() * 1000.0).collect())
+}
+
+fn peak_rss_mib(pid: u32) -> anyhow::Result<f64> {
+    let kib = std::fs::read_to_string(format!("/proc/{pid}/status"))?
+        .lines()
+        .find_map(|line| {
+            line.strip_prefix("VmHWM:").map(|rest| rest.trim().trim_end_matches(" kB").trim().parse::<f64>())
+        })
+        .transpose()?
+        .unwrap_or(0.0);
+    Ok(kib / 1024.0)
 }
 
 /// Follows the catalog by version, as a consumer tailing "everything after version N" does.
@@ -512,31 +665,4 @@ impl CatalogFollower {
         }
         Ok(())
     }
-}
-
-/// POSTs one capture of `payload` per id to the daemon's HTTP API, one every `interval`, and returns when each was
-/// acknowledged (201: the record is fsynced), by capture id.
-async fn post_paced(
-    listen: std::net::SocketAddr,
-    payload: &bytes::Bytes,
-    capture_ids: &[String],
-    interval: Duration,
-) -> anyhow::Result<std::collections::HashMap<String, Instant>> {
-    use http_body_util::Full;
-    use hyper_util::client::legacy::Client;
-    use hyper_util::rt::TokioExecutor;
-    let client: Client<_, Full<bytes::Bytes>> = Client::builder(TokioExecutor::new()).build_http();
-    let mut acked_at = std::collections::HashMap::new();
-    let mut ticks = tokio::time::interval(interval);
-    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    for capture_id in capture_ids {
-        ticks.tick().await;
-        let request = axum::http::Request::post(format!("http://{listen}/v1/captures?stream=latency&id={capture_id}"))
-            .body(Full::new(payload.clone()))?;
-        let response = client.request(request).await?;
-        let acked = Instant::now();
-        anyhow::ensure!(response.status() == axum::http::StatusCode::CREATED, "POST answered {}", response.status());
-        acked_at.insert(capture_id.clone(), acked);
-    }
-    Ok(acked_at)
 }

@@ -31,14 +31,18 @@ pub enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
-    /// End to end through a `capstore run` child (captures/s, MB/s, ack -> listed latency, peak RSS), beside
-    /// `rclone copy` of the same captures as individual files. Bucket and catalog come from the config.
+    /// End to end through a real daemon (captures/s, MB/s, ack -> listed latency, peak RSS), beside `rclone copy` of
+    /// the same captures as individual files. Bucket and catalog come from the config.
     E2e {
         /// Scratch directory (spool and staged files).
         #[arg(long, default_value = "./capstore-bench")]
         dir: PathBuf,
         #[arg(long, value_delimiter = ',', default_value = "4KiB,1MiB")]
         sizes: Vec<ByteSize>,
+        /// How captures reach capstore: files in the inbox of a `capstore run` child, or appends through the Rust
+        /// library to a daemon in this process.
+        #[arg(long, value_delimiter = ',', default_value = "inbox,library")]
+        producers: Vec<capstore::bench::E2eProducer>,
         /// Bytes per capture size.
         #[arg(long, default_value = "1GiB")]
         total: ByteSize,
@@ -91,11 +95,12 @@ pub fn run(config: &Config, command: BenchCommand) -> anyhow::Result<i32> {
         BenchCommand::Spool { dir, total, sizes, producers, repeats, json } => {
             (dir, total, sizes, producers, repeats, json)
         }
-        BenchCommand::E2e { dir, sizes, total, max_captures, rclone_destination, rclone_args, json } => {
+        BenchCommand::E2e { dir, sizes, producers, total, max_captures, rclone_destination, rclone_args, json } => {
             let options = E2eBenchOptions {
                 config: config.clone(),
                 dir,
                 capture_sizes: sizes.iter().map(|s| s.0).collect(),
+                producers,
                 total_bytes: total.0,
                 max_captures,
                 rclone_destination,
@@ -107,7 +112,8 @@ pub fn run(config: &Config, command: BenchCommand) -> anyhow::Result<i32> {
                 return Ok(exit_code::CLEAN);
             }
             println!(
-                "{:>8}  {:>8}  {:>10}  {:>8}  {:>18}  {:>9}  {:>8}  {:>11}  {:>9}",
+                "{:>8}  {:>8}  {:>8}  {:>10}  {:>8}  {:>18}  {:>9}  {:>8}  {:>11}  {:>11}",
+                "producer",
                 "capture",
                 "count",
                 "captures/s",
@@ -120,14 +126,15 @@ pub fn run(config: &Config, command: BenchCommand) -> anyhow::Result<i32> {
             );
             for row in results {
                 println!(
-                    "{:>8}  {:>8}  {:>10.0}  {:>8.1}  {:>18.0}  {:>9.0}  {:>8.1}  {:>11.0}  {:>9.1}",
+                    "{:>8}  {:>8}  {:>8}  {:>10.0}  {:>8.1}  {:>18.0}  {:>9.0}  {:>8.1}  {:>11.0}  {:>11.1}",
+                    format!("{:?}", row.producer).to_lowercase(),
                     ByteSize(row.capture_bytes).to_string(),
                     row.captures,
                     row.captures_per_s,
                     row.mb_per_s,
                     row.latency_p50_ms,
                     row.latency_p99_ms,
-                    row.daemon_peak_rss_mib,
+                    row.peak_rss_mib,
                     row.rclone_captures_per_s,
                     row.rclone_mb_per_s
                 );

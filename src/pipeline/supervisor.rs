@@ -120,12 +120,32 @@ impl StatusBoard {
     }
 }
 
-/// Run until shutdown; returns the exit code.
+/// `capstore run`: run until a signal asks for shutdown; returns the exit code.
 pub async fn run(config: Config) -> Result<i32, SupervisorError> {
-    let config = Arc::new(config);
     // Signals first: a SIGTERM during recovery must still mean "stop cleanly".
-    let (shutdown_tx, mut shutdown_rx) = watch::channel(false);
+    let (shutdown_tx, shutdown_rx) = watch::channel(false);
     spawn_signal_thread(shutdown_tx).map_err(SupervisorError::Signals)?;
+    run_until(config, shutdown_rx, None).await
+}
+
+/// The daemon inside the caller's process: the Rust library's way in for producers. Once ingest is up, `writer_tx`
+/// receives a handle to the spool (an append through it is acknowledged once its record is fsynced, as an HTTP post
+/// is); `shutdown_rx` turning true stops the daemon as SIGTERM does, after which appends answer `Closed`. Signals are
+/// left to the caller.
+pub async fn run_in_process(
+    config: Config,
+    shutdown_rx: watch::Receiver<bool>,
+    writer_tx: tokio::sync::oneshot::Sender<SpoolWriter>,
+) -> Result<i32, SupervisorError> {
+    run_until(config, shutdown_rx, Some(writer_tx)).await
+}
+
+async fn run_until(
+    config: Config,
+    mut shutdown_rx: watch::Receiver<bool>,
+    writer_tx: Option<tokio::sync::oneshot::Sender<SpoolWriter>>,
+) -> Result<i32, SupervisorError> {
+    let config = Arc::new(config);
 
     let (spool, recovery) = Spool::open(&config.spool)?;
     let paths = spool.paths().clone();
@@ -155,6 +175,9 @@ pub async fn run(config: Config) -> Result<i32, SupervisorError> {
     let status_task = tokio::spawn(status_loop(board.clone()));
     let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
     tracing::info!(spool = %paths.root.display(), spool_id = %spool.id(), "ingest ready");
+    if let Some(writer_tx) = writer_tx {
+        let _ = writer_tx.send(writer.clone());
+    }
 
     // HTTP serves from here on: writes at once, catalog reads once the catalog is connected.
     let http_result =
