@@ -398,16 +398,22 @@ pub async fn e2e(options: &E2eBenchOptions) -> anyhow::Result<Vec<E2eBenchRow>> 
         }
 
         // Baseline first: rclone copies the same files as individual objects.
+        let rclone_target = format!("{}/rclone-{}", options.rclone_destination.trim_end_matches('/'), Uuid::now_v7());
         let started = Instant::now();
         let status = Command::new("rclone")
             .arg("copy")
             .arg(&staging)
-            .arg(format!("{}/rclone-{}", options.rclone_destination.trim_end_matches('/'), Uuid::now_v7()))
+            .arg(&rclone_target)
             .args(&options.rclone_args)
             .arg("--transfers=4")
             .status()?;
         anyhow::ensure!(status.success(), "rclone failed: {status}");
         let rclone_seconds = started.elapsed().as_secs_f64();
+        // Repeated runs must not fill the disk or the bucket with baseline copies.
+        let purged = Command::new("rclone").arg("purge").arg(&rclone_target).args(&options.rclone_args).status()?;
+        if !purged.success() {
+            tracing::warn!(target = rclone_target, "rclone purge of the baseline copy failed");
+        }
 
         for &producer in &options.producers {
             let mut config = options.config.clone();

@@ -84,11 +84,17 @@ pub fn capture_id_from_name(name: &str) -> Option<Uuid> {
     Uuid::parse_str(stem).ok().filter(|_| stem.len() == 36)
 }
 
-/// Every ingestible file under the inbox, with its path relative to the inbox. Hidden directories are skipped.
+/// Every ingestible file under the inbox (sorted). Hidden directories are skipped.
 pub fn walk_inbox(inbox: &Path) -> io::Result<Vec<PathBuf>> {
+    walk_inbox_limited(inbox, usize::MAX)
+}
+
+/// Like [`walk_inbox`], but stops after `limit` files (which ones is up to the directory order), so a huge backlog
+/// is taken in slices instead of all at once.
+pub fn walk_inbox_limited(inbox: &Path, limit: usize) -> io::Result<Vec<PathBuf>> {
     let mut files = Vec::new();
     let mut dirs = vec![inbox.to_path_buf()];
-    while let Some(dir) = dirs.pop() {
+    'walk: while let Some(dir) = dirs.pop() {
         let entries = match fs::read_dir(&dir) {
             Ok(entries) => entries,
             Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
@@ -105,6 +111,9 @@ pub fn walk_inbox(inbox: &Path) -> io::Result<Vec<PathBuf>> {
                 dirs.push(entry.path());
             } else if file_type.is_file() {
                 files.push(entry.path());
+                if files.len() >= limit {
+                    break 'walk;
+                }
             }
         }
     }
@@ -200,12 +209,12 @@ struct IngestContext {
 
 /// Runs until `shutdown_rx` turns true; then finishes the files in flight and returns.
 ///
-/// States of the loop: a `backlog` of candidate paths (from events and rescans; it may hold duplicates and files
-/// already gone, which cost one `stat`), up to [`MAX_BATCHES_IN_FLIGHT`] batches being ingested (`in_flight` holds
-/// their paths, so no file is ever ingested by two batches at once), and `rescan_pending`: a rescan was asked for (by
-/// the timer, an event overflow or a deferral) and runs once the backlog is empty, replacing nothing that is queued.
-/// So memory stays bounded by the batches in flight and one path per waiting file, and a burst of events never
-/// causes a rescan per event.
+/// States of the loop: a `backlog` of at most [`BACKLOG_LIMIT`] candidate paths (from events and rescans; it may hold
+/// duplicates and files already gone, which cost one `stat`), up to [`MAX_BATCHES_IN_FLIGHT`] batches being ingested
+/// (`in_flight` holds their paths, so no file is ever ingested by two batches at once), and `rescan_pending`: a
+/// rescan was asked for (by the timer, an event overflow, a full backlog, a rescan that stopped at the limit, or a
+/// deferral) and runs once the backlog is empty. So memory stays bounded however many files wait in the inbox, and a
+/// burst of events never causes a rescan per event.
 pub struct Ingestor {
     context: Arc<IngestContext>,
     rescan_interval: Duration,
@@ -215,6 +224,8 @@ pub struct Ingestor {
 const BATCH_FILES: usize = 64;
 /// Batches ingested at once. Their appends wait on the spool's group commit together, which fills its batches.
 const MAX_BATCHES_IN_FLIGHT: usize = 16;
+/// Paths waiting in the backlog at most; beyond it, events are dropped for a rescan, and a rescan takes a slice.
+const BACKLOG_LIMIT: usize = 16 * 1024;
 /// Files of a batch are read together up to this many bytes (a larger file is read alone).
 const READ_GROUP_BYTES: u64 = 4 << 20;
 
@@ -263,8 +274,9 @@ impl Ingestor {
                 break;
             }
             if backlog.is_empty() && rescan_pending {
-                rescan_pending = false;
-                backlog.extend(self.walk(self.context.paths.inbox.clone()).await);
+                let (found, more) = self.walk(self.context.paths.inbox.clone()).await;
+                backlog.extend(found);
+                rescan_pending = more;
             }
             while batches.len() < MAX_BATCHES_IN_FLIGHT && !backlog.is_empty() {
                 let batch = self.take_batch(&mut backlog, &mut in_flight);
@@ -277,9 +289,14 @@ impl Ingestor {
                 _ = unlink_sync.tick() => self.sync_unlinks().await,
                 Some(paths) = events_rx.recv() => {
                     for path in paths {
-                        if path.is_dir() {
+                        if backlog.len() >= BACKLOG_LIMIT {
+                            // Found again by the rescan once the backlog is worked off.
+                            rescan_pending = true;
+                        } else if path.is_dir() {
                             // A directory appeared: files renamed into it before its watch existed would be missed.
-                            backlog.extend(self.walk(path).await);
+                            let (found, more) = self.walk(path).await;
+                            backlog.extend(found);
+                            rescan_pending |= more;
                         } else {
                             backlog.push_back(path);
                         }
@@ -294,9 +311,14 @@ impl Ingestor {
                 Some(finished) = batches.join_next() => {
                     for (path, outcome) in finished.unwrap_or_default() {
                         in_flight.remove(&path);
-                        if outcome == FileOutcome::Deferred && !retry_armed {
-                            retry.as_mut().reset(tokio::time::Instant::now() + RETRY_AFTER_REFUSAL);
-                            retry_armed = true;
+                        if outcome == FileOutcome::Deferred {
+                            // Files are being refused (a full spool): look again after a pause, not at once, or a
+                            // large backlog of refused files would be walked in a busy loop.
+                            rescan_pending = false;
+                            if !retry_armed {
+                                retry.as_mut().reset(tokio::time::Instant::now() + RETRY_AFTER_REFUSAL);
+                                retry_armed = true;
+                            }
                         }
                     }
                 }
@@ -329,14 +351,18 @@ impl Ingestor {
         }
     }
 
-    async fn walk(&self, dir: PathBuf) -> Vec<PathBuf> {
-        match tokio::task::spawn_blocking(move || walk_inbox(&dir)).await {
-            Ok(Ok(files)) => files,
+    /// Up to [`BACKLOG_LIMIT`] files under `dir`, and whether there may be more.
+    async fn walk(&self, dir: PathBuf) -> (Vec<PathBuf>, bool) {
+        match tokio::task::spawn_blocking(move || walk_inbox_limited(&dir, BACKLOG_LIMIT)).await {
+            Ok(Ok(files)) => {
+                let more = files.len() >= BACKLOG_LIMIT;
+                (files, more)
+            }
             Ok(Err(error)) => {
                 tracing::warn!(%error, "inbox rescan failed");
-                Vec::new()
+                (Vec::new(), true)
             }
-            Err(_) => Vec::new(),
+            Err(_) => (Vec::new(), true),
         }
     }
 }
@@ -680,6 +706,22 @@ mod tests {
         assert_eq!(capture_id_from_name(&format!("{id}.json")), Some(id));
         assert_eq!(capture_id_from_name("frame-1.jpg"), None);
         assert_eq!(capture_id_from_name(&id.simple().to_string()), None);
+    }
+
+    #[test]
+    fn a_limited_walk_takes_a_slice_and_skips_hidden_and_temporary_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let stream = dir.path().join("s");
+        fs::create_dir_all(&stream).unwrap();
+        for i in 0..10 {
+            fs::write(stream.join(format!("f{i}")), b"x").unwrap();
+        }
+        fs::write(stream.join(".hidden"), b"x").unwrap();
+        fs::write(stream.join("partial.tmp"), b"x").unwrap();
+        assert_eq!(walk_inbox(dir.path()).unwrap().len(), 10);
+        let slice = walk_inbox_limited(dir.path(), 4).unwrap();
+        assert_eq!(slice.len(), 4);
+        assert!(slice.iter().all(|path| path.file_name().unwrap().to_string_lossy().starts_with('f')));
     }
 
     #[test]
