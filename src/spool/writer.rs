@@ -351,7 +351,10 @@ impl WriterState {
             return;
         }
         let Some(open) = &mut self.open_pack else {
-            unreachable!("acknowledgements wait only for records of the open pack; a seal takes them along");
+            // Not expected: acknowledgements wait only for records of the open pack, and a seal takes them along.
+            tracing::error!(appends = acks.len(), "appends without an open pack; answering them with an error");
+            answer(acks, &Err(AppendError::Io("the open pack was lost".into())));
+            return;
         };
         match open.writer.flush() {
             Ok(point) => self.send_to_syncer(SyncJob::Sync { point, acks }),
