@@ -4,9 +4,8 @@
 //! batch; here the writer hands each chunk over as it writes it (a reference-counted [`Bytes`], never a copy) and goes
 //! on writing and fsyncing, while the hashing thread follows. Only sealing a pack waits for the hash.
 //!
-//! States: `running` (chunks are accepted in order; at most [`MAX_CHUNKS_IN_FLIGHT`] chunks of at most
-//! [`CHUNK_BYTES`] each wait, so the writer is held back rather than memory growing when hashing falls behind) and
-//! `finished` ([`BackgroundHasher::finish`] has joined the thread and returned the hash state). The hash covers
+//! States: `running` (chunks are accepted in order; at most [`MAX_CHUNKS_IN_FLIGHT`] chunks wait, so the writer is
+//! held back rather than memory growing when hashing falls behind) and `finished` ([`BackgroundHasher::finish`] has joined the thread and returned the hash state). The hash covers
 //! exactly the chunks passed to [`BackgroundHasher::update`], in the order passed.
 
 use std::thread::JoinHandle;
@@ -14,9 +13,8 @@ use std::thread::JoinHandle;
 use bytes::Bytes;
 use sha2::{Digest, Sha256};
 
-/// Largest group handed to the hashing thread at once; bigger ones are split (zero-copy) so the in-flight bound holds.
-const CHUNK_BYTES: usize = 1 << 20;
-/// Bound of the queue to the hashing thread: with [`CHUNK_BYTES`], at most 16 MiB wait to be hashed.
+/// Bound of the queue to the hashing thread. The pack writer passes one write group (at most 1 MiB) per chunk, so at
+/// most 16 MiB wait to be hashed.
 const MAX_CHUNKS_IN_FLIGHT: usize = 16;
 
 /// Pieces hashed in order as one unit of the queue.
@@ -46,19 +44,10 @@ impl BackgroundHasher {
     }
 
     /// Queues `pieces` for hashing, in order, after everything queued before; blocks while the queue is full.
-    /// Callers pass at most about [`CHUNK_BYTES`] at once; a single larger piece is split.
     pub fn update(&mut self, pieces: Vec<Bytes>) {
-        let Some(chunks_tx) = &self.chunks_tx else { return };
-        let chunks = if pieces.len() == 1 && pieces[0].len() > CHUNK_BYTES {
-            pieces[0].chunks(CHUNK_BYTES).map(|part| vec![pieces[0].slice_ref(part)]).collect()
-        } else {
-            vec![pieces]
-        };
-        for chunk in chunks {
+        if let Some(chunks_tx) = &self.chunks_tx {
             // A send fails only if the thread is gone (it panicked); finish() reports that.
-            if chunks_tx.send(chunk).is_err() {
-                return;
-            }
+            let _ = chunks_tx.send(pieces);
         }
     }
 
@@ -90,7 +79,7 @@ mod tests {
         expected.update(b"prefix");
         let mut hasher = BackgroundHasher::start(expected.clone());
         let mut all = Vec::new();
-        for size in [0usize, 1, 5000, CHUNK_BYTES, 3 * CHUNK_BYTES + 17] {
+        for size in [0usize, 1, 5000, 1 << 20, (3 << 20) + 17] {
             let chunk: Vec<u8> = (0..size).map(|i| (i * 31 + size) as u8).collect();
             all.extend_from_slice(&chunk);
             all.extend_from_slice(&chunk);

@@ -1308,9 +1308,10 @@ impl PackWriter {
         self.pending.extend_from_slice(&record_header);
         self.pending.extend_from_slice(&self.meta_scratch);
         if payload.len() >= ZERO_COPY_MIN_BYTES {
-            self.segments.push(self.pending.split().freeze());
+            let buffered = self.pending.split().freeze();
+            self.segments_len += (buffered.len() + payload.len()) as u64;
+            self.segments.push(buffered);
             self.segments.push(payload);
-            self.segments_len += self.segments.iter().rev().take(2).map(|s| s.len() as u64).sum::<u64>();
         } else {
             self.pending.extend_from_slice(&payload);
         }

@@ -316,12 +316,12 @@ impl WriterState {
     /// Returns false once a close request was seen.
     fn process_batch(&mut self, batch: Vec<Request>) -> bool {
         let mut keep_running = true;
-        self.batch_io_failed = false;
         if let Some(reason) = self.open_pack.as_ref().and_then(|open| open.writer.poisoned_reason()) {
             tracing::error!(reason, "an fsync of the open pack failed; recovering it from disk");
             self.reset_after_io_error();
-            self.batch_io_failed = false;
         }
+        // The failure above belongs to earlier batches, which the syncer answered with errors.
+        self.batch_io_failed = false;
         for request in batch {
             match request {
                 Request::Append { meta, payload, reply } => match self.append_one(&meta, payload) {
@@ -351,9 +351,7 @@ impl WriterState {
             return;
         }
         let Some(open) = &mut self.open_pack else {
-            // Not expected: acknowledgements wait only for records of the open pack, and a seal takes them along.
-            tracing::error!(appends = acks.len(), "appends without an open pack; answering them with an error");
-            answer(acks, &Err(AppendError::Io("the open pack was lost".into())));
+            refuse_orphaned(acks);
             return;
         };
         match open.writer.flush() {
@@ -481,29 +479,28 @@ impl WriterState {
     /// Hands the open pack (if it has records) to the syncer to be sealed, with the acknowledgements waiting on it, and
     /// goes on without it: the next append opens a new pack. `reply` is answered once the pack is sealed.
     fn seal(&mut self, reason: &'static str, reply: Option<SealReply>) {
-        let acks = std::mem::take(&mut self.batch_acks);
-        let Some(pack) = self.open_pack.take() else {
-            answer(acks, &Ok(()));
-            if let Some(reply) = reply {
-                let _ = reply.send(Ok(None));
-            }
-            return;
-        };
-        if pack.writer.record_count() == 0 {
-            drop(pack.writer);
-            let removed = durable::remove_durable(&pack.path).map_err(|e| AppendError::Io(e.to_string()));
-            answer(acks, &removed);
-            if let Some(reply) = reply {
-                let _ = reply.send(removed.map(|()| None));
-            }
-            return;
-        }
+        let mut acks = std::mem::take(&mut self.batch_acks);
         if self.batch_io_failed {
-            answer(acks, &Err(AppendError::Io("an earlier write of this batch failed".into())));
+            answer(std::mem::take(&mut acks), &Err(AppendError::Io("an earlier write of this batch failed".into())));
             self.batch_io_failed = false;
-            self.send_to_syncer(SyncJob::Seal { pack: Box::new(pack), reason, acks: Vec::new(), reply });
-            return;
         }
+        let pack = match self.open_pack.take() {
+            Some(pack) if pack.writer.record_count() > 0 => pack,
+            no_records => {
+                refuse_orphaned(acks);
+                let removed = match no_records {
+                    Some(pack) => {
+                        drop(pack.writer);
+                        durable::remove_durable(&pack.path).map_err(|e| AppendError::Io(e.to_string()))
+                    }
+                    None => Ok(()),
+                };
+                if let Some(reply) = reply {
+                    let _ = reply.send(removed.map(|()| None));
+                }
+                return;
+            }
+        };
         self.send_to_syncer(SyncJob::Seal { pack: Box::new(pack), reason, acks, reply });
     }
 
@@ -533,6 +530,15 @@ impl WriterState {
 fn answer(acks: Vec<(AckReply, Ack)>, outcome: &Result<(), AppendError>) {
     for (reply, ack) in acks {
         let _ = reply.send(outcome.clone().map(|()| ack));
+    }
+}
+
+/// Acknowledgements wait only for records of the open pack, and a seal takes them along. Any left without a pack have
+/// no fsync to wait for, so they are refused, never acknowledged. Not expected to happen.
+fn refuse_orphaned(acks: Vec<(AckReply, Ack)>) {
+    if !acks.is_empty() {
+        tracing::error!(appends = acks.len(), "appends without an open pack; answering them with an error");
+        answer(acks, &Err(AppendError::Io("the open pack was lost".into())));
     }
 }
 
