@@ -15,7 +15,8 @@
 //! # Upload protocol ([`Bucket::upload_pack`])
 //!
 //! 1. Take one of `upload.concurrency` permits.
-//! 2. A pack of at most `upload.part_size` bytes is read into memory (bounded by part_size) and written with one
+//! 2. A `file://` bucket gets the pack by [`local_dir::place_pack`] (a hard link of the sealed pack, or a staged
+//!    in-kernel copy, fsynced either way). On other backends, a pack of at most `upload.part_size` bytes is read into memory (bounded by part_size) and written with one
 //!    `PutMode::Create` put. A larger pack is streamed from the file in part_size parts with a multipart upload: at
 //!    most [`MULTIPART_PARTS_IN_FLIGHT`] parts are in flight, so memory stays near 3 x part_size whatever the pack's
 //!    size. A multipart upload cannot be conditional, so it HEADs the key first.
@@ -33,7 +34,7 @@
 //! | `s3://` | `If-None-Match: *` -> `AlreadyExists` (tested live on SeaweedFS) | stored as `x-amz-meta-*` (tested) |
 //! | `gs://`, `az://` | the provider's preconditions (object_store; not tested here) | stored (not tested here) |
 //! | `memory://` | supported (tested) | stored (tested) |
-//! | `file://` | hard link of a staged file: atomic, `AlreadyExists` (tested) | rejected with `NotImplemented`, so not sent |
+//! | `file://` | [`local_dir`]: link(2) of the fsynced pack, atomic, `AlreadyExists` (tested) | not stored, so not sent |
 //!
 //! The multipart path is check-then-write on every backend: two writers of different bytes under one key racing
 //! between the HEAD and completion could replace each other's object (the size check after upload catches only a
@@ -89,6 +90,8 @@ use crate::spool::pack::{
     Trailer, FOOTER_HEADER_LEN, HEADER_LEN, PACK_EXTENSION, TRAILER_LEN,
 };
 
+pub mod local_dir;
+
 /// Parts of one multipart upload that may be in flight at once.
 pub const MULTIPART_PARTS_IN_FLIGHT: usize = 2;
 /// Object metadata key holding the pack's SHA-256 (hex).
@@ -141,9 +144,12 @@ impl BucketError {
     }
 
     fn local_io(context: impl fmt::Display, error: std::io::Error) -> Self {
-        // The spool's own disk failing is not a bucket problem, but neither is it the pack's fault: retry later.
+        // A local disk failing (the spool's, or a file:// bucket's) is not the pack's fault: retry later. Only a
+        // refusal an operator must fix is permanent.
+        let refused_for_good =
+            matches!(error.kind(), std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::ReadOnlyFilesystem);
         BucketError {
-            kind: BucketErrorKind::Transient,
+            kind: if refused_for_good { BucketErrorKind::Permanent } else { BucketErrorKind::Transient },
             message: format!("{context}: {error}"),
             source: Some(Box::new(error)),
         }
@@ -258,6 +264,8 @@ pub struct RemotePack {
 /// A bucket: one object store, the key prefix of one catalog, and the upload limits.
 pub struct Bucket {
     store: Arc<dyn ObjectStore>,
+    /// The same store when `bucket.url` is `file://`: uploads go through [`local_dir`], which fsyncs.
+    local_dir: Option<Arc<object_store::local::LocalFileSystem>>,
     /// `file`, `s3`, `gs`, `az` or `memory`: for logs and the metadata decision.
     scheme: &'static str,
     supports_metadata: bool,
@@ -288,6 +296,7 @@ impl Bucket {
             return Err(permanent(format!("bucket.url {url:?} is not a URL like s3://name or file:///path")));
         };
         let part_size = config.upload.part_size.0;
+        let mut local_dir = None;
         let (store, scheme, url_prefix): (Arc<dyn ObjectStore>, &'static str, String) = match scheme {
             "file" => {
                 let root = FsPath::new(rest);
@@ -300,7 +309,9 @@ impl Bucket {
                 })?;
                 let local = object_store::local::LocalFileSystem::new_with_prefix(root)
                     .map_err(|error| BucketError::from_store("bucket.url", error))?;
-                (Arc::new(local), "file", String::new())
+                let local = Arc::new(local);
+                local_dir = Some(local.clone());
+                (local, "file", String::new())
             }
             "memory" => {
                 reject_cloud_only_keys(config, "memory")?;
@@ -326,6 +337,7 @@ impl Bucket {
         let concurrency = config.upload.concurrency.max(1) as usize;
         Ok(Bucket {
             store,
+            local_dir,
             scheme,
             supports_metadata: scheme != "file",
             catalog_prefix,
@@ -399,7 +411,18 @@ impl Bucket {
         key: &Path,
         attributes: Attributes,
     ) -> Result<UploadOutcome, BucketError> {
-        if local.size <= self.part_size {
+        if let Some(local_dir) = &self.local_dir {
+            let (local_dir, key_owned, pack) = (local_dir.clone(), key.clone(), local_path.to_path_buf());
+            let placed = tokio::task::spawn_blocking(move || local_dir::place_pack(&local_dir, &key_owned, &pack))
+                .await
+                .map_err(|error| BucketError::new(BucketErrorKind::Transient, format!("place {key}: {error}")))?
+                .map_err(|error| {
+                    BucketError::local_io(format_args!("place {} at {key}", local_path.display()), error)
+                })?;
+            if placed == local_dir::Placed::AlreadyExists {
+                return self.compare_existing(key, local, None).await;
+            }
+        } else if local.size <= self.part_size {
             let contents = tokio::fs::read(local_path)
                 .await
                 .map_err(|error| BucketError::local_io(format_args!("read {}", local_path.display()), error))?;
