@@ -15,7 +15,8 @@
 //! writer sees the poison at its next batch and recovers the pack from disk like a restart would.
 //!
 //! Seal: when the pack reaches `pack_max_bytes` or `pack_max_records`, when its first record is `pack_max_age` old
-//! (linger), on [`SpoolWriter::seal`], and at close. Sealing waits for the hash, writes footer and trailer, fsyncs, and
+//! (linger), on [`SpoolWriter::seal`], and at close. The writer moves on to a new pack at once; a sealer thread waits for
+//! the old pack's hash, writes footer and trailer, fsyncs, and
 //! renames `.open` -> `.sealed` with a directory fsync.
 //!
 //! Quotas: before each append the writer checks `spool.max_bytes` (bytes under `packs/`) and
@@ -45,6 +46,9 @@ const BATCH_MAX_RECORDS: usize = 4096;
 const BATCH_MAX_BYTES: u64 = 64 * 1024 * 1024;
 /// Batches written but not yet handed to the syncer wait here; the writer blocks when it is full.
 const SYNC_QUEUE_CAPACITY: usize = 16;
+/// Packs handed to the sealer and not yet sealed, beyond the one being sealed; the syncer blocks when it is full.
+/// Each holds an open file and a hashing thread.
+const SEALS_IN_FLIGHT: usize = 2;
 
 #[derive(Debug, Clone)]
 pub struct WriterSettings {
@@ -543,46 +547,76 @@ fn refuse_orphaned(acks: Vec<(AckReply, Ack)>) {
 }
 
 /// The syncer thread: runs the writer's jobs in order and answers their acknowledgements after each fsync. Sync jobs
-/// that queued up while an fsync ran share the next one when they are on the same file. Ends when the writer drops
-/// its sender.
+/// that queued up while an fsync ran share the next one when they are on the same file. Seals go on to a sealer
+/// thread of their own: a seal waits for the pack's hash, and the next pack's batches must not wait behind it (their
+/// producers would stall, and with them the next pack's writing and hashing). Ends, after the sealer has finished,
+/// when the writer drops its sender.
 fn run_syncer(jobs_rx: flume::Receiver<SyncJob>, paths: &SpoolPaths, stats: &WriterStats) {
-    let mut waiting: Vec<(AckReply, Ack)> = Vec::new();
-    while let Ok(first) = jobs_rx.recv() {
-        let mut jobs = vec![first];
-        jobs.extend(jobs_rx.try_iter());
-        let mut jobs = jobs.into_iter().peekable();
-        while let Some(job) = jobs.next() {
-            match job {
-                SyncJob::Sync { point, acks } => {
-                    waiting.extend(acks);
-                    let covered_later = matches!(jobs.peek(), Some(SyncJob::Sync { point: next, .. }) if next.same_file(&point))
-                        || matches!(jobs.peek(), Some(SyncJob::Seal { pack, .. }) if pack.writer.same_file(&point));
-                    if covered_later {
-                        // A later fsync of the same file covers this batch: it was written first.
-                        continue;
+    let (seals_tx, seals_rx) = flume::bounded::<SealJob>(SEALS_IN_FLIGHT);
+    std::thread::scope(|scope| {
+        std::thread::Builder::new()
+            .name("spool-sealer".into())
+            .spawn_scoped(scope, || run_sealer(seals_rx, paths, stats))
+            .expect("spawning the spool sealer thread");
+        let mut waiting: Vec<(AckReply, Ack)> = Vec::new();
+        while let Ok(first) = jobs_rx.recv() {
+            let mut jobs = vec![first];
+            jobs.extend(jobs_rx.try_iter());
+            let mut jobs = jobs.into_iter().peekable();
+            while let Some(job) = jobs.next() {
+                match job {
+                    SyncJob::Sync { point, acks } => {
+                        waiting.extend(acks);
+                        let covered_later = matches!(jobs.peek(), Some(SyncJob::Sync { point: next, .. }) if next.same_file(&point))
+                            || matches!(jobs.peek(), Some(SyncJob::Seal { pack, .. }) if pack.writer.same_file(&point));
+                        if covered_later {
+                            // A later fsync of the same file covers this batch: it was written first.
+                            continue;
+                        }
+                        let synced = point.sync().map_err(|e| AppendError::Io(e.to_string()));
+                        if synced.is_ok() {
+                            stats.fsyncs.fetch_add(1, Ordering::Relaxed);
+                            crate::failpoint::hit("after_append_before_ack");
+                        }
+                        answer(std::mem::take(&mut waiting), &synced);
                     }
-                    let synced = point.sync().map_err(|e| AppendError::Io(e.to_string()));
-                    if synced.is_ok() {
-                        stats.fsyncs.fetch_add(1, Ordering::Relaxed);
-                        crate::failpoint::hit("after_append_before_ack");
-                    }
-                    answer(std::mem::take(&mut waiting), &synced);
-                }
-                SyncJob::Seal { pack, reason, acks, reply } => {
-                    waiting.extend(acks);
-                    let sealed = seal_pack(*pack, paths, stats);
-                    if let Err(error) = &sealed {
-                        tracing::error!(%error, reason, "sealing a pack failed; it will be recovered at next start");
-                    } else if !waiting.is_empty() {
-                        crate::failpoint::hit("after_append_before_ack");
-                    }
-                    let sealed = sealed.map_err(|e| AppendError::Io(e.to_string()));
-                    answer(std::mem::take(&mut waiting), &sealed.as_ref().map(|_| ()).map_err(Clone::clone));
-                    if let Some(reply) = reply {
-                        let _ = reply.send(sealed.map(Some));
+                    SyncJob::Seal { pack, reason, acks, reply } => {
+                        // Every batch of this pack still waiting is covered by the seal's fsync.
+                        waiting.extend(acks);
+                        let seal = SealJob { pack, reason, acks: std::mem::take(&mut waiting), reply };
+                        if let Err(flume::SendError(seal)) = seals_tx.send(seal) {
+                            // Only if the sealer panicked: the pack stays `.open` and is recovered at next start.
+                            answer(seal.acks, &Err(AppendError::Io("the spool sealer thread died".into())));
+                        }
                     }
                 }
             }
+        }
+        drop(seals_tx);
+    });
+}
+
+/// A seal handed from the syncer to the sealer, with the acknowledgements its fsync covers.
+struct SealJob {
+    pack: Box<OpenPack>,
+    reason: &'static str,
+    acks: Vec<(AckReply, Ack)>,
+    reply: Option<SealReply>,
+}
+
+/// The sealer thread: seals packs in the order the writer left them, answering each seal's acknowledgements after it.
+fn run_sealer(seals_rx: flume::Receiver<SealJob>, paths: &SpoolPaths, stats: &WriterStats) {
+    for SealJob { pack, reason, acks, reply } in seals_rx.iter() {
+        let sealed = seal_pack(*pack, paths, stats);
+        if let Err(error) = &sealed {
+            tracing::error!(%error, reason, "sealing a pack failed; it will be recovered at next start");
+        } else if !acks.is_empty() {
+            crate::failpoint::hit("after_append_before_ack");
+        }
+        let sealed = sealed.map_err(|e| AppendError::Io(e.to_string()));
+        answer(acks, &sealed.as_ref().map(|_| ()).map_err(Clone::clone));
+        if let Some(reply) = reply {
+            let _ = reply.send(sealed.map(Some));
         }
     }
 }
