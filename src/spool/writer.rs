@@ -623,6 +623,8 @@ fn run_sealer(seals_rx: flume::Receiver<SealJob>, paths: &SpoolPaths, stats: &Wr
 
 /// Footer, trailer, fsync, rename `.open` -> `.sealed`, directory fsync.
 fn seal_pack(pack: OpenPack, paths: &SpoolPaths, stats: &WriterStats) -> Result<PackSummary, PackError> {
+    #[cfg(test)]
+    tests::seal_gate::wait(&paths.root);
     let pack_id = pack.writer.pack_id();
     let summary = pack.writer.finish()?;
     durable::rename_durable(&pack.path, &paths.pack_path(pack_id, PackState::Sealed))?;
@@ -639,6 +641,30 @@ mod tests {
     use super::*;
     use crate::spool::pack::PackFile;
     use std::collections::BTreeMap;
+
+    /// Holds back the sealer of one spool (by root directory) until the test opens the gate.
+    pub(super) mod seal_gate {
+        use std::collections::HashMap;
+        use std::path::{Path, PathBuf};
+        use std::sync::Mutex;
+
+        static CLOSED: Mutex<Option<HashMap<PathBuf, flume::Receiver<()>>>> = Mutex::new(None);
+
+        /// Closes the gate of the spool at `root`; dropping the returned sender opens it.
+        pub fn close(root: &Path) -> flume::Sender<()> {
+            let (open_tx, open_rx) = flume::bounded(0);
+            CLOSED.lock().unwrap().get_or_insert_with(HashMap::new).insert(root.to_path_buf(), open_rx);
+            open_tx
+        }
+
+        pub fn wait(root: &Path) {
+            let gate = CLOSED.lock().unwrap().as_ref().and_then(|closed| closed.get(root).cloned());
+            if let Some(open_rx) = gate {
+                // Returns once the test drops its sender.
+                let _ = open_rx.recv();
+            }
+        }
+    }
 
     fn settings() -> WriterSettings {
         WriterSettings {
@@ -707,6 +733,37 @@ mod tests {
             let index = packs[0].find(id).unwrap();
             assert_eq!(packs[0].read_capture(index).unwrap().1, i.to_le_bytes());
         }
+    }
+
+    #[tokio::test]
+    async fn the_next_pack_is_acknowledged_while_the_previous_one_is_still_sealing() {
+        let (_dir, paths) = new_spool();
+        let gate = seal_gate::close(&paths.root);
+        let limits = WriterSettings { pack_max_records: 2, ..settings() };
+        let (writer, thread) = spawn_writer(paths.clone(), limits);
+        writer.append(meta("s"), vec![1; 10]).await.unwrap();
+        // The second record fills the pack: its acknowledgement waits for the seal, which the gate holds back.
+        let filling = tokio::spawn({
+            let writer = writer.clone();
+            async move { writer.append(meta("s"), vec![2; 10]).await }
+        });
+        while writer.stats().snapshot().records_appended < 2 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let next_pack = tokio::time::timeout(Duration::from_secs(30), writer.append(meta("s"), vec![3; 10]))
+            .await
+            .expect("an append to the next pack waited for the previous pack's seal")
+            .unwrap();
+        assert!(!filling.is_finished(), "the filling append was acknowledged before its pack was sealed");
+        assert!(sealed_packs(&paths).is_empty());
+        drop(gate);
+        let filled = filling.await.unwrap().unwrap();
+        assert_ne!(filled.pack_id, next_pack.pack_id);
+        writer.close();
+        thread.join();
+        let packs = sealed_packs(&paths);
+        assert_eq!(packs.len(), 2);
+        assert_eq!(packs.iter().map(|pack| pack.entries().len()).sum::<usize>(), 3);
     }
 
     #[tokio::test]
