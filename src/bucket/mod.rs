@@ -16,10 +16,10 @@
 //!
 //! 1. Take one of `upload.concurrency` permits.
 //! 2. A `file://` bucket gets the pack by [`local_dir::place_pack`] (a hard link of the sealed pack, or a staged
-//!    in-kernel copy, fsynced either way). On other backends, a pack of at most `upload.part_size` bytes is read into memory (bounded by part_size) and written with one
-//!    `PutMode::Create` put. A larger pack is streamed from the file in part_size parts with a multipart upload: at
-//!    most [`MULTIPART_PARTS_IN_FLIGHT`] parts are in flight, so memory stays near 3 x part_size whatever the pack's
-//!    size. A multipart upload cannot be conditional, so it HEADs the key first.
+//!    in-kernel copy, fsynced either way). On other backends, a pack of at most `upload.part_size` bytes is read into
+//!    memory and written with one `PutMode::Create` put. A larger pack is streamed from the file in part_size parts
+//!    with a multipart upload: at most [`MULTIPART_PARTS_IN_FLIGHT`] parts are in flight, so memory stays near
+//!    3 x part_size whatever the pack's size. A multipart upload cannot be conditional, so it HEADs the key first.
 //! 3. An existing object (`AlreadyExists`, or found by that HEAD) is compared with the local file: same size and same
 //!    last [`TRAILER_LEN`] bytes (the trailer holds the SHA-256 of every byte before it) means an earlier attempt
 //!    already uploaded this pack: `already_present = true`. Anything else is [`BucketErrorKind::Conflict`]: permanent;
