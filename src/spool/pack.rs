@@ -51,6 +51,7 @@ use std::io::{self, BufReader, IoSlice, Read, Seek, SeekFrom, Write};
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::{Bytes, BytesMut};
@@ -1042,8 +1043,10 @@ pub struct PackWriter {
     spare_buffers: VecDeque<BytesMut>,
     /// Bytes handed to the kernel (file length as far as this writer knows).
     written_len: u64,
-    /// A created file's directory entry is made durable at its first sync.
-    needs_dir_fsync: bool,
+    /// Whether the file's directory entry is durable: false for a created file until a sync has fsynced its directory
+    /// (shared with every [`SyncPoint`], so whichever sync runs first does it, even when the syncer skips the point
+    /// that was handed out first).
+    dir_synced: Arc<AtomicBool>,
     /// SHA-256 of every byte written so far (`written_len` bytes), once the hashing thread catches up.
     hasher: BackgroundHasher,
     entries: Vec<IndexEntry>,
@@ -1081,7 +1084,7 @@ const MAX_SPARE_BUFFERS: usize = 20;
 pub struct SyncPoint {
     path: PathBuf,
     file: Arc<File>,
-    sync_dir: bool,
+    dir_synced: Arc<AtomicBool>,
     poisoned: Arc<Mutex<Option<String>>>,
 }
 
@@ -1091,8 +1094,12 @@ impl SyncPoint {
             // Linux reports a writeback error to one fsync only: once failed, a later "success" proves nothing.
             return Err(PackError::Poisoned { path: self.path.clone(), reason });
         }
-        let synced =
-            self.file.sync_data().and_then(|()| if self.sync_dir { sync_parent_dir(&self.path) } else { Ok(()) });
+        let synced = self.file.sync_data().and_then(|()| {
+            if self.dir_synced.load(Ordering::Acquire) {
+                return Ok(());
+            }
+            sync_parent_dir(&self.path).map(|()| self.dir_synced.store(true, Ordering::Release))
+        });
         if let Err(error) = synced {
             self.poisoned.lock().expect("poison flag lock").get_or_insert_with(|| error.to_string());
             return Err(PackError::Io(error));
@@ -1122,7 +1129,7 @@ impl PackWriter {
             pending,
             spare_buffers: VecDeque::new(),
             written_len: 0,
-            needs_dir_fsync: true,
+            dir_synced: Arc::new(AtomicBool::new(false)),
             hasher: BackgroundHasher::start(Sha256::new()),
             entries: Vec::new(),
             footer_len: FOOTER_HEADER_LEN as u64,
@@ -1164,7 +1171,7 @@ impl PackWriter {
             pending: BytesMut::with_capacity(WRITE_BUFFER_FLUSH_BYTES),
             spare_buffers: VecDeque::new(),
             written_len: valid_len,
-            needs_dir_fsync: false,
+            dir_synced: Arc::new(AtomicBool::new(true)),
             hasher: BackgroundHasher::start(scan.hasher),
             entries: scan.report.entries,
             footer_len: scan.footer_len,
@@ -1340,10 +1347,9 @@ impl PackWriter {
         let point = SyncPoint {
             path: self.path.clone(),
             file: self.file.clone(),
-            sync_dir: self.needs_dir_fsync,
+            dir_synced: self.dir_synced.clone(),
             poisoned: self.poisoned.clone(),
         };
-        self.needs_dir_fsync = false;
         Ok(point)
     }
 

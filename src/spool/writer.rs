@@ -461,8 +461,9 @@ impl WriterState {
     fn open_new_pack(&mut self) -> Result<(), PackError> {
         let pack_id = Uuid::now_v7();
         let path = self.paths.pack_path(pack_id, PackState::Open);
+        // No directory fsync here: the pack's first SyncPoint fsyncs the directory before any of its records is
+        // acknowledged, and doing it on this thread would stall writing.
         let writer = PackWriter::create(&path, pack_id, crate::util::now_ns())?;
-        durable::fsync_dir(&self.paths.packs)?;
         self.open_pack = Some(OpenPack { writer, path, first_append_at: Instant::now() });
         Ok(())
     }
