@@ -383,7 +383,9 @@ struct E2eRun {
 /// Throughput: `inbox` drops the staged files into the inbox all at once (their directory is renamed in as the stream
 /// directory, so the drop costs the producer nothing, as rclone's sources cost it nothing); `library` appends the same
 /// number of captures of the same size from memory with [`LIBRARY_PRODUCERS`] concurrent producers. The clock runs
-/// until the catalog lists every capture. Latency: then captures are handed over at a steady pace (HTTP posts for
+/// until the catalog lists every capture: until the committed publishes (the rows that make captures visible) cover
+/// them all. Then, untimed, every capture id is read back from the catalog, so a capture lost or listed twice fails
+/// the run. Latency: then captures are handed over at a steady pace (HTTP posts for
 /// `inbox`, appends for `library`), each timed from its acknowledgement until the catalog lists it.
 pub async fn e2e(options: &E2eBenchOptions) -> anyhow::Result<Vec<E2eBenchRow>> {
     let mut rows = Vec::new();
@@ -494,11 +496,12 @@ async fn run_inbox(
     }
     let mut follower = follower_for(&config).await?;
 
+    let first_version = follower.after_version;
     let started = Instant::now();
     std::fs::rename(staging, config.spool.dir.join("inbox").join("bench"))?;
-    let mut waiting: HashSet<String> = ids.iter().map(Uuid::to_string).collect();
-    follower.wait_for(&mut waiting, Duration::from_secs(1800), |_, _| {}).await?;
+    follower.wait_for_published(ids.len() as u64, Duration::from_secs(1800)).await?;
     let seconds = started.elapsed().as_secs_f64();
+    follower.verify_listed(first_version, ids).await?;
 
     let payload = bytes::Bytes::from(expected_payload(Uuid::now_v7(), capture_bytes as usize));
     let client: hyper_util::client::legacy::Client<_, http_body_util::Full<bytes::Bytes>> =
@@ -559,7 +562,7 @@ async fn run_library(config: crate::config::Config, capture_bytes: u64, captures
     follower.wait_for(&mut HashSet::from([warm_up.to_string()]), Duration::from_secs(120), |_, _| {}).await?;
 
     let ids: Arc<Vec<Uuid>> = Arc::new((0..captures).map(|_| Uuid::now_v7()).collect());
-    let mut waiting: HashSet<String> = ids.iter().map(Uuid::to_string).collect();
+    let first_version = follower.after_version;
     let started = Instant::now();
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let mut producers = tokio::task::JoinSet::new();
@@ -580,10 +583,11 @@ async fn run_library(config: crate::config::Config, capture_bytes: u64, captures
         Ok::<(), anyhow::Error>(())
     };
     let (produced, followed) =
-        tokio::join!(producing, follower.wait_for(&mut waiting, Duration::from_secs(1800), |_, _| {}));
+        tokio::join!(producing, follower.wait_for_published(captures, Duration::from_secs(1800)));
     produced?;
     followed?;
     let seconds = started.elapsed().as_secs_f64();
+    follower.verify_listed(first_version, &ids).await?;
 
     let latencies_ms = latency_phase(&mut follower, |capture_id| {
         let append = &append;
@@ -644,6 +648,41 @@ struct CatalogFollower {
 }
 
 impl CatalogFollower {
+    /// Until the publishes committed after `after_version` cover `expected` captures: the instant they are all listed,
+    /// since a publish row is what makes its captures visible. Reads only the publishes table, so the throughput
+    /// clock does not include reading every capture back (see [`Self::verify_listed`], run after it).
+    async fn wait_for_published(&mut self, expected: u64, timeout: Duration) -> anyhow::Result<()> {
+        let started = Instant::now();
+        let mut published = 0;
+        while published < expected {
+            anyhow::ensure!(
+                started.elapsed() < timeout,
+                "{} captures were not published in {timeout:?}",
+                expected - published
+            );
+            let publishes = self.reader.publishes_after(self.after_version, 1000).await?;
+            for publish in &publishes {
+                published += publish.captures;
+                self.after_version = publish.version;
+            }
+            if publishes.is_empty() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        anyhow::ensure!(published == expected, "{published} captures were published for {expected} produced");
+        Ok(())
+    }
+
+    /// Every one of `ids` is listed in a version after `first_version` (read back from the catalog, untimed).
+    async fn verify_listed(&mut self, first_version: u64, ids: &[Uuid]) -> anyhow::Result<()> {
+        let last_version = self.after_version;
+        self.after_version = first_version;
+        let mut waiting: HashSet<String> = ids.iter().map(Uuid::to_string).collect();
+        self.wait_for(&mut waiting, Duration::from_secs(60), |_, _| {}).await?;
+        self.after_version = self.after_version.max(last_version);
+        Ok(())
+    }
+
     /// Until every id in `waiting` is listed; `on_listed` gets each one with the instant it was seen.
     async fn wait_for(
         &mut self,
