@@ -54,7 +54,7 @@ pub fn place_pack(store: &LocalFileSystem, key: &Path, pack: &FsPath) -> std::io
 }
 
 /// The copy path of [`place_pack`], for a pack on another filesystem: staged copy, fsync, link, unlink the stage.
-pub fn copy_into_place(pack: &FsPath, target: &FsPath) -> std::io::Result<Placed> {
+fn copy_into_place(pack: &FsPath, target: &FsPath) -> std::io::Result<Placed> {
     let mut source = File::open(pack)?;
     let (mut staged, staged_path) = create_staged(target)?;
     let linked = std::io::copy(&mut source, &mut staged)
