@@ -7,7 +7,8 @@
 //! 1. The key's directories are created; each one created is fsynced into its parent.
 //! 2. On the spool's filesystem the sealed pack is hard-linked to the key: no byte is copied or written again. A
 //!    sealed pack is already fsynced and is never modified (the spool only renames and deletes it), so the shared
-//!    inode is as durable and as immutable as a copy.
+//!    inode is as durable and as immutable as a copy. (So an operator must not edit a spool pack in place, quarantined
+//!    ones included: a linked object would change with it. Copy it first.)
 //! 3. Where a link is impossible (another filesystem: `EXDEV`; a filesystem without links: `EPERM`; `EMLINK`), the
 //!    pack is copied in the kernel (`copy_file_range`) into a staged `<key>#<n>` file, fsynced, and linked to the
 //!    key. object_store's listing skips `#<digits>` names, so a staged file left by a crash never shows as an object.
