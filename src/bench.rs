@@ -385,8 +385,8 @@ struct E2eRun {
 /// number of captures of the same size from memory with [`LIBRARY_PRODUCERS`] concurrent producers. The clock runs
 /// until the catalog lists every capture: until the committed publishes (the rows that make captures visible) cover
 /// them all. Then, untimed, every capture id is read back from the catalog, so a capture lost or listed twice fails
-/// the run. Latency: then captures are handed over at a steady pace (HTTP posts for
-/// `inbox`, appends for `library`), each timed from its acknowledgement until the catalog lists it.
+/// the run. Latency: then captures are handed over at a steady pace (HTTP posts for `inbox`, appends for `library`),
+/// each timed from its acknowledgement until the catalog lists it.
 pub async fn e2e(options: &E2eBenchOptions) -> anyhow::Result<Vec<E2eBenchRow>> {
     let mut rows = Vec::new();
     for &capture_bytes in &options.capture_sizes {

@@ -11,8 +11,8 @@
 //! - [`capture`]: what a capture may look like (stream names, labels), shared by every way in.
 //! - [`spool`]: the durable local buffer.
 //!   - [`spool::pack`]: the pack file format (writer, reader, recovery scan); specified in `specs/pack-format.md`.
-//!   - [`spool::writer`]: the group-commit writer thread that owns the `.open` pack, and its syncer thread (fsyncs,
-//!     acknowledgements, seals); quotas.
+//!   - [`spool::writer`]: the group-commit writer thread that owns the `.open` pack, its syncer thread (fsyncs,
+//!     acknowledgements) and sealer thread; quotas.
 //!   - [`spool::hasher`]: the pack's SHA-256, computed on a thread of its own while the pack is written.
 //!   - [`spool::recovery`]: start-time repair of whatever a crash left.
 //!   - [`spool::inbox`]: the inbox watcher and `capstore put`.

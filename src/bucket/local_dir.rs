@@ -26,6 +26,8 @@ use std::path::{Path as FsPath, PathBuf};
 use object_store::local::LocalFileSystem;
 use object_store::path::Path;
 
+use crate::spool::durable::fsync_dir;
+
 /// What [`place_pack`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Placed {
@@ -49,7 +51,7 @@ pub fn place_pack(store: &LocalFileSystem, key: &Path, pack: &FsPath) -> std::io
         Err(error) => return Err(error),
     };
     if placed != Placed::AlreadyExists {
-        sync_directory(directory)?;
+        fsync_dir(directory)?;
     }
     Ok(placed)
 }
@@ -105,14 +107,10 @@ fn create_dirs_durably(directory: &FsPath) -> std::io::Result<()> {
     std::fs::create_dir_all(directory)?;
     for created in missing {
         if let Some(parent) = created.parent() {
-            sync_directory(parent)?;
+            fsync_dir(parent)?;
         }
     }
     Ok(())
-}
-
-fn sync_directory(directory: &FsPath) -> std::io::Result<()> {
-    File::open(directory)?.sync_all()
 }
 
 #[cfg(test)]

@@ -146,10 +146,8 @@ impl BucketError {
     fn local_io(context: impl fmt::Display, error: std::io::Error) -> Self {
         // A local disk failing (the spool's, or a file:// bucket's) is not the pack's fault: retry later. Only a
         // refusal an operator must fix is permanent.
-        let refused_for_good =
-            matches!(error.kind(), std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::ReadOnlyFilesystem);
         BucketError {
-            kind: if refused_for_good { BucketErrorKind::Permanent } else { BucketErrorKind::Transient },
+            kind: if io_refused_for_good(&error) { BucketErrorKind::Permanent } else { BucketErrorKind::Transient },
             message: format!("{context}: {error}"),
             source: Some(Box::new(error)),
         }
@@ -187,11 +185,8 @@ pub fn classify(error: &object_store::Error) -> BucketErrorKind {
 fn classify_generic(source: &(dyn std::error::Error + 'static)) -> BucketErrorKind {
     let mut current_opt: Option<&(dyn std::error::Error + 'static)> = Some(source);
     while let Some(current) = current_opt {
-        if let Some(io_error) = current.downcast_ref::<std::io::Error>() {
-            if matches!(io_error.kind(), std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::ReadOnlyFilesystem)
-            {
-                return BucketErrorKind::Permanent;
-            }
+        if current.downcast_ref::<std::io::Error>().is_some_and(io_refused_for_good) {
+            return BucketErrorKind::Permanent;
         }
         if let Some(status) = http_status_in(&current.to_string()) {
             let refused_for_good = (400..500).contains(&status) && status != 408 && status != 429;
@@ -200,6 +195,11 @@ fn classify_generic(source: &(dyn std::error::Error + 'static)) -> BucketErrorKi
         current_opt = current.source();
     }
     BucketErrorKind::Transient
+}
+
+/// A local I/O error an operator must fix (permissions, a read-only filesystem): retrying will not help.
+fn io_refused_for_good(error: &std::io::Error) -> bool {
+    matches!(error.kind(), std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::ReadOnlyFilesystem)
 }
 
 /// The status in object_store's "status code: 400 Bad Request" error text, if any.

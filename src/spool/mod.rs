@@ -6,8 +6,8 @@
 //! <spool>/LOCK                      flock held for the process lifetime; text "pid host started_at"
 //! <spool>/SPOOL_ID                  UUID created once; the publisher identity is "<spool id>@<host>:<pid>"
 //! <spool>/inbox/<stream>/<name>     producers drop files here (write as .name or name.tmp, then rename in)
-//! <spool>/packs/<pack_id>.open      the pack being appended (owned by the writer thread; a second one exists while
-//!                                   the syncer seals the previous one)
+//! <spool>/packs/<pack_id>.open      the pack being appended (owned by the writer thread; more exist while the
+//!                                   sealer thread seals earlier ones)
 //! <spool>/packs/<pack_id>.sealed    complete and fsynced, waiting for upload
 //! <spool>/packs/<pack_id>.uploaded  in the bucket and verified, owed to the catalog (this is pending_index)
 //! <spool>/quarantine/...            anything unreadable, moved aside with a `.reason` file, never deleted silently

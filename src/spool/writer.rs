@@ -15,9 +15,8 @@
 //! writer sees the poison at its next batch and recovers the pack from disk like a restart would.
 //!
 //! Seal: when the pack reaches `pack_max_bytes` or `pack_max_records`, when its first record is `pack_max_age` old
-//! (linger), on [`SpoolWriter::seal`], and at close. The writer moves on to a new pack at once; a sealer thread waits for
-//! the old pack's hash, writes footer and trailer, fsyncs, and
-//! renames `.open` -> `.sealed` with a directory fsync.
+//! (linger), on [`SpoolWriter::seal`], and at close. The writer moves on to a new pack at once; a sealer thread waits
+//! for the old pack's hash, writes footer and trailer, fsyncs, and renames `.open` -> `.sealed` with a directory fsync.
 //!
 //! Quotas: before each append the writer checks `spool.max_bytes` (bytes under `packs/`) and
 //! `spool.min_free_bytes` (free space on the filesystem). Both readings are refreshed at most every
