@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use uuid::Uuid;
 
-use crate::spool::pack::CaptureMeta;
+use crate::pack::CaptureMeta;
 use crate::spool::writer::{spawn_writer, WriterSettings};
 use crate::spool::SpoolPaths;
 
@@ -188,7 +188,7 @@ pub struct CatalogBenchOptions {
 pub async fn catalog_publish(options: &CatalogBenchOptions) -> anyhow::Result<Vec<CatalogBenchRow>> {
     use crate::catalog::lease::{Identity, LeaseKeeper, LeaseStore, LeaseTimings};
     use crate::catalog::publish::{PackDescriptor, PublishOutcome, Publisher};
-    use crate::spool::pack::{IndexEntry, PackSummary};
+    use crate::pack::{IndexEntry, PackSummary};
 
     let config = &options.config;
     let (client, tables) = crate::catalog::connect(config).await?;
@@ -281,7 +281,7 @@ pub async fn catalog_publish(options: &CatalogBenchOptions) -> anyhow::Result<Ve
     Ok(results)
 }
 
-fn baseline_tsv(catalog: &str, object_key: &str, pack_id: Uuid, entries: &[crate::spool::pack::IndexEntry]) -> Vec<u8> {
+fn baseline_tsv(catalog: &str, object_key: &str, pack_id: Uuid, entries: &[crate::pack::IndexEntry]) -> Vec<u8> {
     use std::fmt::Write as _;
     let mut tsv = String::with_capacity(entries.len() * 200);
     for entry in entries {

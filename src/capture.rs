@@ -2,7 +2,20 @@
 
 use std::collections::BTreeMap;
 
-pub use crate::spool::pack::CaptureMeta;
+use uuid::Uuid;
+
+/// What a capture is besides its payload. The pack format stores it in the capture's record and repeats it in the
+/// pack's footer ([`crate::pack`]).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct CaptureMeta {
+    pub capture_id: Uuid,
+    pub stream: String,
+    pub captured_at_ns: u64,
+    pub labels: BTreeMap<String, String>,
+    pub content_type: Option<String>,
+    /// Inbox file name the record came from, for exactly-once ingest.
+    pub source_name: Option<String>,
+}
 
 pub const MAX_STREAM_LEN: usize = 255;
 pub const MAX_STREAM_DEPTH: usize = 8;

@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::spool::pack;
+use crate::pack;
 
 /// Environment variable that names the config file when `--config` is not given.
 pub const CONFIG_PATH_ENV: &str = "CAPSTORE_CONFIG";

@@ -9,7 +9,7 @@ use uuid::Uuid;
 
 use crate::bucket::Bucket;
 use crate::catalog::query::{CaptureLocation, CatalogReader};
-use crate::spool::pack::{self, CaptureMeta, PackFile};
+use crate::pack::{self, CaptureMeta, PackFile};
 use crate::spool::{list_packs, PackState, SpoolPaths};
 
 #[derive(Debug, thiserror::Error)]

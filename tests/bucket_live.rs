@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use capstore::bucket::{Bucket, BucketErrorKind, RetryPolicy, METADATA_RECORDS, METADATA_SHA256};
 use capstore::config::{ByteSize, Config, Secret};
-use capstore::spool::pack::{CaptureMeta, IndexEntry, PackSummary, PackWriter};
+use capstore::pack::{CaptureMeta, IndexEntry, PackSummary, PackWriter};
 use object_store::path::Path as ObjectPath;
 use object_store::ObjectStore;
 use rand::RngCore;

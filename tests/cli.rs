@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use capstore::spool::pack::PackFile;
+use capstore::pack::PackFile;
 use capstore::spool::{list_packs, PackState, SpoolPaths};
 
 fn capstore(spool_dir: &Path) -> Command {
@@ -80,7 +80,7 @@ fn inbox_files(spool_dir: &Path) -> Vec<PathBuf> {
     capstore::spool::inbox::walk_inbox(&spool_dir.join("inbox")).unwrap()
 }
 
-fn all_captures(spool_dir: &Path) -> Vec<(capstore::spool::pack::CaptureMeta, Vec<u8>)> {
+fn all_captures(spool_dir: &Path) -> Vec<(capstore::pack::CaptureMeta, Vec<u8>)> {
     let mut captures = Vec::new();
     for listing in list_packs(&SpoolPaths::new(spool_dir)).unwrap() {
         if listing.state == PackState::Open {

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use capstore::bench::expected_payload;
 use capstore::config::SpoolConfig;
-use capstore::spool::pack::PackFile;
+use capstore::pack::PackFile;
 use capstore::spool::{list_packs, PackState, Spool};
 use rand::Rng;
 use uuid::Uuid;

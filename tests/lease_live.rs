@@ -16,7 +16,7 @@ use capstore::catalog::publish::{PackDescriptor, PublishError, PublishOutcome, P
 use capstore::catalog::query::{CatalogReader, ListQuery};
 use capstore::catalog::{CatalogClient, ErrorKind, Tables};
 use capstore::config::{Config, HumanDuration};
-use capstore::spool::pack::{CaptureMeta, IndexEntry, PackSummary};
+use capstore::pack::{CaptureMeta, IndexEntry, PackSummary};
 use common::clickhouse::shared_server;
 use common::proxy::FaultProxy;
 use tokio::sync::watch;

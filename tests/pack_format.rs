@@ -13,7 +13,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use capstore::spool::pack::{
+use capstore::pack::{
     decode_footer, decode_header, decode_pack, decode_record, decode_trailer, scan_bytes, CaptureMeta, IndexEntry,
     PackError, PackFile, PackWriter, FORMAT_MAJOR, FORMAT_MINOR, HEADER_LEN, PACK_MAGIC, RECORD_HEADER_LEN,
     TRAILER_LEN, TRAILER_MAGIC,

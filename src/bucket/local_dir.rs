@@ -26,7 +26,7 @@ use std::path::{Path as FsPath, PathBuf};
 use object_store::local::LocalFileSystem;
 use object_store::path::Path;
 
-use crate::spool::durable::fsync_dir;
+use crate::durable::fsync_dir;
 
 /// What [`place_pack`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -85,7 +85,7 @@ use tokio::io::{AsyncReadExt, AsyncSeekExt};
 use tokio::sync::Semaphore;
 
 use crate::config::Config;
-use crate::spool::pack::{
+use crate::pack::{
     check_trailer_fits, decode_footer, decode_record, decode_trailer, CaptureMeta, IndexEntry, PackError, PackSummary,
     Trailer, FOOTER_HEADER_LEN, HEADER_LEN, PACK_EXTENSION, TRAILER_LEN,
 };

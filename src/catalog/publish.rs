@@ -23,7 +23,7 @@ use super::client::{sql_string_literal, CatalogClient, CatalogError, ErrorKind};
 use super::lease::{server_now_ms_expr, LeaseHandle, PublishPermit};
 use super::query::CatalogReader;
 use super::schema::Tables;
-use crate::spool::pack::{IndexEntry, PackSummary};
+use crate::pack::{IndexEntry, PackSummary};
 
 /// One pack to publish: where it lives in the bucket and what it holds.
 #[derive(Debug, Clone)]

@@ -230,7 +230,7 @@ async fn hold_lease(config: &Config) -> anyhow::Result<i32> {
 }
 
 async fn append_stream(config: &Config, max: Option<u64>, producers: usize) -> anyhow::Result<i32> {
-    use capstore::spool::pack::CaptureMeta;
+    use capstore::pack::CaptureMeta;
     use capstore::spool::writer::{spawn_writer, WriterSettings};
     let (spool, _recovery) = match capstore::spool::Spool::open(&config.spool) {
         Ok(opened) => opened,

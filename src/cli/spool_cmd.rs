@@ -8,8 +8,8 @@ use serde::Serialize;
 
 use capstore::config::Config;
 use capstore::exit_code;
+use capstore::pack::{PackError, PackFile};
 use capstore::spool::inbox::walk_inbox;
-use capstore::spool::pack::{PackError, PackFile};
 use capstore::spool::{list_packs, PackState, SpoolPaths};
 
 #[derive(Subcommand)]

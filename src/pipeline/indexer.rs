@@ -13,11 +13,12 @@ use std::sync::atomic::Ordering;
 
 use super::{Pipeline, RoundError};
 use crate::catalog::publish::{PackDescriptor, PublishError, PublishOutcome};
-use crate::spool::pack::PackFile;
-use crate::spool::{durable, list_packs, PackState};
+use crate::durable;
+use crate::pack::PackFile;
+use crate::spool::{list_packs, PackState};
 
 /// Rough bytes one capture row costs in a publish request.
-fn row_bytes(entry: &crate::spool::pack::IndexEntry, object_key: &str) -> u64 {
+fn row_bytes(entry: &crate::pack::IndexEntry, object_key: &str) -> u64 {
     let labels: usize = entry.meta.labels.iter().map(|(key, value)| key.len() + value.len() + 8).sum();
     (160 + entry.meta.stream.len()
         + object_key.len()

@@ -13,8 +13,8 @@ use uuid::Uuid;
 
 use super::{Pipeline, RoundError};
 use crate::catalog::publish::{PackDescriptor, PublishOutcome};
+use crate::pack::{PackSummary, PACK_EXTENSION};
 use crate::spool::list_packs;
-use crate::spool::pack::{PackSummary, PACK_EXTENSION};
 
 #[derive(Debug, Default, Clone, Serialize)]
 pub struct ReconcileReport {

@@ -51,7 +51,7 @@ impl SpoolCounts {
 /// Write the snapshot (any serializable value) to `<spool>/status.json`.
 pub fn write_status(spool_root: &Path, snapshot: &serde_json::Value) -> std::io::Result<()> {
     let path = spool_root.join(STATUS_FILE);
-    let temp = crate::spool::durable::temp_path_for(&path);
+    let temp = crate::durable::temp_path_for(&path);
     std::fs::write(&temp, serde_json::to_vec_pretty(snapshot).map_err(std::io::Error::other)?)?;
     std::fs::rename(&temp, &path)
 }

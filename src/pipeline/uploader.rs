@@ -15,8 +15,9 @@ use std::sync::atomic::Ordering;
 
 use super::{Pipeline, RoundError};
 use crate::bucket::BucketErrorKind;
-use crate::spool::pack::PackFile;
-use crate::spool::{durable, list_packs, PackListing, PackState};
+use crate::durable;
+use crate::pack::PackFile;
+use crate::spool::{list_packs, PackListing, PackState};
 
 impl Pipeline {
     /// One upload round; returns how many packs moved to `.uploaded`.

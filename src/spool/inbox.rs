@@ -39,10 +39,11 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch, Semaphore};
 use uuid::Uuid;
 
-use super::pack::CaptureMeta;
 use super::writer::{AppendError, SpoolWriter};
-use super::{durable, quarantine_file, SpoolPaths};
+use super::{quarantine_file, SpoolPaths};
 use crate::capture;
+use crate::durable;
+use crate::pack::CaptureMeta;
 
 pub const ENVELOPE_EXTENSION: &str = "capenv";
 const ENVELOPE_MAGIC: &[u8] = b"capenv1 ";

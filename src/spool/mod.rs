@@ -20,11 +20,8 @@
 //! - recovery keeps every complete record of a torn `.open` file and quarantines what it cannot read (I6);
 //! - pack ids are UUIDv7, so sorting names sorts packs oldest first.
 
-pub mod durable;
-pub mod hasher;
 pub mod inbox;
 pub mod lock;
-pub mod pack;
 pub mod recovery;
 pub mod writer;
 
@@ -37,6 +34,7 @@ use serde::Serialize;
 use uuid::Uuid;
 
 use crate::config::SpoolConfig;
+use crate::durable;
 pub use lock::{LockError, SpoolLock};
 pub use recovery::RecoveryReport;
 

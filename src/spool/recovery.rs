@@ -18,8 +18,9 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use super::pack::{self, PackFile, PackWriter};
-use super::{durable, inbox, list_packs, quarantine_file, PackState, SpoolPaths};
+use super::{inbox, list_packs, quarantine_file, PackState, SpoolPaths};
+use crate::durable;
+use crate::pack::{self, PackFile, PackWriter};
 
 #[derive(Debug, Default, Clone, Serialize, PartialEq, Eq)]
 pub struct RecoveryReport {

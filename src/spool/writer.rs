@@ -32,9 +32,10 @@ use serde::Serialize;
 use tokio::sync::{oneshot, Notify};
 use uuid::Uuid;
 
-use super::pack::{CaptureMeta, PackError, PackSummary, PackWriter, SyncPoint};
-use super::{durable, list_packs, PackState, SpoolPaths};
+use super::{list_packs, PackState, SpoolPaths};
 use crate::config::SpoolConfig;
+use crate::durable;
+use crate::pack::{CaptureMeta, PackError, PackSummary, PackWriter, SyncPoint};
 
 /// How stale the quota readings may get.
 pub const QUOTA_REFRESH: Duration = Duration::from_millis(250);
@@ -639,7 +640,7 @@ fn seal_pack(pack: OpenPack, paths: &SpoolPaths, stats: &WriterStats) -> Result<
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::spool::pack::PackFile;
+    use crate::pack::PackFile;
     use std::collections::BTreeMap;
 
     /// Holds back the sealer of one spool (by root directory) until the test opens the gate.

@@ -14,6 +14,11 @@ pub fn fsync_dir(dir: &Path) -> io::Result<()> {
     File::open(dir)?.sync_all()
 }
 
+/// Make the directory entry of `path` (just created or renamed) durable: fsync its parent directory.
+pub fn fsync_parent_dir(path: &Path) -> io::Result<()> {
+    fsync_dir(&parent_of(path))
+}
+
 /// Rename and fsync the destination directory (and the source directory when it differs).
 pub fn rename_durable(from: &Path, to: &Path) -> io::Result<()> {
     fs::rename(from, to)?;
