@@ -42,6 +42,7 @@ pub mod http;
 pub mod pack;
 pub mod pipeline;
 pub mod reader;
+pub mod retry;
 pub mod spool;
 pub mod util;
 

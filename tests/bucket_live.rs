@@ -7,9 +7,10 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use capstore::bucket::{Bucket, BucketErrorKind, RetryPolicy, METADATA_RECORDS, METADATA_SHA256};
+use capstore::bucket::{Bucket, BucketErrorKind, METADATA_RECORDS, METADATA_SHA256};
 use capstore::config::{ByteSize, Config, Secret};
 use capstore::pack::{CaptureMeta, IndexEntry, PackSummary, PackWriter};
+use capstore::retry::RetryPolicy;
 use object_store::path::Path as ObjectPath;
 use object_store::ObjectStore;
 use rand::RngCore;
