@@ -9,22 +9,26 @@
 //! holding the secret (read at load time, surrounding whitespace trimmed), which is how container secrets arrive.
 //!
 //! Sizes are written like `"64MiB"` (or a plain integer of bytes), durations like `"15s"` or `"1m 30s"`.
+//!
+//! Files: this one holds the keys (structs and defaults) and loading; [`env`] the environment overrides, `validate`
+//! every rule, [`units`] sizes, durations and secrets.
+
+mod env;
+pub mod units;
+mod validate;
+
+pub use env::CONFIG_PATH_ENV;
+pub use units::{ByteSize, HumanDuration, Secret};
+pub use validate::is_catalog_name;
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::str::FromStr;
 use std::time::Duration;
 
-use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde::{Deserialize, Serialize};
 
-use crate::pack;
-
-/// Environment variable that names the config file when `--config` is not given.
-pub const CONFIG_PATH_ENV: &str = "CAPSTORE_CONFIG";
-/// Environment variables with the `CAPSTORE_` prefix that are not config keys.
-const NON_KEY_ENV: &[&str] = &[CONFIG_PATH_ENV, "CAPSTORE_FAILPOINTS"];
+use env::{apply_env_overrides, resolve_secret};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -247,9 +251,9 @@ impl Default for LogConfig {
     }
 }
 
-const KIB: u64 = 1024;
-const MIB: u64 = 1024 * KIB;
-const GIB: u64 = 1024 * MIB;
+pub(crate) const KIB: u64 = 1024;
+pub(crate) const MIB: u64 = 1024 * KIB;
+pub(crate) const GIB: u64 = 1024 * MIB;
 
 /// One problem found while loading or validating, naming the key and the rule it breaks.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -278,88 +282,8 @@ impl fmt::Display for ConfigError {
 }
 
 impl ConfigError {
-    fn one(key: impl Into<String>, problem: impl Into<String>) -> Self {
+    pub(crate) fn one(key: impl Into<String>, problem: impl Into<String>) -> Self {
         ConfigError { problems: vec![ConfigProblem { key: key.into(), problem: problem.into() }] }
-    }
-}
-
-/// How an environment override's text is turned into a TOML value for its key.
-#[derive(Clone, Copy)]
-enum ValueKind {
-    Text,
-    Integer,
-    Boolean,
-    /// Not settable from the environment (tables).
-    Table,
-}
-
-/// Every key with the kind of value it takes: the source of truth for environment overrides.
-const KEYS: &[(&str, &str, ValueKind)] = {
-    use ValueKind::*;
-    &[
-        ("", "catalog_name", Text),
-        ("", "shutdown_grace", Text),
-        ("spool", "dir", Text),
-        ("spool", "max_bytes", Text),
-        ("spool", "min_free_bytes", Text),
-        ("spool", "max_capture_bytes", Text),
-        ("spool", "pack_max_bytes", Text),
-        ("spool", "pack_max_records", Integer),
-        ("spool", "pack_max_age", Text),
-        ("spool", "allow_shared_filesystem", Boolean),
-        ("spool", "inbox_rescan_interval", Text),
-        ("bucket", "url", Text),
-        ("bucket", "prefix", Text),
-        ("bucket", "endpoint", Text),
-        ("bucket", "region", Text),
-        ("bucket", "allow_http", Boolean),
-        ("bucket", "virtual_hosted_style", Boolean),
-        ("bucket", "access_key_id", Text),
-        ("bucket", "secret_access_key", Text),
-        ("bucket", "secret_access_key_file", Text),
-        ("bucket", "session_token", Text),
-        ("bucket", "session_token_file", Text),
-        ("bucket", "options", Table),
-        ("upload", "batch_packs", Integer),
-        ("upload", "concurrency", Integer),
-        ("upload", "part_size", Text),
-        ("catalog", "url", Text),
-        ("catalog", "database", Text),
-        ("catalog", "table_prefix", Text),
-        ("catalog", "user", Text),
-        ("catalog", "password", Text),
-        ("catalog", "password_file", Text),
-        ("catalog", "ca_file", Text),
-        ("catalog", "request_timeout", Text),
-        ("catalog", "reconcile_on_start", Boolean),
-        ("catalog", "cluster", Text),
-        ("catalog", "max_index_attempts", Integer),
-        ("catalog", "batch_max_rows", Integer),
-        ("catalog", "batch_max_bytes", Text),
-        ("lease", "ttl", Text),
-        ("lease", "publish_timeout", Text),
-        ("lease", "clock_skew", Text),
-        ("lease", "start_wait", Text),
-        ("http", "listen", Text),
-        ("http", "token_file", Text),
-        ("log", "level", Text),
-        ("log", "format", Text),
-    ]
-};
-
-fn env_name(section: &str, key: &str) -> String {
-    if section.is_empty() {
-        format!("CAPSTORE_{}", key.to_uppercase())
-    } else {
-        format!("CAPSTORE_{}_{}", section.to_uppercase(), key.to_uppercase())
-    }
-}
-
-fn dotted(section: &str, key: &str) -> String {
-    if section.is_empty() {
-        key.to_string()
-    } else {
-        format!("{section}.{key}")
     }
 }
 
@@ -411,146 +335,6 @@ impl Config {
         );
     }
 
-    /// Check every rule; returns all problems at once.
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        let mut problems = Vec::new();
-        let mut bad = |key: &str, problem: String| problems.push(ConfigProblem { key: key.into(), problem });
-
-        if !is_catalog_name(&self.catalog_name) {
-            bad(
-                "catalog_name",
-                format!(
-                    "{:?} must be 1-64 characters of letters, digits, '.', '_' or '-' (it is part of bucket keys)",
-                    self.catalog_name
-                ),
-            );
-        }
-        if self.spool.dir.as_os_str().is_empty() {
-            bad("spool.dir", "must not be empty".into());
-        }
-        if self.spool.max_capture_bytes.0 == 0 || self.spool.max_capture_bytes.0 > pack::MAX_PAYLOAD_BYTES {
-            bad(
-                "spool.max_capture_bytes",
-                format!("must be between 1 byte and the pack format limit of {} bytes", pack::MAX_PAYLOAD_BYTES),
-            );
-        }
-        if self.spool.pack_max_bytes.0 < MIB {
-            bad("spool.pack_max_bytes", "must be at least 1MiB".into());
-        }
-        if self.spool.pack_max_records == 0 || self.spool.pack_max_records > pack::MAX_RECORDS {
-            bad(
-                "spool.pack_max_records",
-                format!("must be between 1 and the pack format limit of {}", pack::MAX_RECORDS),
-            );
-        }
-        if self.spool.pack_max_age.0.is_zero() {
-            bad("spool.pack_max_age", "must be greater than 0s".into());
-        }
-        if self.spool.inbox_rescan_interval.0 < Duration::from_millis(100) {
-            bad("spool.inbox_rescan_interval", "must be at least 100ms".into());
-        }
-        if let Err(problem) = check_bucket_url(&self.bucket.url) {
-            bad("bucket.url", problem);
-        }
-        if self.bucket.prefix.starts_with('/') || self.bucket.prefix.ends_with('/') {
-            bad("bucket.prefix", "must not start or end with '/'".into());
-        }
-        if self.upload.batch_packs == 0 || self.upload.batch_packs > 1000 {
-            bad("upload.batch_packs", "must be between 1 and 1000".into());
-        }
-        if self.upload.concurrency == 0 || self.upload.concurrency > 64 {
-            bad("upload.concurrency", "must be between 1 and 64".into());
-        }
-        if self.upload.part_size.0 < 5 * MIB || self.upload.part_size.0 > 5 * GIB {
-            bad("upload.part_size", "must be between 5MiB and 5GiB (the S3 multipart limits)".into());
-        }
-        if !(self.catalog.url.starts_with("http://") || self.catalog.url.starts_with("https://")) {
-            bad("catalog.url", format!("{:?} must start with http:// or https://", self.catalog.url));
-        }
-        if self.catalog.ca_file.is_some() && !self.catalog.url.starts_with("https://") {
-            bad("catalog.ca_file", "only applies to an https:// catalog.url".into());
-        }
-        for (key, value) in
-            [("catalog.database", &self.catalog.database), ("catalog.table_prefix", &self.catalog.table_prefix)]
-        {
-            if !is_identifier(value) {
-                bad(
-                    key,
-                    format!("{value:?} must be an identifier: a letter or '_' followed by letters, digits or '_'"),
-                );
-            }
-        }
-        if let Some(cluster) = &self.catalog.cluster {
-            if !is_identifier(cluster) {
-                bad("catalog.cluster", format!("{cluster:?} must be an identifier"));
-            }
-        }
-        if self.catalog.user.is_empty() {
-            bad("catalog.user", "must not be empty".into());
-        }
-        if self.catalog.request_timeout.0.is_zero() {
-            bad("catalog.request_timeout", "must be greater than 0s".into());
-        }
-        if self.catalog.max_index_attempts == 0 {
-            bad("catalog.max_index_attempts", "must be at least 1".into());
-        }
-        if self.catalog.batch_max_rows == 0 {
-            bad("catalog.batch_max_rows", "must be at least 1".into());
-        }
-        if self.catalog.batch_max_bytes.0 < MIB {
-            bad("catalog.batch_max_bytes", "must be at least 1MiB".into());
-        }
-
-        let lease = &self.lease;
-        let margin = Duration::from_millis(100);
-        if lease.ttl.0 <= lease.publish_timeout.0 + lease.clock_skew.0 + margin {
-            bad(
-                "lease.ttl",
-                format!(
-                    "{} must be greater than lease.publish_timeout + lease.clock_skew + 0.1s = {}",
-                    lease.ttl,
-                    HumanDuration(lease.publish_timeout.0 + lease.clock_skew.0 + margin)
-                ),
-            );
-        }
-        if lease.publish_timeout.0.subsec_nanos() != 0 || lease.publish_timeout.0.is_zero() {
-            bad(
-                "lease.publish_timeout",
-                format!(
-                    "{} must be a whole number of seconds, at least 1s (it is sent as max_execution_time)",
-                    lease.publish_timeout
-                ),
-            );
-        }
-        if self.catalog.request_timeout.0 < lease.publish_timeout.0 * 2 {
-            bad(
-                "catalog.request_timeout",
-                format!(
-                    "{} must be at least 2 x lease.publish_timeout = {}",
-                    self.catalog.request_timeout,
-                    HumanDuration(lease.publish_timeout.0 * 2)
-                ),
-            );
-        }
-        if self.shutdown_grace.0.is_zero() {
-            bad("shutdown_grace", "must be greater than 0s".into());
-        }
-        if self.http.listen.parse::<SocketAddr>().is_err() {
-            bad("http.listen", format!("{:?} must be an address like 127.0.0.1:9464", self.http.listen));
-        }
-        if tracing_subscriber::EnvFilter::try_new(&self.log.level).is_err() {
-            bad(
-                "log.level",
-                format!("{:?} is not a level (error, warn, info, debug, trace) or filter", self.log.level),
-            );
-        }
-        if problems.is_empty() {
-            Ok(())
-        } else {
-            Err(ConfigError { problems })
-        }
-    }
-
     /// `lease.start_wait`, or its default `ttl + publish_timeout + clock_skew`.
     pub fn start_wait(&self) -> Duration {
         match &self.lease.start_wait {
@@ -577,237 +361,9 @@ fn span_hint(text: &str, span_opt: Option<std::ops::Range<usize>>) -> String {
     }
 }
 
-fn apply_env_overrides(table: &mut toml::Table, env: &[(String, String)], problems: &mut Vec<ConfigProblem>) {
-    for (name, text) in env {
-        if !name.starts_with("CAPSTORE_") || NON_KEY_ENV.contains(&name.as_str()) {
-            continue;
-        }
-        let Some(&(section, key, kind)) = KEYS.iter().find(|(s, k, _)| env_name(s, k) == *name) else {
-            problems.push(ConfigProblem {
-                key: name.clone(),
-                problem: "unknown environment override: no such config key".into(),
-            });
-            continue;
-        };
-        let value = match kind {
-            ValueKind::Text => toml::Value::String(text.clone()),
-            ValueKind::Integer => match text.trim().parse::<i64>() {
-                Ok(n) => toml::Value::Integer(n),
-                Err(_) => {
-                    problems.push(ConfigProblem {
-                        key: name.clone(),
-                        problem: format!("{text:?} is not an integer ({})", dotted(section, key)),
-                    });
-                    continue;
-                }
-            },
-            ValueKind::Boolean => match text.trim() {
-                "true" | "1" | "yes" => toml::Value::Boolean(true),
-                "false" | "0" | "no" => toml::Value::Boolean(false),
-                _ => {
-                    problems.push(ConfigProblem {
-                        key: name.clone(),
-                        problem: format!("{text:?} is not a boolean ({})", dotted(section, key)),
-                    });
-                    continue;
-                }
-            },
-            ValueKind::Table => {
-                problems.push(ConfigProblem {
-                    key: name.clone(),
-                    problem: format!("{} is a table and cannot be set from the environment", dotted(section, key)),
-                });
-                continue;
-            }
-        };
-        if section.is_empty() {
-            table.insert(key.to_string(), value);
-            continue;
-        }
-        let section_table = table.entry(section.to_string()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
-        match section_table {
-            toml::Value::Table(inner) => {
-                inner.insert(key.to_string(), value);
-            }
-            _ => problems.push(ConfigProblem { key: section.to_string(), problem: "must be a table".into() }),
-        }
-    }
-}
-
-fn resolve_secret(
-    secret: &mut Option<Secret>,
-    file_opt: &Option<PathBuf>,
-    key: &str,
-    problems: &mut Vec<ConfigProblem>,
-) {
-    let Some(file) = file_opt else { return };
-    if secret.is_some() {
-        problems.push(ConfigProblem {
-            key: format!("{key}_file"),
-            problem: format!("set either {key} or {key}_file, not both"),
-        });
-        return;
-    }
-    match std::fs::read_to_string(file) {
-        Ok(text) => *secret = Some(Secret(text.trim().to_string())),
-        Err(e) => problems.push(ConfigProblem {
-            key: format!("{key}_file"),
-            problem: format!("cannot read {}: {e}", file.display()),
-        }),
-    }
-}
-
-fn is_identifier(value: &str) -> bool {
-    let mut chars = value.chars();
-    matches!(chars.next(), Some(c) if c.is_ascii_alphabetic() || c == '_')
-        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
-        && value.len() <= 64
-}
-
-/// Catalog names appear in bucket keys and SQL literals: keep them to a safe alphabet.
-pub fn is_catalog_name(value: &str) -> bool {
-    !value.is_empty()
-        && value.len() <= 64
-        && value.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
-        && value != "."
-        && value != ".."
-}
-
-fn check_bucket_url(url: &str) -> Result<(), String> {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return Err(format!("{url:?} must be a URL like file:///var/lib/capstore/bucket or s3://name"));
-    };
-    match scheme {
-        "file" if rest.starts_with('/') => Ok(()),
-        "file" => Err(format!("{url:?} must name an absolute path (file:///...)")),
-        "s3" | "s3a" | "gs" | "az" | "azure" | "abfs" | "abfss" if !rest.trim_matches('/').is_empty() => Ok(()),
-        "s3" | "s3a" | "gs" | "az" | "azure" | "abfs" | "abfss" => Err(format!("{url:?} names no bucket")),
-        "memory" => Ok(()),
-        other => Err(format!("scheme {other:?} is not one of file, s3, gs, az, memory")),
-    }
-}
-
-/// A secret string: never shown by `Debug`, `Display` or serialization.
-#[derive(Clone, Deserialize, PartialEq, Eq)]
-#[serde(transparent)]
-pub struct Secret(String);
-
-impl Secret {
-    pub fn new(value: impl Into<String>) -> Self {
-        Secret(value.into())
-    }
-    /// The secret itself; call only where it is handed to a client library.
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("\"<redacted>\"")
-    }
-}
-
-impl Serialize for Secret {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.serialize_str("<redacted>")
-    }
-}
-
-/// A byte count written like `"64MiB"`, `"1.5 GB"` or a plain integer of bytes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub struct ByteSize(pub u64);
-
-impl FromStr for ByteSize {
-    type Err = String;
-    fn from_str(text: &str) -> Result<Self, Self::Err> {
-        let trimmed = text.trim();
-        if let Ok(bytes) = trimmed.parse::<u64>() {
-            return Ok(ByteSize(bytes));
-        }
-        trimmed
-            .parse::<bytesize::ByteSize>()
-            .map(|size| ByteSize(size.as_u64()))
-            .map_err(|_| format!("{text:?} is not a size like \"64MiB\", \"512KiB\" or a number of bytes"))
-    }
-}
-
-impl fmt::Display for ByteSize {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // Exact binary units when they divide evenly, so the printed config reads back to the same value.
-        for (unit, factor) in [("GiB", GIB), ("MiB", MIB), ("KiB", KIB)] {
-            if self.0 >= factor && self.0 % factor == 0 {
-                return write!(f, "{}{unit}", self.0 / factor);
-            }
-        }
-        write!(f, "{}B", self.0)
-    }
-}
-
-impl Serialize for ByteSize {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.serialize_str(&self.to_string())
-    }
-}
-
-impl<'de> Deserialize<'de> for ByteSize {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Raw {
-            Bytes(u64),
-            Text(String),
-        }
-        match Raw::deserialize(deserializer)? {
-            Raw::Bytes(bytes) => Ok(ByteSize(bytes)),
-            Raw::Text(text) => text.parse().map_err(serde::de::Error::custom),
-        }
-    }
-}
-
-/// A duration written like `"15s"`, `"250ms"` or `"1m 30s"`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub struct HumanDuration(pub Duration);
-
-impl HumanDuration {
-    pub const fn secs(seconds: u64) -> Self {
-        HumanDuration(Duration::from_secs(seconds))
-    }
-}
-
-impl FromStr for HumanDuration {
-    type Err = String;
-    fn from_str(text: &str) -> Result<Self, Self::Err> {
-        humantime::parse_duration(text.trim())
-            .map(HumanDuration)
-            .map_err(|_| format!("{text:?} is not a duration like \"15s\", \"250ms\" or \"1m 30s\""))
-    }
-}
-
-impl fmt::Display for HumanDuration {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.0.is_zero() {
-            return f.write_str("0s");
-        }
-        write!(f, "{}", humantime::format_duration(self.0))
-    }
-}
-
-impl Serialize for HumanDuration {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.serialize_str(&self.to_string())
-    }
-}
-
-impl<'de> Deserialize<'de> for HumanDuration {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        let text = String::deserialize(deserializer)?;
-        text.parse().map_err(serde::de::Error::custom)
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use super::env::KEYS;
     use super::*;
 
     fn load(text: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {

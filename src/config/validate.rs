@@ -1,0 +1,179 @@
+//! Every rule of a configuration, checked at once so an operator can fix them all in one pass.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use super::{Config, ConfigError, ConfigProblem, HumanDuration, GIB, MIB};
+use crate::pack;
+
+impl Config {
+    /// Check every rule; returns all problems at once.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let mut problems = Vec::new();
+        let mut bad = |key: &str, problem: String| problems.push(ConfigProblem { key: key.into(), problem });
+
+        if !is_catalog_name(&self.catalog_name) {
+            bad(
+                "catalog_name",
+                format!(
+                    "{:?} must be 1-64 characters of letters, digits, '.', '_' or '-' (it is part of bucket keys)",
+                    self.catalog_name
+                ),
+            );
+        }
+        if self.spool.dir.as_os_str().is_empty() {
+            bad("spool.dir", "must not be empty".into());
+        }
+        if self.spool.max_capture_bytes.0 == 0 || self.spool.max_capture_bytes.0 > pack::MAX_PAYLOAD_BYTES {
+            bad(
+                "spool.max_capture_bytes",
+                format!("must be between 1 byte and the pack format limit of {} bytes", pack::MAX_PAYLOAD_BYTES),
+            );
+        }
+        if self.spool.pack_max_bytes.0 < MIB {
+            bad("spool.pack_max_bytes", "must be at least 1MiB".into());
+        }
+        if self.spool.pack_max_records == 0 || self.spool.pack_max_records > pack::MAX_RECORDS {
+            bad(
+                "spool.pack_max_records",
+                format!("must be between 1 and the pack format limit of {}", pack::MAX_RECORDS),
+            );
+        }
+        if self.spool.pack_max_age.0.is_zero() {
+            bad("spool.pack_max_age", "must be greater than 0s".into());
+        }
+        if self.spool.inbox_rescan_interval.0 < Duration::from_millis(100) {
+            bad("spool.inbox_rescan_interval", "must be at least 100ms".into());
+        }
+        if let Err(problem) = check_bucket_url(&self.bucket.url) {
+            bad("bucket.url", problem);
+        }
+        if self.bucket.prefix.starts_with('/') || self.bucket.prefix.ends_with('/') {
+            bad("bucket.prefix", "must not start or end with '/'".into());
+        }
+        if self.upload.batch_packs == 0 || self.upload.batch_packs > 1000 {
+            bad("upload.batch_packs", "must be between 1 and 1000".into());
+        }
+        if self.upload.concurrency == 0 || self.upload.concurrency > 64 {
+            bad("upload.concurrency", "must be between 1 and 64".into());
+        }
+        if self.upload.part_size.0 < 5 * MIB || self.upload.part_size.0 > 5 * GIB {
+            bad("upload.part_size", "must be between 5MiB and 5GiB (the S3 multipart limits)".into());
+        }
+        if !(self.catalog.url.starts_with("http://") || self.catalog.url.starts_with("https://")) {
+            bad("catalog.url", format!("{:?} must start with http:// or https://", self.catalog.url));
+        }
+        if self.catalog.ca_file.is_some() && !self.catalog.url.starts_with("https://") {
+            bad("catalog.ca_file", "only applies to an https:// catalog.url".into());
+        }
+        for (key, value) in
+            [("catalog.database", &self.catalog.database), ("catalog.table_prefix", &self.catalog.table_prefix)]
+        {
+            if !is_identifier(value) {
+                bad(
+                    key,
+                    format!("{value:?} must be an identifier: a letter or '_' followed by letters, digits or '_'"),
+                );
+            }
+        }
+        if let Some(cluster) = &self.catalog.cluster {
+            if !is_identifier(cluster) {
+                bad("catalog.cluster", format!("{cluster:?} must be an identifier"));
+            }
+        }
+        if self.catalog.user.is_empty() {
+            bad("catalog.user", "must not be empty".into());
+        }
+        if self.catalog.request_timeout.0.is_zero() {
+            bad("catalog.request_timeout", "must be greater than 0s".into());
+        }
+        if self.catalog.max_index_attempts == 0 {
+            bad("catalog.max_index_attempts", "must be at least 1".into());
+        }
+        if self.catalog.batch_max_rows == 0 {
+            bad("catalog.batch_max_rows", "must be at least 1".into());
+        }
+        if self.catalog.batch_max_bytes.0 < MIB {
+            bad("catalog.batch_max_bytes", "must be at least 1MiB".into());
+        }
+
+        let lease = &self.lease;
+        let margin = Duration::from_millis(100);
+        if lease.ttl.0 <= lease.publish_timeout.0 + lease.clock_skew.0 + margin {
+            bad(
+                "lease.ttl",
+                format!(
+                    "{} must be greater than lease.publish_timeout + lease.clock_skew + 0.1s = {}",
+                    lease.ttl,
+                    HumanDuration(lease.publish_timeout.0 + lease.clock_skew.0 + margin)
+                ),
+            );
+        }
+        if lease.publish_timeout.0.subsec_nanos() != 0 || lease.publish_timeout.0.is_zero() {
+            bad(
+                "lease.publish_timeout",
+                format!(
+                    "{} must be a whole number of seconds, at least 1s (it is sent as max_execution_time)",
+                    lease.publish_timeout
+                ),
+            );
+        }
+        if self.catalog.request_timeout.0 < lease.publish_timeout.0 * 2 {
+            bad(
+                "catalog.request_timeout",
+                format!(
+                    "{} must be at least 2 x lease.publish_timeout = {}",
+                    self.catalog.request_timeout,
+                    HumanDuration(lease.publish_timeout.0 * 2)
+                ),
+            );
+        }
+        if self.shutdown_grace.0.is_zero() {
+            bad("shutdown_grace", "must be greater than 0s".into());
+        }
+        if self.http.listen.parse::<SocketAddr>().is_err() {
+            bad("http.listen", format!("{:?} must be an address like 127.0.0.1:9464", self.http.listen));
+        }
+        if tracing_subscriber::EnvFilter::try_new(&self.log.level).is_err() {
+            bad(
+                "log.level",
+                format!("{:?} is not a level (error, warn, info, debug, trace) or filter", self.log.level),
+            );
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(ConfigError { problems })
+        }
+    }
+}
+
+fn is_identifier(value: &str) -> bool {
+    let mut chars = value.chars();
+    matches!(chars.next(), Some(c) if c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+        && value.len() <= 64
+}
+
+/// Catalog names appear in bucket keys and SQL literals: keep them to a safe alphabet.
+pub fn is_catalog_name(value: &str) -> bool {
+    !value.is_empty()
+        && value.len() <= 64
+        && value.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+        && value != "."
+        && value != ".."
+}
+
+fn check_bucket_url(url: &str) -> Result<(), String> {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return Err(format!("{url:?} must be a URL like file:///var/lib/capstore/bucket or s3://name"));
+    };
+    match scheme {
+        "file" if rest.starts_with('/') => Ok(()),
+        "file" => Err(format!("{url:?} must name an absolute path (file:///...)")),
+        "s3" | "s3a" | "gs" | "az" | "azure" | "abfs" | "abfss" if !rest.trim_matches('/').is_empty() => Ok(()),
+        "s3" | "s3a" | "gs" | "az" | "azure" | "abfs" | "abfss" => Err(format!("{url:?} names no bucket")),
+        "memory" => Ok(()),
+        other => Err(format!("scheme {other:?} is not one of file, s3, gs, az, memory")),
+    }
+}
