@@ -15,7 +15,8 @@
 //! - [`ErrorKind::LeaseLost`]: reserved for the lease layer (the fence refused a publishing statement). This module
 //!   never produces it.
 //!
-//! [`classify`] is the only place that decides between them.
+//! [`classify`] is the only place that decides between them. [`CatalogError::is_data_rejection`] is the one place that
+//! decides whether the server blamed the rows themselves (the indexer isolates such a pack instead of retrying it).
 //!
 //! # Server versions
 //!
@@ -112,6 +113,10 @@ pub const DEFINITELY_FAILED_CODES: &[(u32, &str)] = &[
     (516, "AUTHENTICATION_FAILED"),
 ];
 
+/// ClickHouse error codes that blame the data sent rather than the server, the schema or the connection: parse and
+/// conversion failures, out-of-range values, oversized strings and arrays.
+pub const BAD_DATA_CODES: &[u32] = &[6, 26, 27, 33, 38, 41, 53, 69, 70, 72, 117, 128, 131];
+
 /// What a caller may assume about a failed statement. See the module doc.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -150,6 +155,13 @@ impl CatalogError {
     /// An error with a kind decided by the caller (the lease layer's `LeaseLost`, or a local precondition).
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
         CatalogError { kind, message: message.into(), server_code: None, source: None }
+    }
+
+    /// The server refused the rows themselves ([`BAD_DATA_CODES`]), which points at the data sent, not at the
+    /// connection, the schema or the lease. Such errors reach the indexer only from descriptor inserts, whose partial
+    /// landing is harmless (the rows stay invisible orphans), so the outcome kind does not matter there.
+    pub fn is_data_rejection(&self) -> bool {
+        self.server_code.is_some_and(|code| BAD_DATA_CODES.contains(&code))
     }
 
     fn from_client(context: &str, error: clickhouse::error::Error) -> Self {

@@ -3,7 +3,8 @@
 //!
 //! - [`client`]: the only way the catalog talks to ClickHouse; classifies every failure once.
 //! - [`schema`]: table names, DDL (single server or cluster), schema version stamp.
-//! - [`lease`]: the lease statements, the fence, and the keeper task (renew, quarantine, latch, start wait).
+//! - [`lease`]: the lease statements and the fence ([`lease::LeaseStore`]), and the keeper task (renew, quarantine,
+//!   latch, start wait: [`lease::LeaseKeeper`]).
 //! - [`publish`]: publishing a batch of packs at version watermark + 1 behind the fence, with read-back.
 //! - [`query`]: reads with a pinned watermark, tailing by version, garbage collection.
 
@@ -21,7 +22,13 @@ use crate::config::Config;
 /// Connect to the catalog of `config` and make sure its tables exist at a schema version we understand.
 pub async fn connect(config: &Config) -> Result<(CatalogClient, Tables), schema::SchemaError> {
     let client = CatalogClient::connect(&config.catalog).await?;
-    let tables = Tables::new(&config.catalog.database, &config.catalog.table_prefix, config.catalog.cluster.as_deref());
+    let tables = Tables::from_config(&config.catalog);
     schema::ensure_schema(&client, &tables).await?;
     Ok((client, tables))
+}
+
+/// Connect to the catalog of `config` for reading only: nothing is created or stamped.
+pub async fn connect_reader(config: &Config) -> Result<query::CatalogReader, CatalogError> {
+    let client = CatalogClient::connect(&config.catalog).await?;
+    Ok(query::CatalogReader::new(client, Tables::from_config(&config.catalog), &config.catalog_name))
 }

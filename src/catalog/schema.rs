@@ -22,6 +22,7 @@
 //! by the additive statements of newer versions (none yet).
 
 use super::client::{sql_string_literal, CatalogClient, CatalogError, ErrorKind};
+use crate::config::CatalogConfig;
 
 pub const SCHEMA_VERSION: u32 = 1;
 
@@ -38,6 +39,11 @@ pub struct Tables {
 }
 
 impl Tables {
+    /// The tables `[catalog]` names.
+    pub fn from_config(catalog: &CatalogConfig) -> Tables {
+        Tables::new(&catalog.database, &catalog.table_prefix, catalog.cluster.as_deref())
+    }
+
     /// `database` and `prefix` are identifiers checked by config validation.
     pub fn new(database: &str, prefix: &str, cluster: Option<&str>) -> Tables {
         let table = |name: &str| format!("{database}.{prefix}_{name}");

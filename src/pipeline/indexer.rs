@@ -91,7 +91,7 @@ impl Pipeline {
     /// Publish a batch; if the server rejects it for a reason of its own, publish its packs one by one.
     async fn publish_or_isolate(&self, batch: Vec<PackDescriptor>) -> Result<usize, RoundError> {
         match self.publish_and_delete(&batch).await {
-            Err(PublishError::Catalog(error)) if is_rejection(&error) && batch.len() > 1 => {
+            Err(PublishError::Catalog(error)) if error.is_data_rejection() && batch.len() > 1 => {
                 tracing::warn!(%error, packs = batch.len(), "publish rejected; publishing the batch pack by pack");
                 let mut published = 0;
                 for descriptor in batch {
@@ -99,7 +99,7 @@ impl Pipeline {
                 }
                 Ok(published)
             }
-            Err(PublishError::Catalog(error)) if is_rejection(&error) => {
+            Err(PublishError::Catalog(error)) if error.is_data_rejection() => {
                 let descriptor = batch.into_iter().next().expect("a batch has a pack");
                 self.count_rejection(&descriptor, &error.to_string());
                 Ok(0)
@@ -112,7 +112,7 @@ impl Pipeline {
     async fn publish_single(&self, descriptor: PackDescriptor) -> Result<usize, RoundError> {
         match self.publish_and_delete(std::slice::from_ref(&descriptor)).await {
             Ok(count) => Ok(count),
-            Err(PublishError::Catalog(error)) if is_rejection(&error) => {
+            Err(PublishError::Catalog(error)) if error.is_data_rejection() => {
                 self.count_rejection(&descriptor, &error.to_string());
                 Ok(0)
             }
@@ -176,15 +176,4 @@ impl Pipeline {
             Err(_) => false,
         }
     }
-}
-
-/// ClickHouse error codes that blame the data sent rather than the server, the schema or the connection: parse and
-/// conversion failures, out-of-range values, oversized strings and arrays.
-const BAD_DATA_CODES: &[u32] = &[6, 26, 27, 33, 38, 41, 53, 69, 70, 72, 117, 128, 131];
-
-/// The server refused the rows themselves, which points at the pack, not at the connection, the schema or the lease.
-/// (Such errors reach the indexer only from the descriptor inserts, whose partial landing is harmless: the rows stay
-/// invisible orphans, so the outcome kind does not matter here.)
-fn is_rejection(error: &crate::catalog::CatalogError) -> bool {
-    error.server_code.is_some_and(|code| BAD_DATA_CODES.contains(&code))
 }

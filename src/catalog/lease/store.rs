@@ -1,0 +1,346 @@
+//! The lease statements on the `lease` table: read the head, claim, renew, release, break, and the fence that every
+//! publishing statement carries. Stateless apart from the client: the [`super::LeaseKeeper`] holds the state.
+
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use super::{holder_spool_id, Identity, LeaseTimings, DEADLINE_MARGIN};
+use crate::catalog::client::{sql_string_literal, CatalogClient, CatalogError};
+use crate::catalog::schema::Tables;
+
+/// One lease_id at the head term.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, clickhouse::Row, serde::Deserialize)]
+pub struct HeadEntry {
+    pub term: u64,
+    pub lease_id: String,
+    pub holder: String,
+    /// Minimum over this lease_id's rows at the head term.
+    pub expires_at_ms: u64,
+    pub rows: u64,
+    pub server_now_ms: u64,
+}
+
+/// The head of the lease table as read at one instant.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Head {
+    /// 0 when the table holds no lease for this catalog.
+    pub term: u64,
+    pub entries: Vec<HeadEntry>,
+}
+
+impl Head {
+    fn server_now_ms(&self) -> u64 {
+        self.entries.first().map_or(0, |entry| entry.server_now_ms)
+    }
+
+    pub fn is_live(&self) -> bool {
+        self.entries.iter().any(|entry| entry.expires_at_ms > entry.server_now_ms)
+    }
+
+    /// Time until the latest expiry at the head (zero when not live).
+    pub fn time_left(&self) -> Duration {
+        let latest = self.entries.iter().map(|entry| entry.expires_at_ms).max().unwrap_or(0);
+        Duration::from_millis(latest.saturating_sub(self.server_now_ms()))
+    }
+
+    pub fn holders(&self) -> String {
+        let holders: Vec<&str> = self.entries.iter().map(|entry| entry.holder.as_str()).collect();
+        if holders.is_empty() {
+            "nobody".into()
+        } else {
+            holders.join(", ")
+        }
+    }
+
+    /// The single lease_id of the head, if it has exactly one.
+    fn sole_entry(&self) -> Option<&HeadEntry> {
+        match self.entries.as_slice() {
+            [only] => Some(only),
+            _ => None,
+        }
+    }
+}
+
+/// What a claim or renewal came to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClaimOutcome {
+    /// `publish_not_before` is set after a same-spool takeover of a live head: see [`LeaseStore::claim`].
+    Held { term: u64, deadline: Instant, publish_not_before: Option<Instant> },
+    /// Another holder's live lease (or a contested term) stands in the way.
+    Refused { holder: String, time_left: Duration },
+    /// The head moved between our read and our insert; nothing of ours landed. Try again.
+    Raced,
+}
+
+/// The lease statements of one catalog name.
+#[derive(Clone)]
+pub struct LeaseStore {
+    client: CatalogClient,
+    table: String,
+    catalog: String,
+    timings: LeaseTimings,
+}
+
+impl LeaseStore {
+    pub fn new(client: CatalogClient, tables: &Tables, catalog: &str, timings: LeaseTimings) -> LeaseStore {
+        LeaseStore { client, table: tables.lease.clone(), catalog: catalog.to_string(), timings }
+    }
+
+    pub fn timings(&self) -> LeaseTimings {
+        self.timings
+    }
+
+    fn catalog_literal(&self) -> String {
+        sql_string_literal(&self.catalog)
+    }
+
+    /// Server time in milliseconds, as an SQL expression for this server version.
+    fn server_now_ms(&self) -> &'static str {
+        server_now_ms_expr(&self.client)
+    }
+
+    pub async fn read_head(&self) -> Result<Head, CatalogError> {
+        let catalog = self.catalog_literal();
+        let sql = format!(
+            "SELECT term, lease_id, holder, min(expires_at_ms) AS expires_at_ms, count() AS rows, \
+             max({now}) AS server_now_ms FROM {table} \
+             WHERE catalog = {catalog} AND term = (SELECT max(term) FROM {table} WHERE catalog = {catalog}) \
+             GROUP BY term, lease_id, holder ORDER BY lease_id",
+            now = self.server_now_ms(),
+            table = self.table,
+        );
+        let entries: Vec<HeadEntry> = self.client.fetch_all(&sql).await?;
+        Ok(Head { term: entries.first().map_or(0, |entry| entry.term), entries })
+    }
+
+    async fn read_term(&self, term: u64) -> Result<Vec<HeadEntry>, CatalogError> {
+        let sql = format!(
+            "SELECT term, lease_id, holder, min(expires_at_ms) AS expires_at_ms, count() AS rows, \
+             max({now}) AS server_now_ms FROM {table} WHERE catalog = {catalog} AND term = {term} \
+             GROUP BY term, lease_id, holder ORDER BY lease_id",
+            now = self.server_now_ms(),
+            table = self.table,
+            catalog = self.catalog_literal(),
+        );
+        self.client.fetch_all(&sql).await
+    }
+
+    /// Claim the lease at head+1 (see the module doc). `identity` decides same-spool takeover.
+    pub async fn claim(&self, lease_id: &str, identity: &Identity) -> Result<ClaimOutcome, CatalogError> {
+        let head = self.read_head().await?;
+        let mut takeover = false;
+        if head.is_live() {
+            let sole = head.sole_entry();
+            let ours = sole.is_some_and(|entry| entry.lease_id == lease_id);
+            takeover = !ours && sole.is_some_and(|entry| holder_spool_id(&entry.holder) == Some(identity.spool_id));
+            if !ours && !takeover {
+                return Ok(ClaimOutcome::Refused { holder: head.holders(), time_left: head.time_left() });
+            }
+        }
+        let condition = format!(
+            "(SELECT max(term) FROM {} WHERE catalog = {}) = {}",
+            self.table,
+            self.catalog_literal(),
+            head.term
+        );
+        let outcome =
+            self.insert_and_read_back(head.term + 1, lease_id, &identity.holder(), "claim", &condition).await?;
+        match outcome {
+            // Same-spool takeover: the predecessor is dead, but a publish of its can pass its fence right up to the
+            // moment our claim row lands, and then run on the server for up to max_execution_time. So we hold the
+            // lease at once (no rival can take it) but publish nothing until publish_timeout + clock skew after our
+            // claim is known to have landed, i.e. after its read-back returned (specs/takeover.pml, EMB_REPLY; counting
+            // from when the claim was sent is too short: EMB_SENT is refuted).
+            ClaimOutcome::Held { term, deadline, .. } if takeover => {
+                let embargo = self.timings.fence_margin() + DEADLINE_MARGIN;
+                tracing::info!(term, ?embargo, "took over the lease of this spool's previous process");
+                Ok(ClaimOutcome::Held { term, deadline, publish_not_before: Some(Instant::now() + embargo) })
+            }
+            other => Ok(other),
+        }
+    }
+
+    /// Renew our lease at `term` + 1; refused if our term is no longer the live head.
+    pub async fn renew(&self, lease_id: &str, identity: &Identity, term: u64) -> Result<ClaimOutcome, CatalogError> {
+        let catalog = self.catalog_literal();
+        let condition = format!(
+            "(SELECT max(term) FROM {table} WHERE catalog = {catalog}) = {term} AND \
+             (SELECT min(expires_at_ms) FROM {table} WHERE catalog = {catalog} AND term = {term} AND lease_id = {id}) \
+             > {now}",
+            table = self.table,
+            id = sql_string_literal(lease_id),
+            now = self.server_now_ms(),
+        );
+        self.insert_and_read_back(term + 1, lease_id, &identity.holder(), "renew", &condition).await
+    }
+
+    async fn insert_and_read_back(
+        &self,
+        term: u64,
+        lease_id: &str,
+        holder: &str,
+        kind: &str,
+        condition: &str,
+    ) -> Result<ClaimOutcome, CatalogError> {
+        let sql = self.lease_row_sql(term, lease_id, holder, kind, self.timings.ttl, Some(condition));
+        // The deadline counts from before the request left: the server stamped the expiry no earlier than this.
+        let sent_at = Instant::now();
+        self.client.execute_deciding(&sql, self.timings.statement_cap()).await?;
+        let entries = self.read_term(term).await?;
+        let ours = entries.iter().any(|entry| entry.lease_id == lease_id);
+        match (entries.len(), ours) {
+            (1, true) => Ok(ClaimOutcome::Held {
+                term,
+                deadline: sent_at + self.timings.local_lifetime(),
+                publish_not_before: None,
+            }),
+            (0, _) => {
+                // Our condition failed: somebody moved the head. Name them if they hold it now.
+                let head = self.read_head().await?;
+                let someone_else = head.is_live() && !head.entries.iter().any(|entry| entry.lease_id == lease_id);
+                if someone_else {
+                    Ok(ClaimOutcome::Refused { holder: head.holders(), time_left: head.time_left() })
+                } else {
+                    Ok(ClaimOutcome::Raced)
+                }
+            }
+            _ => {
+                let contested = Head { term, entries };
+                let others: Vec<String> = contested
+                    .entries
+                    .iter()
+                    .filter(|entry| entry.lease_id != lease_id)
+                    .map(|entry| entry.holder.clone())
+                    .collect();
+                Ok(ClaimOutcome::Refused {
+                    holder: format!("{} (contested term {term})", others.join(", ")),
+                    time_left: contested.time_left(),
+                })
+            }
+        }
+    }
+
+    /// Tombstone at our own term: ends our lease without touching any later term.
+    pub async fn release(&self, lease_id: &str, identity: &Identity, term: u64) -> Result<(), CatalogError> {
+        self.write_tombstone(term, lease_id, &identity.holder(), "release").await
+    }
+
+    async fn write_tombstone(&self, term: u64, lease_id: &str, holder: &str, kind: &str) -> Result<(), CatalogError> {
+        let sql = self.lease_row_sql(term, lease_id, holder, kind, Duration::ZERO, None);
+        self.client.execute_deciding(&sql, self.timings.statement_cap()).await
+    }
+
+    /// The one shape of every lease statement: a row stamped with server time, living `lifetime` (zero for a
+    /// tombstone), written only if `condition_opt` holds when the statement runs.
+    fn lease_row_sql(
+        &self,
+        term: u64,
+        lease_id: &str,
+        holder: &str,
+        kind: &str,
+        lifetime: Duration,
+        condition_opt: Option<&str>,
+    ) -> String {
+        format!(
+            "INSERT INTO {table} (catalog, term, lease_id, holder, written_at_ms, expires_at_ms, kind) \
+             SELECT {catalog}, {term}, {id}, {holder}, {now}, {now} + {lifetime_ms}, {kind} FROM system.one{condition}",
+            table = self.table,
+            catalog = self.catalog_literal(),
+            id = sql_string_literal(lease_id),
+            holder = sql_string_literal(holder),
+            now = self.server_now_ms(),
+            lifetime_ms = lifetime.as_millis(),
+            kind = sql_string_literal(kind),
+            condition = condition_opt.map(|condition| format!(" WHERE {condition}")).unwrap_or_default(),
+        )
+    }
+
+    /// Operator action (`capstore lease break --force`): tombstone every lease_id at the head. Returns the head as it
+    /// was before the break.
+    pub async fn break_head(&self) -> Result<Head, CatalogError> {
+        let head = self.read_head().await?;
+        for entry in &head.entries {
+            self.write_tombstone(entry.term, &entry.lease_id, &entry.holder, "break").await?;
+        }
+        Ok(head)
+    }
+
+    /// The fence for `lease_id`, as SQL for the WHERE clause of a publishing statement.
+    pub fn fence_condition(&self, lease_id: &str) -> String {
+        fence_condition(&self.table, &self.catalog, lease_id, self.server_now_ms(), self.timings.fence_margin())
+    }
+
+    /// Delete lease rows below the head term (`capstore gc`). Decisions read only the head, so this changes none.
+    pub async fn gc(&self) -> Result<u64, CatalogError> {
+        let head = self.read_head().await?;
+        if head.term <= 1 {
+            return Ok(0);
+        }
+        self.client
+            .execute(&format!(
+                "ALTER TABLE {} DELETE WHERE catalog = {} AND term < {}",
+                self.table,
+                self.catalog_literal(),
+                head.term
+            ))
+            .await?;
+        Ok(head.term - 1)
+    }
+}
+
+/// Server time in milliseconds for this server: whole seconds on 18.x (no `now64`), milliseconds on current servers.
+pub fn server_now_ms_expr(client: &CatalogClient) -> &'static str {
+    if client.server_version().has_subsecond_clock() {
+        "toUInt64(toUnixTimestamp64Milli(now64(3)))"
+    } else {
+        "(toUInt64(now()) * 1000)"
+    }
+}
+
+/// The fence (see the module doc): true only while `lease_id` alone heads the lease of `catalog` with more than
+/// `margin` left, at the instant the statement executes.
+pub fn fence_condition(table: &str, catalog: &str, lease_id: &str, server_now_ms: &str, margin: Duration) -> String {
+    let catalog = sql_string_literal(catalog);
+    let head_term = format!("(SELECT max(term) FROM {table} WHERE catalog = {catalog})");
+    format!(
+        "(SELECT uniqExact(lease_id) FROM {table} WHERE catalog = {catalog} AND term = {head_term}) = 1 AND \
+         (SELECT any(lease_id) FROM {table} WHERE catalog = {catalog} AND term = {head_term}) = {id} AND \
+         (SELECT min(expires_at_ms) FROM {table} WHERE catalog = {catalog} AND term = {head_term}) > {server_now_ms} + {margin_ms}",
+        id = sql_string_literal(lease_id),
+        margin_ms = margin.as_millis(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fence_checks_single_holder_identity_and_margin() {
+        let fence = fence_condition("db.t_lease", "edge-7", "abc", "NOW", Duration::from_millis(2500));
+        assert!(fence.contains("uniqExact(lease_id)") && fence.contains(") = 1 AND"), "{fence}");
+        assert!(fence.contains("= 'abc'"), "{fence}");
+        assert!(fence.contains("> NOW + 2500"), "{fence}");
+        assert!(fence.contains("catalog = 'edge-7'"), "{fence}");
+    }
+
+    #[test]
+    fn head_liveness_and_time_left() {
+        let entry = |lease_id: &str, expires_at_ms| HeadEntry {
+            term: 4,
+            lease_id: lease_id.into(),
+            holder: format!("h-{lease_id}"),
+            expires_at_ms,
+            rows: 1,
+            server_now_ms: 10_000,
+        };
+        let head = Head { term: 4, entries: vec![entry("a", 9_000), entry("b", 12_500)] };
+        assert!(head.is_live());
+        assert_eq!(head.time_left(), Duration::from_millis(2_500));
+        assert_eq!(head.holders(), "h-a, h-b");
+        let expired = Head { term: 4, entries: vec![entry("a", 10_000)] };
+        assert!(!expired.is_live());
+        assert!(!Head::default().is_live());
+    }
+}
