@@ -11,11 +11,9 @@
 
 use std::sync::atomic::Ordering;
 
-use super::{Pipeline, RoundError};
+use super::{list_spool_packs, off_runtime, open_pack, Pipeline, RoundError};
 use crate::catalog::publish::{PackDescriptor, PublishError, PublishOutcome};
-use crate::durable;
-use crate::pack::PackFile;
-use crate::spool::{list_packs, PackState};
+use crate::spool::PackState;
 
 /// Rough bytes one capture row costs in a publish request.
 fn row_bytes(entry: &crate::pack::IndexEntry, object_key: &str) -> u64 {
@@ -27,34 +25,26 @@ fn row_bytes(entry: &crate::pack::IndexEntry, object_key: &str) -> u64 {
 }
 
 impl Pipeline {
-    /// Whether anything is owed (an `.uploaded` pack exists).
-    pub fn owes_anything(&self) -> std::io::Result<bool> {
-        Ok(list_packs(&self.paths)?.iter().any(|pack| pack.state == PackState::Uploaded))
-    }
-
     /// One indexing round; returns how many packs were published (or found already published) and deleted.
     pub async fn index_round(&self) -> Result<usize, RoundError> {
         if self.lease.permit().is_none() {
             return Err(RoundError::NoLease);
         }
         let owed: Vec<_> =
-            list_packs(&self.paths)?.into_iter().filter(|pack| pack.state == PackState::Uploaded).collect();
+            list_spool_packs(&self.paths).await?.into_iter().filter(|pack| pack.state == PackState::Uploaded).collect();
         if owed.is_empty() {
             return Ok(0);
         }
         let mut descriptors = Vec::with_capacity(owed.len());
         for listing in owed {
-            let path = listing.path.clone();
-            let opened =
-                tokio::task::spawn_blocking(move || PackFile::open(&path)).await.map_err(std::io::Error::other)?;
-            match opened {
+            match open_pack(&listing.path).await? {
                 Ok(pack) => {
                     let summary = pack.summary();
                     let object_key = self.bucket.pack_key(&summary).to_string();
                     descriptors.push(PackDescriptor { summary, object_key, entries: pack.entries().to_vec() });
                 }
                 Err(error) if error.is_data_error() => {
-                    self.quarantine_pack(&listing.path, &format!("owed pack does not read back: {error}"));
+                    self.quarantine_pack(&listing.path, &format!("owed pack does not read back: {error}")).await;
                 }
                 Err(error) => return Err(RoundError::Spool(std::io::Error::other(error.to_string()))),
             }
@@ -67,25 +57,7 @@ impl Pipeline {
     }
 
     fn batches(&self, descriptors: Vec<PackDescriptor>) -> Vec<Vec<PackDescriptor>> {
-        let max_rows = self.config.catalog.batch_max_rows;
-        let max_bytes = self.config.catalog.batch_max_bytes.0;
-        let mut batches: Vec<Vec<PackDescriptor>> = Vec::new();
-        let (mut rows, mut bytes) = (0u64, 0u64);
-        for descriptor in descriptors {
-            let pack_rows = descriptor.entries.len() as u64;
-            let pack_bytes: u64 = descriptor.entries.iter().map(|entry| row_bytes(entry, &descriptor.object_key)).sum();
-            let fits = rows + pack_rows <= max_rows && bytes + pack_bytes <= max_bytes;
-            match batches.last_mut() {
-                Some(batch) if fits => batch.push(descriptor),
-                _ => {
-                    batches.push(vec![descriptor]);
-                    (rows, bytes) = (0, 0);
-                }
-            }
-            rows += pack_rows;
-            bytes += pack_bytes;
-        }
-        batches
+        plan_batches(descriptors, self.config.catalog.batch_max_rows, self.config.catalog.batch_max_bytes.0)
     }
 
     /// Publish a batch; if the server rejects it for a reason of its own, publish its packs one by one.
@@ -101,7 +73,7 @@ impl Pipeline {
             }
             Err(PublishError::Catalog(error)) if error.is_data_rejection() => {
                 let descriptor = batch.into_iter().next().expect("a batch has a pack");
-                self.count_rejection(&descriptor, &error.to_string());
+                self.count_rejection(&descriptor, &error.to_string()).await;
                 Ok(0)
             }
             Err(error) => Err(RoundError::Publish(error)),
@@ -113,14 +85,14 @@ impl Pipeline {
         match self.publish_and_delete(std::slice::from_ref(&descriptor)).await {
             Ok(count) => Ok(count),
             Err(PublishError::Catalog(error)) if error.is_data_rejection() => {
-                self.count_rejection(&descriptor, &error.to_string());
+                self.count_rejection(&descriptor, &error.to_string()).await;
                 Ok(0)
             }
             Err(error) => Err(RoundError::Publish(error)),
         }
     }
 
-    fn count_rejection(&self, descriptor: &PackDescriptor, reason: &str) {
+    async fn count_rejection(&self, descriptor: &PackDescriptor, reason: &str) {
         let pack_id = descriptor.summary.pack_id;
         let attempts = {
             let mut attempts = self.index_attempts.lock().unwrap_or_else(|p| p.into_inner());
@@ -133,7 +105,8 @@ impl Pipeline {
             self.quarantine_pack(
                 &self.paths.pack_path(pack_id, PackState::Uploaded),
                 &format!("catalog rejected the pack's rows {attempts} times: {reason}"),
-            );
+            )
+            .await;
         } else {
             tracing::warn!(%pack_id, attempts, reason, "catalog rejected a pack's rows");
         }
@@ -150,10 +123,10 @@ impl Pipeline {
             return Ok(0);
         }
         for descriptor in batch {
-            let path = self.paths.pack_path(descriptor.summary.pack_id, PackState::Uploaded);
-            if let Err(error) = durable::remove_durable(&path) {
+            let (paths, pack_id) = (self.paths.clone(), descriptor.summary.pack_id);
+            if let Err(error) = off_runtime(move || paths.remove_published(pack_id)).await {
                 // Still owed locally; the replay guard makes the next round a no-op for it.
-                tracing::warn!(pack = %path.display(), %error, "published pack could not be removed from the spool");
+                tracing::warn!(%pack_id, %error, "published pack could not be removed from the spool");
             }
             self.index_attempts.lock().unwrap_or_else(|p| p.into_inner()).remove(&descriptor.summary.pack_id);
             self.counters.packs_indexed.fetch_add(1, Ordering::Relaxed);
@@ -175,5 +148,89 @@ impl Pipeline {
             }
             Err(_) => false,
         }
+    }
+}
+
+/// Groups owed packs, oldest first, into publish batches of at most `max_rows` capture rows and about `max_bytes` of
+/// request. A pack is never split (its rows become visible together), so a pack over either budget is a batch alone.
+fn plan_batches(descriptors: Vec<PackDescriptor>, max_rows: u64, max_bytes: u64) -> Vec<Vec<PackDescriptor>> {
+    let mut batches: Vec<Vec<PackDescriptor>> = Vec::new();
+    let (mut rows, mut bytes) = (0u64, 0u64);
+    for descriptor in descriptors {
+        let pack_rows = descriptor.entries.len() as u64;
+        let pack_bytes: u64 = descriptor.entries.iter().map(|entry| row_bytes(entry, &descriptor.object_key)).sum();
+        let fits = rows + pack_rows <= max_rows && bytes + pack_bytes <= max_bytes;
+        match batches.last_mut() {
+            Some(batch) if fits => batch.push(descriptor),
+            _ => {
+                batches.push(vec![descriptor]);
+                (rows, bytes) = (0, 0);
+            }
+        }
+        rows += pack_rows;
+        bytes += pack_bytes;
+    }
+    batches
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::capture::CaptureMeta;
+    use crate::pack::{IndexEntry, PackSummary};
+
+    fn pack(records: u64) -> PackDescriptor {
+        let pack_id = uuid::Uuid::now_v7();
+        let entries = (0..records)
+            .map(|n| IndexEntry {
+                meta: CaptureMeta {
+                    capture_id: uuid::Uuid::now_v7(),
+                    stream: "s".into(),
+                    captured_at_ns: n,
+                    labels: Default::default(),
+                    content_type: None,
+                    source_name: None,
+                },
+                record_offset: 40 + n * 100,
+                record_len: 100,
+                payload_offset: 40 + n * 100 + 60,
+                payload_len: 40,
+                crc32c: 0,
+            })
+            .collect();
+        let summary = PackSummary {
+            pack_id,
+            bytes: 0,
+            records,
+            sha256_hex: String::new(),
+            first_captured_at_ns: 0,
+            last_captured_at_ns: 0,
+            created_at_ns: 0,
+        };
+        PackDescriptor { summary, object_key: format!("k/{pack_id}.cpk"), entries }
+    }
+
+    fn shape(batches: &[Vec<PackDescriptor>]) -> Vec<Vec<usize>> {
+        batches.iter().map(|batch| batch.iter().map(|pack| pack.entries.len()).collect()).collect()
+    }
+
+    #[test]
+    fn packs_fill_batches_up_to_the_row_budget_in_order() {
+        let batches = plan_batches(vec![pack(3), pack(3), pack(3), pack(1)], 6, u64::MAX);
+        assert_eq!(shape(&batches), vec![vec![3, 3], vec![3, 1]]);
+    }
+
+    #[test]
+    fn a_pack_over_the_budget_is_a_batch_alone_and_never_split() {
+        let batches = plan_batches(vec![pack(2), pack(10), pack(2)], 5, u64::MAX);
+        assert_eq!(shape(&batches), vec![vec![2], vec![10], vec![2]]);
+    }
+
+    #[test]
+    fn the_byte_budget_bounds_a_batch_too() {
+        let one_row = row_bytes(&pack(1).entries[0], &pack(1).object_key);
+        let batches = plan_batches(vec![pack(1), pack(1), pack(1)], u64::MAX, one_row * 2);
+        assert_eq!(shape(&batches), vec![vec![1, 1], vec![1]]);
+        assert!(plan_batches(Vec::new(), 1, 1).is_empty());
     }
 }

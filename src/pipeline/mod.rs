@@ -31,7 +31,7 @@ use crate::bucket::Bucket;
 use crate::catalog::lease::LeaseHandle;
 use crate::catalog::publish::Publisher;
 use crate::config::Config;
-use crate::spool::{quarantine_file, SpoolPaths};
+use crate::spool::SpoolPaths;
 
 /// Counters of the pipeline, read by status and metrics.
 #[derive(Debug, Default)]
@@ -86,6 +86,28 @@ pub enum RoundError {
     Spool(#[from] std::io::Error),
 }
 
+/// Runs spool work that blocks (directory listings, pack reads, renames and unlinks with their fsyncs) on the blocking
+/// pool, so the runtime's workers, which the lease keeper and the HTTP server share, never wait on the disk.
+pub(crate) async fn off_runtime<T, F>(work: F) -> std::io::Result<T>
+where
+    F: FnOnce() -> std::io::Result<T> + Send + 'static,
+    T: Send + 'static,
+{
+    tokio::task::spawn_blocking(work).await.map_err(std::io::Error::other)?
+}
+
+/// Every pack file in the spool, listed off the runtime.
+async fn list_spool_packs(paths: &SpoolPaths) -> std::io::Result<Vec<crate::spool::PackListing>> {
+    let paths = paths.clone();
+    off_runtime(move || crate::spool::list_packs(&paths)).await
+}
+
+/// Opens a sealed pack off the runtime (three small reads).
+async fn open_pack(path: &Path) -> std::io::Result<Result<crate::pack::PackFile, crate::pack::PackError>> {
+    let path = path.to_path_buf();
+    off_runtime(move || Ok(crate::pack::PackFile::open(&path))).await
+}
+
 /// What the stages share.
 pub struct Pipeline {
     pub config: Arc<Config>,
@@ -121,8 +143,9 @@ impl Pipeline {
     }
 
     /// Move a pack file to quarantine with one ERROR line: an operator must look at it.
-    fn quarantine_pack(&self, path: &Path, reason: &str) {
-        match quarantine_file(&self.paths, "packs", path, reason) {
+    async fn quarantine_pack(&self, path: &Path, reason: &str) {
+        let (paths, file, why) = (self.paths.clone(), path.to_path_buf(), reason.to_string());
+        match off_runtime(move || paths.quarantine("packs", &file, &why)).await {
             Ok(moved) => {
                 self.counters.packs_quarantined.fetch_add(1, Ordering::Relaxed);
                 tracing::error!(pack = %path.display(), quarantined_as = %moved.display(), reason, "pack quarantined");

@@ -13,11 +13,9 @@
 use futures::StreamExt;
 use std::sync::atomic::Ordering;
 
-use super::{Pipeline, RoundError};
+use super::{list_spool_packs, off_runtime, open_pack, Pipeline, RoundError};
 use crate::bucket::BucketErrorKind;
-use crate::durable;
-use crate::pack::PackFile;
-use crate::spool::{list_packs, PackListing, PackState};
+use crate::spool::{PackListing, PackState};
 
 impl Pipeline {
     /// One upload round; returns how many packs moved to `.uploaded`.
@@ -25,7 +23,7 @@ impl Pipeline {
         if self.lease.permit().is_none() {
             return Err(RoundError::NoLease);
         }
-        let packs = list_packs(&self.paths)?;
+        let packs = list_spool_packs(&self.paths).await?;
         if packs.iter().any(|pack| pack.state == PackState::Uploaded) {
             return Ok(0);
         }
@@ -61,12 +59,10 @@ impl Pipeline {
 
     /// Returns true when the pack is now `.uploaded`.
     async fn upload_one(&self, listing: PackListing) -> Result<bool, RoundError> {
-        let path = listing.path.clone();
-        let opened = tokio::task::spawn_blocking(move || PackFile::open(&path)).await.map_err(std::io::Error::other)?;
-        let pack = match opened {
+        let pack = match open_pack(&listing.path).await? {
             Ok(pack) => pack,
             Err(error) if error.is_data_error() => {
-                self.quarantine_pack(&listing.path, &format!("sealed pack does not read back: {error}"));
+                self.quarantine_pack(&listing.path, &format!("sealed pack does not read back: {error}")).await;
                 return Ok(false);
             }
             // Gone (moved on by another stage) or an I/O problem: try again next round.
@@ -89,7 +85,8 @@ impl Pipeline {
         match outcome {
             Ok(uploaded) => {
                 crate::failpoint::hit("after_upload_before_rename");
-                durable::rename_durable(&listing.path, &self.paths.pack_path(summary.pack_id, PackState::Uploaded))?;
+                let (paths, pack_id) = (self.paths.clone(), summary.pack_id);
+                off_runtime(move || paths.mark_uploaded(pack_id)).await?;
                 self.counters.packs_uploaded.fetch_add(1, Ordering::Relaxed);
                 self.counters.bytes_uploaded.fetch_add(summary.bytes, Ordering::Relaxed);
                 tracing::debug!(
@@ -104,7 +101,8 @@ impl Pipeline {
                 self.quarantine_pack(
                     &listing.path,
                     &format!("a different object already exists in the bucket: {error}"),
-                );
+                )
+                .await;
                 Ok(false)
             }
             Err(error) => Err(RoundError::Bucket(error)),

@@ -40,7 +40,7 @@ use tokio::sync::{mpsc, watch, Semaphore};
 use uuid::Uuid;
 
 use super::writer::{AppendError, SpoolWriter};
-use super::{quarantine_file, SpoolPaths};
+use super::SpoolPaths;
 use crate::capture;
 use crate::durable;
 use crate::pack::CaptureMeta;
@@ -624,7 +624,7 @@ fn finish_all(
 
 fn quarantine(context: &IngestContext, path: &Path, reason: &str) -> FileOutcome {
     let relative = relative_name(&context.paths.inbox, path);
-    match quarantine_file(&context.paths, "inbox", path, reason) {
+    match context.paths.quarantine("inbox", path, reason) {
         Ok(moved) => {
             tracing::warn!(file = %relative, quarantined_as = %moved.display(), reason, "inbox file quarantined");
             FileOutcome::Quarantined

@@ -21,6 +21,7 @@
 //! - pack ids are UUIDv7, so sorting names sorts packs oldest first.
 
 pub mod inbox;
+pub mod layout;
 pub mod lock;
 pub mod recovery;
 pub mod writer;
@@ -28,117 +29,16 @@ pub mod writer;
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::time::SystemTime;
 
-use serde::Serialize;
 use uuid::Uuid;
 
 use crate::config::SpoolConfig;
 use crate::durable;
+pub use layout::{list_packs, PackListing, PackState, SpoolPaths};
 pub use lock::{LockError, SpoolLock};
 pub use recovery::RecoveryReport;
 
 pub const SPOOL_ID_FILE: &str = "SPOOL_ID";
-
-/// The directories of one spool. Cheap to clone; no ownership implied (offline tools use it without the lock).
-#[derive(Debug, Clone)]
-pub struct SpoolPaths {
-    pub root: PathBuf,
-    pub inbox: PathBuf,
-    pub packs: PathBuf,
-    pub quarantine: PathBuf,
-}
-
-impl SpoolPaths {
-    pub fn new(root: &Path) -> SpoolPaths {
-        SpoolPaths {
-            root: root.to_path_buf(),
-            inbox: root.join("inbox"),
-            packs: root.join("packs"),
-            quarantine: root.join("quarantine"),
-        }
-    }
-
-    pub fn pack_path(&self, pack_id: Uuid, state: PackState) -> PathBuf {
-        self.packs.join(format!("{pack_id}.{}", state.extension()))
-    }
-
-    fn create_dirs(&self) -> io::Result<()> {
-        for dir in [&self.root, &self.inbox, &self.packs, &self.quarantine] {
-            fs::create_dir_all(dir)?;
-        }
-        durable::fsync_dir(&self.root)
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum PackState {
-    Open,
-    Sealed,
-    Uploaded,
-}
-
-impl PackState {
-    pub const ALL: [PackState; 3] = [PackState::Open, PackState::Sealed, PackState::Uploaded];
-
-    pub fn extension(self) -> &'static str {
-        match self {
-            PackState::Open => "open",
-            PackState::Sealed => "sealed",
-            PackState::Uploaded => "uploaded",
-        }
-    }
-
-    fn from_extension(extension: &str) -> Option<PackState> {
-        PackState::ALL.into_iter().find(|state| state.extension() == extension)
-    }
-}
-
-/// One pack file found in `packs/`.
-#[derive(Debug, Clone, Serialize)]
-pub struct PackListing {
-    pub pack_id: Uuid,
-    pub state: PackState,
-    #[serde(skip)]
-    pub path: PathBuf,
-    pub bytes: u64,
-    #[serde(skip)]
-    pub modified: SystemTime,
-}
-
-/// Every pack file in `packs/`, oldest first (pack ids are time-ordered). Files that are not packs are skipped.
-pub fn list_packs(paths: &SpoolPaths) -> io::Result<Vec<PackListing>> {
-    let mut packs = Vec::new();
-    for entry in fs::read_dir(&paths.packs)? {
-        let entry = entry?;
-        let path = entry.path();
-        let Some((pack_id, state)) = parse_pack_file_name(&path) else {
-            continue;
-        };
-        let metadata = match entry.metadata() {
-            Ok(metadata) => metadata,
-            // Deleted between listing and stat: another stage moved it on.
-            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-            Err(e) => return Err(e),
-        };
-        packs.push(PackListing {
-            pack_id,
-            state,
-            path,
-            bytes: metadata.len(),
-            modified: metadata.modified().unwrap_or(SystemTime::UNIX_EPOCH),
-        });
-    }
-    packs.sort_by_key(|listing| (listing.pack_id, listing.state));
-    Ok(packs)
-}
-
-fn parse_pack_file_name(path: &Path) -> Option<(Uuid, PackState)> {
-    let name = path.file_name()?.to_str()?;
-    let (stem, extension) = name.rsplit_once('.')?;
-    Some((Uuid::parse_str(stem).ok()?, PackState::from_extension(extension)?))
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum SpoolError {
@@ -210,22 +110,6 @@ pub fn peek_spool_id(root: &Path) -> Option<Uuid> {
     Uuid::parse_str(text.trim()).ok()
 }
 
-/// Move a file into `quarantine/<subdir>/` with a `.reason` file beside it; never overwrites an earlier quarantined file.
-pub fn quarantine_file(paths: &SpoolPaths, subdir: &str, file: &Path, reason: &str) -> io::Result<PathBuf> {
-    let target_dir = paths.quarantine.join(subdir);
-    fs::create_dir_all(&target_dir)?;
-    let name = file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "unnamed".into());
-    // A time prefix keeps quarantined files unique and sorted by when they arrived.
-    let target = target_dir.join(format!("{}-{name}", crate::util::now_ns()));
-    durable::write_file_durable(&target.with_file_name(format!("{}.reason", file_name(&target))), reason.as_bytes())?;
-    durable::rename_durable(file, &target)?;
-    Ok(target)
-}
-
-fn file_name(path: &Path) -> String {
-    path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -249,27 +133,5 @@ mod tests {
         let _owner = Spool::open(&spool_config(dir.path())).unwrap();
         let error = Spool::open(&spool_config(dir.path())).unwrap_err();
         assert!(matches!(error, SpoolError::Locked(LockError::Held { .. })), "{error}");
-    }
-
-    #[test]
-    fn pack_file_names_parse_and_others_are_skipped() {
-        let id = Uuid::now_v7();
-        assert_eq!(parse_pack_file_name(Path::new(&format!("{id}.sealed"))), Some((id, PackState::Sealed)));
-        assert_eq!(parse_pack_file_name(Path::new(&format!("{id}.bak"))), None);
-        assert_eq!(parse_pack_file_name(Path::new("notes.sealed")), None);
-    }
-
-    #[test]
-    fn quarantine_keeps_the_file_and_says_why() {
-        let dir = tempfile::tempdir().unwrap();
-        let paths = SpoolPaths::new(dir.path());
-        paths.create_dirs().unwrap();
-        let file = paths.inbox.join("bad");
-        fs::write(&file, b"payload").unwrap();
-        let moved = quarantine_file(&paths, "inbox", &file, "no stream").unwrap();
-        assert!(!file.exists());
-        assert_eq!(fs::read(&moved).unwrap(), b"payload");
-        let reason = fs::read_to_string(moved.with_file_name(format!("{}.reason", file_name(&moved)))).unwrap();
-        assert_eq!(reason, "no stream");
     }
 }

@@ -18,8 +18,7 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use super::{inbox, list_packs, quarantine_file, PackState, SpoolPaths};
-use crate::durable;
+use super::{inbox, list_packs, PackState, SpoolPaths};
 use crate::pack::{self, PackFile, PackWriter};
 
 #[derive(Debug, Default, Clone, Serialize, PartialEq, Eq)]
@@ -41,13 +40,13 @@ impl RecoveryReport {
 
 pub fn recover(paths: &SpoolPaths) -> io::Result<RecoveryReport> {
     let mut report = RecoveryReport::default();
-    remove_temp_files(&paths.packs, &mut report)?;
-    remove_temp_files(&paths.root, &mut report)?;
+    report.temp_files_removed += paths.remove_leftover_temp_files(&paths.packs)?;
+    report.temp_files_removed += paths.remove_leftover_temp_files(&paths.root)?;
 
     let mut source_keys = HashSet::new();
     for listing in list_packs(paths)? {
         match listing.state {
-            PackState::Open => recover_open_pack(paths, &listing.path, &mut report, &mut source_keys)?,
+            PackState::Open => recover_open_pack(paths, listing.pack_id, &listing.path, &mut report, &mut source_keys)?,
             PackState::Sealed | PackState::Uploaded => match PackFile::open(&listing.path) {
                 Ok(pack_file) => collect_source_keys(pack_file.entries(), &mut source_keys),
                 Err(error) => {
@@ -75,6 +74,7 @@ pub fn recover(paths: &SpoolPaths) -> io::Result<RecoveryReport> {
 
 fn recover_open_pack(
     paths: &SpoolPaths,
+    pack_id: uuid::Uuid,
     path: &Path,
     report: &mut RecoveryReport,
     source_keys: &mut HashSet<String>,
@@ -82,15 +82,15 @@ fn recover_open_pack(
     match PackWriter::recover(path) {
         Ok((writer, recovered)) if recovered.records_kept == 0 => {
             drop(writer);
-            durable::remove_durable(path)?;
+            paths.remove_unsealed(pack_id)?;
             report.empty_packs_removed += 1;
             report.bytes_cut += recovered.bytes_cut;
             tracing::info!(pack = %path.display(), bytes_cut = recovered.bytes_cut, "removed open pack with no complete record");
         }
         Ok((writer, recovered)) => {
-            let pack_id = writer.pack_id();
+            debug_assert_eq!(writer.pack_id(), pack_id, "a pack's file is named by its header's pack_id");
             let summary = writer.finish().map_err(pack_io_error)?;
-            durable::rename_durable(path, &paths.pack_path(pack_id, PackState::Sealed))?;
+            paths.mark_sealed(pack_id)?;
             collect_source_keys(&recovered.entries, source_keys);
             report.open_packs_sealed += 1;
             report.records_recovered += recovered.records_kept;
@@ -106,7 +106,7 @@ fn recover_open_pack(
             let length = fs::metadata(path)?.len();
             if length <= pack::HEADER_LEN as u64 {
                 // Torn while its header was being written: it never held a record.
-                durable::remove_durable(path)?;
+                paths.remove_unsealed(pack_id)?;
                 report.empty_packs_removed += 1;
                 report.bytes_cut += length;
             } else {
@@ -118,7 +118,7 @@ fn recover_open_pack(
 }
 
 fn quarantine_pack(paths: &SpoolPaths, path: &Path, reason: &str, report: &mut RecoveryReport) -> io::Result<()> {
-    let moved = quarantine_file(paths, "packs", path, reason)?;
+    let moved = paths.quarantine("packs", path, reason)?;
     report.packs_quarantined += 1;
     tracing::error!(pack = %path.display(), quarantined_as = %moved.display(), reason, "pack quarantined");
     Ok(())
@@ -126,19 +126,6 @@ fn quarantine_pack(paths: &SpoolPaths, path: &Path, reason: &str, report: &mut R
 
 fn collect_source_keys(entries: &[pack::IndexEntry], source_keys: &mut HashSet<String>) {
     source_keys.extend(entries.iter().filter_map(|entry| entry.meta.source_name.clone()));
-}
-
-fn remove_temp_files(dir: &Path, report: &mut RecoveryReport) -> io::Result<()> {
-    for entry in fs::read_dir(dir)? {
-        let entry = entry?;
-        let name = entry.file_name();
-        let name = name.to_string_lossy();
-        if name.starts_with('.') && name.ends_with(durable::TEMP_SUFFIX) && entry.file_type()?.is_file() {
-            durable::remove_durable(&entry.path())?;
-            report.temp_files_removed += 1;
-        }
-    }
-    Ok(())
 }
 
 fn pack_io_error(error: pack::PackError) -> io::Error {

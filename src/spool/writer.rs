@@ -495,8 +495,9 @@ impl WriterState {
                 refuse_orphaned(acks);
                 let removed = match no_records {
                     Some(pack) => {
+                        let pack_id = pack.writer.pack_id();
                         drop(pack.writer);
-                        durable::remove_durable(&pack.path).map_err(|e| AppendError::Io(e.to_string()))
+                        self.paths.remove_unsealed(pack_id).map_err(|e| AppendError::Io(e.to_string()))
                     }
                     None => Ok(()),
                 };
@@ -628,7 +629,7 @@ fn seal_pack(pack: OpenPack, paths: &SpoolPaths, stats: &WriterStats) -> Result<
     tests::seal_gate::wait(&paths.root);
     let pack_id = pack.writer.pack_id();
     let summary = pack.writer.finish()?;
-    durable::rename_durable(&pack.path, &paths.pack_path(pack_id, PackState::Sealed))?;
+    paths.mark_sealed(pack_id)?;
     crate::failpoint::hit("after_seal");
     stats.packs_sealed.fetch_add(1, Ordering::Relaxed);
     stats.fsyncs.fetch_add(1, Ordering::Relaxed);

@@ -225,12 +225,7 @@ impl LeaseKeeper {
     }
 
     /// The keeper of `catalog_name`'s lease for this process, which owns the spool `spool_id`.
-    pub fn for_catalog(
-        client: &CatalogClient,
-        tables: &Tables,
-        config: &Config,
-        spool_id: Uuid,
-    ) -> LeaseKeeper {
+    pub fn for_catalog(client: &CatalogClient, tables: &Tables, config: &Config, spool_id: Uuid) -> LeaseKeeper {
         let timings = LeaseTimings::from_config(&config.lease, client);
         let store = LeaseStore::new(client.clone(), tables, &config.catalog_name, timings);
         LeaseKeeper::new(store, Identity::of_this_process(spool_id), &config.catalog_name)

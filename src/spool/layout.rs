@@ -1,0 +1,204 @@
+//! The spool's directories and pack file states, and the only code that moves or removes a spool file.
+//!
+//! Every state change here is crash-safe (see [`crate::durable`]): a rename or an unlink followed by an fsync of the
+//! directory, so after a crash a pack is wholly in its old state or wholly in its new one. The writer's sealer and
+//! recovery call [`SpoolPaths::mark_sealed`]; the pipeline calls [`SpoolPaths::mark_uploaded`],
+//! [`SpoolPaths::remove_published`] and [`SpoolPaths::quarantine`] (from blocking threads: each one fsyncs).
+//!
+//! ```text
+//! <id>.open --mark_sealed--> <id>.sealed --mark_uploaded--> <id>.uploaded --remove_published--> (gone)
+//!     \--remove_unsealed (no record)     any state, or an inbox file --quarantine--> quarantine/<subdir>/
+//! ```
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::SystemTime;
+
+use serde::Serialize;
+use uuid::Uuid;
+
+use crate::durable;
+
+/// The directories of one spool. Cheap to clone; no ownership implied (offline tools use it without the lock).
+#[derive(Debug, Clone)]
+pub struct SpoolPaths {
+    pub root: PathBuf,
+    pub inbox: PathBuf,
+    pub packs: PathBuf,
+    pub quarantine: PathBuf,
+}
+
+impl SpoolPaths {
+    pub fn new(root: &Path) -> SpoolPaths {
+        SpoolPaths {
+            root: root.to_path_buf(),
+            inbox: root.join("inbox"),
+            packs: root.join("packs"),
+            quarantine: root.join("quarantine"),
+        }
+    }
+
+    pub fn pack_path(&self, pack_id: Uuid, state: PackState) -> PathBuf {
+        self.packs.join(format!("{pack_id}.{}", state.extension()))
+    }
+
+    /// `.open` -> `.sealed`: the pack's footer and trailer are written and fsynced.
+    pub fn mark_sealed(&self, pack_id: Uuid) -> io::Result<()> {
+        durable::rename_durable(&self.pack_path(pack_id, PackState::Open), &self.pack_path(pack_id, PackState::Sealed))
+    }
+
+    /// `.sealed` -> `.uploaded`: the pack is in the bucket, verified, and owed to the catalog (pending_index).
+    pub fn mark_uploaded(&self, pack_id: Uuid) -> io::Result<()> {
+        let sealed = self.pack_path(pack_id, PackState::Sealed);
+        durable::rename_durable(&sealed, &self.pack_path(pack_id, PackState::Uploaded))
+    }
+
+    /// Delete an `.uploaded` pack: the catalog shows it published (I5). Idempotent.
+    pub fn remove_published(&self, pack_id: Uuid) -> io::Result<()> {
+        durable::remove_durable(&self.pack_path(pack_id, PackState::Uploaded))
+    }
+
+    /// Delete an `.open` pack that holds no record (nothing in it was ever acknowledged). Idempotent.
+    pub fn remove_unsealed(&self, pack_id: Uuid) -> io::Result<()> {
+        durable::remove_durable(&self.pack_path(pack_id, PackState::Open))
+    }
+
+    /// Delete temporary files a crash left in `dir` (our own crash-safe writes name them `.<name>.<nonce>.tmp`).
+    /// Returns how many were removed.
+    pub(super) fn remove_leftover_temp_files(&self, dir: &Path) -> io::Result<u64> {
+        let mut removed = 0;
+        for entry in fs::read_dir(dir)? {
+            let entry = entry?;
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if name.starts_with('.') && name.ends_with(durable::TEMP_SUFFIX) && entry.file_type()?.is_file() {
+                durable::remove_durable(&entry.path())?;
+                removed += 1;
+            }
+        }
+        Ok(removed)
+    }
+
+    /// Move `file` (a pack, or an inbox file) into `quarantine/<subdir>/` with a `.reason` file beside it; never
+    /// overwrites an earlier quarantined file.
+    pub fn quarantine(&self, subdir: &str, file: &Path, reason: &str) -> io::Result<PathBuf> {
+        let target_dir = self.quarantine.join(subdir);
+        fs::create_dir_all(&target_dir)?;
+        let name = file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "unnamed".into());
+        // A time prefix keeps quarantined files unique and sorted by when they arrived.
+        let target = target_dir.join(format!("{}-{name}", crate::util::now_ns()));
+        durable::write_file_durable(&reason_path(&target), reason.as_bytes())?;
+        durable::rename_durable(file, &target)?;
+        Ok(target)
+    }
+
+    pub(super) fn create_dirs(&self) -> io::Result<()> {
+        for dir in [&self.root, &self.inbox, &self.packs, &self.quarantine] {
+            fs::create_dir_all(dir)?;
+        }
+        durable::fsync_dir(&self.root)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PackState {
+    Open,
+    Sealed,
+    Uploaded,
+}
+
+impl PackState {
+    pub const ALL: [PackState; 3] = [PackState::Open, PackState::Sealed, PackState::Uploaded];
+
+    pub fn extension(self) -> &'static str {
+        match self {
+            PackState::Open => "open",
+            PackState::Sealed => "sealed",
+            PackState::Uploaded => "uploaded",
+        }
+    }
+
+    fn from_extension(extension: &str) -> Option<PackState> {
+        PackState::ALL.into_iter().find(|state| state.extension() == extension)
+    }
+}
+
+/// One pack file found in `packs/`.
+#[derive(Debug, Clone, Serialize)]
+pub struct PackListing {
+    pub pack_id: Uuid,
+    pub state: PackState,
+    #[serde(skip)]
+    pub path: PathBuf,
+    pub bytes: u64,
+    #[serde(skip)]
+    pub modified: SystemTime,
+}
+
+/// Every pack file in `packs/`, oldest first (pack ids are time-ordered). Files that are not packs are skipped.
+pub fn list_packs(paths: &SpoolPaths) -> io::Result<Vec<PackListing>> {
+    let mut packs = Vec::new();
+    for entry in fs::read_dir(&paths.packs)? {
+        let entry = entry?;
+        let path = entry.path();
+        let Some((pack_id, state)) = parse_pack_file_name(&path) else {
+            continue;
+        };
+        let metadata = match entry.metadata() {
+            Ok(metadata) => metadata,
+            // Deleted between listing and stat: another stage moved it on.
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e),
+        };
+        packs.push(PackListing {
+            pack_id,
+            state,
+            path,
+            bytes: metadata.len(),
+            modified: metadata.modified().unwrap_or(SystemTime::UNIX_EPOCH),
+        });
+    }
+    packs.sort_by_key(|listing| (listing.pack_id, listing.state));
+    Ok(packs)
+}
+
+fn parse_pack_file_name(path: &Path) -> Option<(Uuid, PackState)> {
+    let name = path.file_name()?.to_str()?;
+    let (stem, extension) = name.rsplit_once('.')?;
+    Some((Uuid::parse_str(stem).ok()?, PackState::from_extension(extension)?))
+}
+
+/// `<quarantined file>.reason`.
+pub fn reason_path(quarantined: &Path) -> PathBuf {
+    let name = quarantined.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    quarantined.with_file_name(format!("{name}.reason"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pack_file_names_parse_and_others_are_skipped() {
+        let id = Uuid::now_v7();
+        assert_eq!(parse_pack_file_name(Path::new(&format!("{id}.sealed"))), Some((id, PackState::Sealed)));
+        assert_eq!(parse_pack_file_name(Path::new(&format!("{id}.bak"))), None);
+        assert_eq!(parse_pack_file_name(Path::new("notes.sealed")), None);
+    }
+
+    #[test]
+    fn quarantine_keeps_the_file_and_says_why() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = SpoolPaths::new(dir.path());
+        paths.create_dirs().unwrap();
+        let file = paths.inbox.join("bad");
+        fs::write(&file, b"payload").unwrap();
+        let moved = paths.quarantine("inbox", &file, "no stream").unwrap();
+        assert!(!file.exists());
+        assert_eq!(fs::read(&moved).unwrap(), b"payload");
+        let reason = fs::read_to_string(reason_path(&moved)).unwrap();
+        assert_eq!(reason, "no stream");
+    }
+}
