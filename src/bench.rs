@@ -324,7 +324,7 @@ pub enum E2eProducer {
     /// Files in the inbox of a `capstore run` child (the latency phase posts over its HTTP API).
     Inbox,
     /// Appends through the Rust library to a daemon in the bench's own process
-    /// ([`crate::pipeline::supervisor::run_in_process`]).
+    /// ([`crate::daemon::run_in_process`]).
     Library,
 }
 
@@ -533,7 +533,7 @@ async fn run_inbox(
 async fn run_library(config: crate::config::Config, capture_bytes: u64, captures: u64) -> anyhow::Result<E2eRun> {
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
     let (writer_tx, writer_rx) = tokio::sync::oneshot::channel();
-    let daemon = tokio::spawn(crate::pipeline::supervisor::run_in_process(config.clone(), shutdown_rx, writer_tx));
+    let daemon = tokio::spawn(crate::daemon::run_in_process(config.clone(), shutdown_rx, writer_tx));
     let writer = writer_rx.await?;
     let mut follower = follower_for(&config).await?;
     // Incompressible, non-constant payload; every producer hands over the same immutable buffer (see the spool bench).

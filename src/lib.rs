@@ -36,6 +36,7 @@ pub mod bucket;
 pub mod capture;
 pub mod catalog;
 pub mod config;
+pub mod daemon;
 pub mod durable;
 pub mod failpoint;
 pub mod http;

@@ -1,4 +1,4 @@
-//! The daemon embedded in a producer's process (`supervisor::run_in_process`) against a real ClickHouse and a file://
+//! The daemon embedded in a producer's process (`daemon::run_in_process`) against a real ClickHouse and a file://
 //! bucket: appends through the library are acknowledged, published, read back byte-identical, and a shutdown request
 //! stops the daemon cleanly with the lease released.
 
@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use capstore::capture::CaptureMeta;
 use capstore::catalog::query::CatalogReader;
 use capstore::config::Config;
-use capstore::pipeline::supervisor::run_in_process;
+use capstore::daemon::run_in_process;
 use capstore::spool::writer::AppendError;
 use common::clickhouse::shared_server;
 use uuid::Uuid;

@@ -130,7 +130,7 @@ fn init_logging(config: &Config, quiet_by_default: bool) {
 
 fn run_daemon(config: Config) -> anyhow::Result<i32> {
     let runtime = tokio::runtime::Runtime::new()?;
-    match runtime.block_on(capstore::pipeline::supervisor::run(config)) {
+    match runtime.block_on(capstore::daemon::run(config)) {
         Ok(code) => Ok(code),
         Err(error) => {
             tracing::error!(%error, "capstore stopped");

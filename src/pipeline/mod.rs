@@ -1,9 +1,9 @@
-//! The pipeline from sealed packs to published captures, and the supervisor that runs it.
+//! The pipeline from sealed packs to published captures; [`crate::daemon`] runs it.
 //!
 //! - [`uploader`]: `.sealed` -> bucket -> `.uploaded`, only while the lease is held and nothing is owed.
 //! - [`indexer`]: `.uploaded` (the durable `pending_index`) -> fenced publish -> deleted.
 //! - [`reconcile`]: packs in the bucket that the catalog lacks -> published from their footers.
-//! - [`supervisor`]: `capstore run`: start order, the loop, signals, shutdown, status.
+//! - [`status`]: the status board the daemon fills as it starts, its snapshot and `status.json`.
 //!
 //! Every stage is a round over the spool directory, so it holds no state a crash could lose: a restart at any instant
 //! re-reads the directory and converges (I5, I7). A pack's life in this module:
@@ -16,7 +16,6 @@
 pub mod indexer;
 pub mod reconcile;
 pub mod status;
-pub mod supervisor;
 pub mod uploader;
 
 use std::collections::HashMap;

@@ -1,14 +1,26 @@
-//! The status snapshot: every lease field, spool counts per state, pipeline counters. The supervisor refreshes it once
-//! a second into `<spool>/status.json` (atomically replaced, not fsynced: it is a view, not state), which
-//! `capstore status` prints.
+//! The status snapshot: every lease field, spool counts per state, pipeline counters. [`StatusBoard`] collects the
+//! daemon's parts as the start order brings them up; [`status_file_loop`] writes its snapshot once a second into
+//! `<spool>/status.json` (atomically replaced, not fsynced: it is a view, not state), which `capstore status` prints,
+//! and the HTTP API serves the same snapshot and its metrics.
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::time::SystemTime;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, SystemTime};
 
 use serde::{Deserialize, Serialize};
 
-use crate::spool::{list_packs, PackState, SpoolPaths};
+use super::reconcile::ReconcileReport;
+use super::PipelineCounters;
+use crate::catalog::lease::{LeaseHandle, LeaseState};
+use crate::config::Config;
+use crate::spool::inbox::IngestStats;
+use crate::spool::writer::WriterStats;
+use crate::spool::{list_packs, PackState, RecoveryReport, SpoolPaths};
+
+/// How often `status.json` is rewritten.
+const STATUS_FILE_PERIOD: Duration = Duration::from_secs(1);
 
 pub const STATUS_FILE: &str = "status.json";
 
@@ -54,4 +66,113 @@ pub fn write_status(spool_root: &Path, snapshot: &serde_json::Value) -> std::io:
     let temp = crate::durable::temp_path_for(&path);
     std::fs::write(&temp, serde_json::to_vec_pretty(snapshot).map_err(std::io::Error::other)?)?;
     std::fs::rename(&temp, &path)
+}
+
+/// Everything the status snapshot (and the HTTP API's /status and /metrics) reads; filled in as the start order
+/// progresses.
+pub(crate) struct StatusBoard {
+    config: Arc<Config>,
+    pub(crate) paths: SpoolPaths,
+    spool_id: String,
+    recovery: RecoveryReport,
+    pub(crate) writer_stats: Arc<WriterStats>,
+    pub(crate) ingest_stats: Arc<IngestStats>,
+    clickhouse_version: OnceLock<String>,
+    pub(crate) lease: OnceLock<LeaseHandle>,
+    pub(crate) pipeline_counters: OnceLock<Arc<PipelineCounters>>,
+    reconcile: Mutex<Option<ReconcileReport>>,
+    last_error: Mutex<Option<String>>,
+}
+
+impl StatusBoard {
+    /// The board of a daemon whose spool is open and whose writer and ingest run; the rest is set as it comes up.
+    pub(crate) fn new(
+        config: Arc<Config>,
+        paths: SpoolPaths,
+        spool_id: String,
+        recovery: RecoveryReport,
+        writer_stats: Arc<WriterStats>,
+        ingest_stats: Arc<IngestStats>,
+    ) -> StatusBoard {
+        StatusBoard {
+            config,
+            paths,
+            spool_id,
+            recovery,
+            writer_stats,
+            ingest_stats,
+            clickhouse_version: OnceLock::new(),
+            lease: OnceLock::new(),
+            pipeline_counters: OnceLock::new(),
+            reconcile: Mutex::new(None),
+            last_error: Mutex::new(None),
+        }
+    }
+
+    pub(crate) fn set_clickhouse_version(&self, version: String) {
+        let _ = self.clickhouse_version.set(version);
+    }
+
+    pub(crate) fn set_lease(&self, lease: LeaseHandle) {
+        let _ = self.lease.set(lease);
+    }
+
+    pub(crate) fn set_pipeline_counters(&self, counters: Arc<PipelineCounters>) {
+        let _ = self.pipeline_counters.set(counters);
+    }
+
+    pub(crate) fn set_reconcile(&self, report: ReconcileReport) {
+        *self.reconcile.lock().unwrap_or_else(|p| p.into_inner()) = Some(report);
+    }
+
+    /// The latest error of the daemon's own start-up (the lease keeps its own).
+    pub(crate) fn set_last_error(&self, error: String) {
+        *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(error);
+    }
+
+    /// The snapshot as JSON. Blocking: it lists the spool's packs (call it off the runtime).
+    pub(crate) fn snapshot(&self) -> serde_json::Value {
+        let lease = self.lease.get().map(|lease| lease.status());
+        let ingest = &self.ingest_stats;
+        serde_json::json!({
+            "catalog": self.config.catalog_name,
+            "spool": self.paths.root.display().to_string(),
+            "spool_id": self.spool_id,
+            "bucket": self.config.bucket.url,
+            "clickhouse_version": self.clickhouse_version.get(),
+            "pid": std::process::id(),
+            "updated_at": crate::util::now_rfc3339(),
+            "lease_state": lease.as_ref().map_or(LeaseState::None, |l| l.lease_state),
+            "lease_term": lease.as_ref().map_or(0, |l| l.lease_term),
+            "holder": lease.as_ref().and_then(|l| l.holder.clone()),
+            "quarantined_until": lease.as_ref().and_then(|l| l.quarantined_until.clone()),
+            "lease_renewals": lease.as_ref().map_or(0, |l| l.lease_renewals),
+            "lease_reacquisitions": lease.as_ref().map_or(0, |l| l.lease_reacquisitions),
+            "lease_timeouts": lease.as_ref().map_or(0, |l| l.lease_timeouts),
+            "failed": lease.as_ref().is_some_and(|l| l.failed),
+            "last_error": lease.as_ref().and_then(|l| l.last_error.clone()).or_else(|| self.last_error.lock().ok()?.clone()),
+            "spool_packs": SpoolCounts::measure(&self.paths).ok(),
+            "writer": self.writer_stats.snapshot(),
+            "ingest": {
+                "files_ingested": ingest.files_ingested.load(Ordering::Relaxed),
+                "files_quarantined": ingest.files_quarantined.load(Ordering::Relaxed),
+                "files_deferred": ingest.files_deferred.load(Ordering::Relaxed),
+            },
+            "pipeline": self.pipeline_counters.get().map(|c| c.snapshot()),
+            "recovery": self.recovery,
+            "reconcile": *self.reconcile.lock().unwrap_or_else(|p| p.into_inner()),
+        })
+    }
+}
+
+/// Rewrites `<spool>/status.json` every [`STATUS_FILE_PERIOD`] until aborted.
+pub(crate) async fn status_file_loop(board: Arc<StatusBoard>) {
+    loop {
+        let writing = board.clone();
+        let written = super::off_runtime(move || write_status(&writing.paths.root, &writing.snapshot())).await;
+        if let Err(error) = written {
+            tracing::debug!(%error, "cannot write status.json");
+        }
+        tokio::time::sleep(STATUS_FILE_PERIOD).await;
+    }
 }

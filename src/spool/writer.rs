@@ -111,7 +111,7 @@ pub struct WriterStats {
     pub fsyncs: AtomicU64,
     pub packs_sealed: AtomicU64,
     pub appends_refused: AtomicU64,
-    /// Woken after every seal (one permit is kept if nobody waits), so the supervisor need not poll.
+    /// Woken after every seal (one permit is kept if nobody waits), so the daemon's loop need not poll.
     pub sealed_notify: Notify,
 }
 

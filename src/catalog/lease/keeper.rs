@@ -57,7 +57,7 @@ impl LeaseHandle {
         self.lock().state
     }
 
-    /// Follow state changes (the supervisor wakes on a re-acquired lease, and exits on `failed`).
+    /// Follow state changes (the daemon's loop wakes on a re-acquired lease, and exits on `failed`).
     pub fn subscribe(&self) -> watch::Receiver<LeaseState> {
         self.state_tx.subscribe()
     }

@@ -1,0 +1,450 @@
+//! `capstore run`: the daemon, wiring every part in its start order and taking it down in one place.
+//!
+//! Start order: config (checked by the caller) -> signals -> spool lock -> spool recovery -> writer + inbox ingest
+//! (READY=1 for systemd: from here on captures are accepted) -> HTTP (a bind failure is fatal; its catalog reads
+//! start working once the catalog is connected) -> bucket -> catalog connect + schema (retried with backoff:
+//! ClickHouse being down delays publishing, never ingest) -> lease with the start wait -> owed packs -> reconcile
+//! (when `catalog.reconcile_on_start`) -> the loop.
+//!
+//! States: `intake` ([`Running::start`] returned: captures are accepted and acknowledged), `publishing` (the lease is
+//! held and the loop runs), `draining` (intake stopped: HTTP writes answer 503, the open pack is sealed, what fits in
+//! `shutdown_grace` is uploaded and published), `stopped` ([`Running::shutdown`]: the lease released, HTTP stopped
+//! last, the final status written). Every way out, fatal or not, passes through [`Running::shutdown`].
+//!
+//! The loop: publish what is owed, then upload sealed packs (only while the lease is held and nothing is owed), then
+//! wait for a new sealed pack, a lease state change (a re-acquired lease wakes it at once), the error backoff
+//! ([`crate::retry`]) or shutdown. The lease renews on its own task, never delayed by the loop.
+//!
+//! Signals: the first SIGTERM/SIGINT stops intake, seals the open pack, uploads and publishes what fits in
+//! `shutdown_grace`, releases the lease (tombstone) and exits 0; a second signal exits at once with code 1 (still safe:
+//! the spool is durable). SIGHUP is logged and ignored: configuration is read once, so apply changes with a restart.
+//! A latch (another publisher holds the catalog for 2 x TTL) seals the open pack and exits 3; a spool owned by another
+//! process exits 4 at once.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+
+use crate::bucket::Bucket;
+use crate::catalog::lease::{LeaseHandle, LeaseKeeper, LeaseState, RunningLease, StartError};
+use crate::catalog::publish::Publisher;
+use crate::catalog::query::CatalogReader;
+use crate::catalog::{CatalogClient, Tables};
+use crate::config::Config;
+use crate::exit_code;
+use crate::http::HttpServer;
+use crate::pipeline::status::{status_file_loop, write_status, StatusBoard};
+use crate::pipeline::{off_runtime, Pipeline, RoundError};
+use crate::reader::Reader;
+use crate::retry::{OutageLog, RetryPolicy};
+use crate::spool::inbox::{Ingestor, UnlinkLog};
+use crate::spool::writer::{spawn_writer, SpoolWriter, WriterSettings, WriterThread};
+use crate::spool::{Spool, SpoolError};
+
+/// The loop's wait when nothing moved and nothing woke it.
+const IDLE_TICK: Duration = Duration::from_secs(1);
+/// Backoff of the catalog connect, of failed pipeline rounds and of the drain.
+const DEPENDENCY_RETRY: RetryPolicy = RetryPolicy::unbounded(Duration::from_millis(100), Duration::from_secs(5));
+
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error(transparent)]
+    Spool(#[from] SpoolError),
+    #[error("bucket: {0}")]
+    Bucket(#[from] crate::bucket::BucketError),
+    #[error("cannot install signal handlers: {0}")]
+    Signals(std::io::Error),
+    #[error("catalog: {0}")]
+    Schema(#[from] crate::catalog::schema::SchemaError),
+    #[error(transparent)]
+    Http(#[from] crate::http::HttpError),
+}
+
+impl DaemonError {
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            DaemonError::Spool(SpoolError::Locked(_)) => exit_code::SPOOL_OWNED,
+            DaemonError::Bucket(error) if error.kind == crate::bucket::BucketErrorKind::Permanent => {
+                exit_code::CONFIG_OR_USAGE
+            }
+            _ => exit_code::FATAL,
+        }
+    }
+}
+
+/// `capstore run`: run until a signal asks for shutdown; returns the exit code.
+pub async fn run(config: Config) -> Result<i32, DaemonError> {
+    // Signals first: a SIGTERM during recovery must still mean "stop cleanly".
+    let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    spawn_signal_thread(shutdown_tx).map_err(DaemonError::Signals)?;
+    run_until(config, shutdown_rx, None).await
+}
+
+/// The daemon inside the caller's process: the Rust library's way in for producers. Once ingest is up, `writer_tx`
+/// receives a handle to the spool (an append through it is acknowledged once its record is fsynced, as an HTTP post
+/// is); `shutdown_rx` turning true stops the daemon as SIGTERM does, after which appends answer `Closed`. Signals are
+/// left to the caller.
+pub async fn run_in_process(
+    config: Config,
+    shutdown_rx: watch::Receiver<bool>,
+    writer_tx: tokio::sync::oneshot::Sender<SpoolWriter>,
+) -> Result<i32, DaemonError> {
+    run_until(config, shutdown_rx, Some(writer_tx)).await
+}
+
+async fn run_until(
+    config: Config,
+    mut shutdown_rx: watch::Receiver<bool>,
+    writer_tx: Option<tokio::sync::oneshot::Sender<SpoolWriter>>,
+) -> Result<i32, DaemonError> {
+    let mut running = Running::start(Arc::new(config), writer_tx).await?;
+    let ended = running.publish_until_stopped(&mut shutdown_rx).await;
+    running.shutdown().await;
+    ended
+}
+
+/// Intake: the inbox ingest task and the spool writer, stopped together.
+struct Intake {
+    ingest_stop_tx: watch::Sender<bool>,
+    ingest_task: tokio::task::JoinHandle<()>,
+    writer: SpoolWriter,
+    writer_thread: WriterThread,
+}
+
+impl Intake {
+    /// Stop taking inbox files, finish those in flight, then close the writer (it seals the open pack) and join it.
+    async fn stop(self) {
+        let _ = self.ingest_stop_tx.send(true);
+        let _ = self.ingest_task.await;
+        self.writer.close();
+        drop(self.writer);
+        let writer_thread = self.writer_thread;
+        let _ = tokio::task::spawn_blocking(move || writer_thread.join()).await;
+    }
+}
+
+/// A daemon from "ingest up" on: everything that must be stopped, in order, however the run ends.
+struct Running {
+    config: Arc<Config>,
+    spool: Spool,
+    board: Arc<StatusBoard>,
+    /// A handle for the loop (it waits on seals); the intake's own handle is what closes the writer.
+    writer: SpoolWriter,
+    intake: Option<Intake>,
+    http: Option<HttpServer>,
+    /// Inbox unlinks the indexer makes durable before a published pack leaves the spool.
+    inbox_unlinks: Arc<UnlinkLog>,
+    status_task: tokio::task::JoinHandle<()>,
+    lease: Option<RunningLease>,
+}
+
+impl Running {
+    /// Spool (lock, recovery), writer, ingest, status, READY=1, HTTP.
+    async fn start(
+        config: Arc<Config>,
+        writer_tx: Option<tokio::sync::oneshot::Sender<SpoolWriter>>,
+    ) -> Result<Running, DaemonError> {
+        let (spool, recovery) = Spool::open(&config.spool)?;
+        let paths = spool.paths().clone();
+        let (writer, writer_thread) = spawn_writer(paths.clone(), WriterSettings::from_config(&config.spool));
+        let ingestor = Ingestor::new(
+            paths.clone(),
+            writer.clone(),
+            config.spool.max_capture_bytes.0,
+            config.spool.inbox_rescan_interval.0,
+        );
+        let inbox_unlinks = ingestor.unlinks();
+        let board = Arc::new(StatusBoard::new(
+            config.clone(),
+            paths.clone(),
+            spool.id().to_string(),
+            recovery,
+            writer.stats().clone(),
+            ingestor.stats(),
+        ));
+        let (ingest_stop_tx, ingest_stop_rx) = watch::channel(false);
+        let intake = Intake {
+            ingest_stop_tx,
+            ingest_task: tokio::spawn(ingestor.run(ingest_stop_rx)),
+            writer: writer.clone(),
+            writer_thread,
+        };
+        let status_task = tokio::spawn(status_file_loop(board.clone()));
+        let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
+        tracing::info!(spool = %paths.root.display(), spool_id = %spool.id(), "ingest ready");
+        if let Some(writer_tx) = writer_tx {
+            let _ = writer_tx.send(writer.clone());
+        }
+        let mut running = Running {
+            config,
+            spool,
+            board,
+            writer,
+            intake: Some(intake),
+            http: None,
+            inbox_unlinks,
+            status_task,
+            lease: None,
+        };
+        let max_capture_bytes = running.config.spool.max_capture_bytes.0;
+        match HttpServer::start(&running.config.http, running.board.clone(), running.writer.clone(), max_capture_bytes)
+            .await
+        {
+            Ok(http) => running.http = Some(http),
+            Err(error) => {
+                running.shutdown().await;
+                return Err(error.into());
+            }
+        }
+        Ok(running)
+    }
+
+    /// Connect, take the lease and publish until shutdown or a latch; drains before returning on shutdown.
+    async fn publish_until_stopped(&mut self, shutdown_rx: &mut watch::Receiver<bool>) -> Result<i32, DaemonError> {
+        let config = self.config.clone();
+        let paths = self.spool.paths().clone();
+        let bucket = Arc::new(Bucket::from_config(&config)?);
+        let Some((client, tables)) = connect_until_ready(&config, &self.board, shutdown_rx).await? else {
+            tracing::info!("shutdown before the catalog was reachable: sealing the open pack");
+            return Ok(exit_code::CLEAN);
+        };
+        self.board.set_clickhouse_version(client.server_version().to_string());
+        if let Some(http) = &self.http {
+            let catalog = CatalogReader::new(client.clone(), tables.clone(), &config.catalog_name);
+            http.state().set_reader(Reader::new(catalog, bucket.clone(), Some(paths.clone())));
+        }
+
+        let keeper = LeaseKeeper::for_catalog(&client, &tables, &config, self.spool.id());
+        self.board.set_lease(keeper.handle());
+        let running_lease = match keeper.start(config.start_wait(), shutdown_rx).await {
+            Ok(running_lease) => running_lease,
+            Err(error @ StartError::Refused { .. }) => {
+                tracing::error!(%error, "cannot publish: the catalog is held by another publisher");
+                eprintln!("capstore: {error}");
+                return Ok(exit_code::CATALOG_HELD);
+            }
+            Err(StartError::Shutdown) => return Ok(exit_code::CLEAN),
+        };
+        let lease = running_lease.handle().clone();
+        self.lease = Some(running_lease);
+        let publisher = Arc::new(Publisher::new(client.clone(), tables, &config.catalog_name, lease.clone()));
+        let mut pipeline = Pipeline::new(config.clone(), paths.clone(), bucket, publisher, lease.clone());
+        pipeline.inbox_unlinks = Some(self.inbox_unlinks.clone());
+        self.board.set_pipeline_counters(pipeline.counters.clone());
+        tracing::info!(
+            catalog = %config.catalog_name,
+            bucket = %config.bucket.url,
+            spool = %paths.root.display(),
+            clickhouse_version = %client.server_version(),
+            lease_state = ?lease.state(),
+            lease_term = lease.status().lease_term,
+            "capstore running"
+        );
+
+        // Owed packs first, then reconcile, then the loop.
+        if let Err(error) = pipeline.index_round().await {
+            tracing::warn!(%error, "publishing owed packs at start failed; the loop retries");
+        }
+        if config.catalog.reconcile_on_start {
+            match pipeline.reconcile(&|_, _| {}).await {
+                Ok(report) => {
+                    if report.published > 0 || !report.invalid.is_empty() {
+                        tracing::info!(published = report.published, invalid = report.invalid.len(), "reconcile done");
+                    }
+                    self.board.set_reconcile(report);
+                }
+                Err(error) => tracing::warn!(%error, "reconcile at start failed; run `capstore reconcile` later"),
+            }
+        }
+
+        if run_loop(&pipeline, &self.writer, &lease, shutdown_rx).await == LoopEnd::Latched {
+            tracing::error!("lease latched: sealing the open pack and exiting");
+            return Ok(exit_code::CATALOG_HELD);
+        }
+        tracing::info!(grace = ?config.shutdown_grace.0, "shutting down: intake stopped, sealing the open pack");
+        self.stop_intake().await;
+        drain(&pipeline, config.shutdown_grace.0).await;
+        tracing::info!(lease_state = ?lease.state(), "stopped cleanly");
+        Ok(exit_code::CLEAN)
+    }
+
+    /// Stop accepting captures (HTTP writes answer 503 from here on) and seal the open pack. Idempotent.
+    async fn stop_intake(&mut self) {
+        if let Some(http) = &self.http {
+            http.state().close_intake();
+        }
+        if let Some(intake) = self.intake.take() {
+            intake.stop().await;
+        }
+    }
+
+    /// The one way down: intake, then the lease (released if held), then HTTP, then the final status.
+    async fn shutdown(mut self) {
+        self.stop_intake().await;
+        if let Some(lease) = self.lease.take() {
+            lease.stop().await;
+        }
+        if let Some(http) = self.http.take() {
+            http.stop().await;
+        }
+        self.status_task.abort();
+        let board = self.board.clone();
+        let root = self.spool.paths().root.clone();
+        if let Err(error) = off_runtime(move || write_status(&root, &board.snapshot())).await {
+            tracing::debug!(%error, "cannot write the final status.json");
+        }
+        drop(self.spool);
+    }
+}
+
+/// Connect and ensure the schema, retrying with capped backoff until it works or shutdown is requested. A schema
+/// newer than this build is fatal (retrying cannot fix it).
+async fn connect_until_ready(
+    config: &Config,
+    board: &StatusBoard,
+    shutdown_rx: &mut watch::Receiver<bool>,
+) -> Result<Option<(CatalogClient, Tables)>, DaemonError> {
+    let mut backoff = DEPENDENCY_RETRY.start();
+    let mut outage = OutageLog::new("catalog unreachable; ingest continues, publishing waits");
+    loop {
+        if *shutdown_rx.borrow() {
+            return Ok(None);
+        }
+        match crate::catalog::connect(config).await {
+            Ok(connected) => {
+                outage.recovered();
+                return Ok(Some(connected));
+            }
+            Err(error @ crate::catalog::schema::SchemaError::TooNew { .. }) => return Err(error.into()),
+            Err(error) => {
+                outage.failed(&error);
+                board.set_last_error(error.to_string());
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(backoff.next_delay_unbounded()) => {}
+            _ = shutdown_rx.changed() => {}
+        }
+    }
+}
+
+#[derive(Debug, PartialEq, Eq)]
+enum LoopEnd {
+    Shutdown,
+    Latched,
+}
+
+/// The steady state, until shutdown or a latch.
+async fn run_loop(
+    pipeline: &Pipeline,
+    writer: &SpoolWriter,
+    lease: &LeaseHandle,
+    shutdown_rx: &mut watch::Receiver<bool>,
+) -> LoopEnd {
+    let mut lease_rx = lease.subscribe();
+    let mut backoff = DEPENDENCY_RETRY.start();
+    let mut publish_outage = OutageLog::new("publishing failed; backing off");
+    let mut upload_outage = OutageLog::new("upload failed; backing off");
+    loop {
+        if *shutdown_rx.borrow() {
+            return LoopEnd::Shutdown;
+        }
+        if lease.state() == LeaseState::Failed {
+            return LoopEnd::Latched;
+        }
+        let mut failed = false;
+        let mut moved = 0;
+        match pipeline.index_round().await {
+            Ok(count) => {
+                moved += count;
+                publish_outage.recovered();
+            }
+            Err(RoundError::NoLease) => {}
+            Err(error) => {
+                publish_outage.failed(&error);
+                failed = true;
+            }
+        }
+        if !failed {
+            match pipeline.upload_round().await {
+                Ok(count) => {
+                    moved += count;
+                    upload_outage.recovered();
+                }
+                Err(RoundError::NoLease) => {}
+                Err(error) => {
+                    upload_outage.failed(&error);
+                    failed = true;
+                }
+            }
+        }
+        let pause = if failed {
+            backoff.next_delay_unbounded()
+        } else {
+            backoff.reset();
+            if moved > 0 {
+                continue;
+            }
+            IDLE_TICK
+        };
+        tokio::select! {
+            _ = tokio::time::sleep(pause) => {}
+            _ = writer.stats().sealed_notify.notified() => {}
+            _ = lease_rx.changed() => {
+                if *lease_rx.borrow_and_update() == LeaseState::Held {
+                    backoff.reset();
+                }
+            }
+            _ = shutdown_rx.changed() => {}
+        }
+    }
+}
+
+/// Upload and publish what fits in the shutdown grace.
+async fn drain(pipeline: &Pipeline, grace: Duration) {
+    let deadline = Instant::now() + grace;
+    let work = async {
+        let mut backoff = DEPENDENCY_RETRY.start();
+        loop {
+            let indexed = pipeline.index_round().await;
+            let uploaded = pipeline.upload_round().await;
+            let paths = pipeline.paths.clone();
+            let remaining = off_runtime(move || crate::spool::list_packs(&paths)).await.map_or(0, |packs| packs.len());
+            if remaining == 0 {
+                tracing::info!("spool drained");
+                return;
+            }
+            match (indexed, uploaded) {
+                (Ok(published), Ok(uploaded)) if published + uploaded > 0 => backoff.reset(),
+                _ => tokio::time::sleep(backoff.next_delay_unbounded()).await,
+            }
+        }
+    };
+    if tokio::time::timeout_at(deadline.into(), work).await.is_err() {
+        tracing::warn!(?grace, "shutdown grace over; what remains stays in the spool for the next start");
+    }
+}
+
+/// First SIGTERM/SIGINT: ask for a graceful stop. Second: exit at once (the spool is durable, so this is safe).
+fn spawn_signal_thread(shutdown_tx: watch::Sender<bool>) -> std::io::Result<()> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGHUP])?;
+    let stopping = Arc::new(AtomicBool::new(false));
+    std::thread::Builder::new().name("signals".into()).spawn(move || {
+        for signal in signals.forever() {
+            if signal == SIGHUP {
+                tracing::info!("SIGHUP ignored: configuration is read at start; restart to apply changes");
+                continue;
+            }
+            if stopping.swap(true, Ordering::SeqCst) {
+                tracing::warn!(signal, "second signal: exiting at once");
+                std::process::exit(exit_code::FATAL);
+            }
+            tracing::info!(signal, "shutdown requested");
+            let _ = shutdown_tx.send(true);
+        }
+    })?;
+    Ok(())
+}
