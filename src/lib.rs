@@ -31,7 +31,6 @@
 //! `inbox file` -(append + fsync)-> record in `packs/<id>.open` -(seal)-> `.sealed` -(upload)-> `.uploaded`
 //! -(publish)-> deleted. A state change is a rename followed by a directory fsync; see [`spool`].
 
-pub mod bench;
 pub mod bucket;
 pub mod capture;
 pub mod catalog;

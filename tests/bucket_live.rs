@@ -8,9 +8,10 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use capstore::bucket::{Bucket, BucketErrorKind, METADATA_RECORDS, METADATA_SHA256};
+use capstore::capture::CaptureMeta;
 use capstore::config::{ByteSize, Config, Secret};
-use capstore::pack::{CaptureMeta, IndexEntry, PackSummary, PackWriter};
 use capstore::retry::RetryPolicy;
+use common::packs::WrittenPack;
 use object_store::path::Path as ObjectPath;
 use object_store::ObjectStore;
 use rand::RngCore;
@@ -23,12 +24,6 @@ const FIRST_CAPTURED_AT_NS: u64 = 1_700_000_000_000_000_000;
 
 /// The S3 tests share one server and the outage test stops it: they take turns.
 static S3_EXCLUSIVE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-struct WrittenPack {
-    summary: PackSummary,
-    entries: Vec<IndexEntry>,
-    captures: Vec<(CaptureMeta, Vec<u8>)>,
-}
 
 fn capture(index: u64, payload: Vec<u8>) -> (CaptureMeta, Vec<u8>) {
     let mut labels = BTreeMap::new();
@@ -46,13 +41,7 @@ fn capture(index: u64, payload: Vec<u8>) -> (CaptureMeta, Vec<u8>) {
 }
 
 fn write_pack(path: &Path, pack_id: Uuid, captures: Vec<(CaptureMeta, Vec<u8>)>) -> WrittenPack {
-    let mut writer = PackWriter::create(path, pack_id, FIRST_CAPTURED_AT_NS + 10_000_000_000).unwrap();
-    for (meta, payload) in &captures {
-        writer.append(meta, bytes::Bytes::copy_from_slice(payload)).unwrap();
-    }
-    let entries = writer.entries().to_vec();
-    let summary = writer.finish().unwrap();
-    WrittenPack { summary, entries, captures }
+    common::packs::write_pack(path, pack_id, FIRST_CAPTURED_AT_NS + 10_000_000_000, captures)
 }
 
 fn small_captures() -> Vec<(CaptureMeta, Vec<u8>)> {

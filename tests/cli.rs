@@ -1,29 +1,18 @@
 //! The `capstore` binary as operators and producers use it: config checking, `put`, the daemon's inbox ingest
 //! (quarantine, quotas, the owner lock) and the offline spool tools.
 
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use capstore::pack::PackFile;
 use capstore::spool::{list_packs, PackState, SpoolPaths};
+use common::daemon::{Daemon, DaemonEnv};
 
 fn capstore(spool_dir: &Path) -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_capstore"));
-    command
-        .env_clear()
-        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        .env("CAPSTORE_SPOOL_DIR", spool_dir)
-        // Any free port: daemons of parallel tests (and other processes) must not fight over the default one.
-        .env("CAPSTORE_HTTP_LISTEN", "127.0.0.1:0")
-        // No catalog here (port 1 refuses at once): ingest must work regardless, publishing just waits.
-        .env("CAPSTORE_CATALOG_URL", "http://127.0.0.1:1")
-        .env("CAPSTORE_BUCKET_URL", format!("file://{}", spool_dir.with_extension("bucket").display()))
-        .env("CAPSTORE_SPOOL_PACK_MAX_AGE", "100ms")
-        .env("CAPSTORE_SPOOL_MIN_FREE_BYTES", "1MiB")
-        .env("CAPSTORE_SPOOL_INBOX_RESCAN_INTERVAL", "200ms")
-        .env("CAPSTORE_LOG_LEVEL", "info");
-    command
+    DaemonEnv::offline(spool_dir).command()
 }
 
 fn output(command: &mut Command) -> (i32, String, String) {
@@ -31,49 +20,23 @@ fn output(command: &mut Command) -> (i32, String, String) {
     (status.code().unwrap_or(-1), String::from_utf8_lossy(&stdout).into(), String::from_utf8_lossy(&stderr).into())
 }
 
-fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
-    let started = Instant::now();
-    while !condition() {
-        assert!(started.elapsed() < Duration::from_secs(30), "timed out waiting for: {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+fn wait_until(what: &str, condition: impl FnMut() -> bool) {
+    assert!(common::wait_until(Duration::from_secs(30), condition), "timed out waiting for: {what}");
 }
 
-struct Daemon {
-    child: Child,
-    stderr_path: PathBuf,
+/// `capstore run` on `spool_dir`, once it ingests.
+fn start_daemon(spool_dir: &Path, extra_env: &[(&str, &str)]) -> Daemon {
+    let env = extra_env.iter().fold(DaemonEnv::offline(spool_dir), |env, (key, value)| env.set(key, *value));
+    let mut daemon = env.start(spool_dir.with_extension(format!("{}.log", rand::random::<u32>())));
+    daemon.wait_for_log("ingest ready", Duration::from_secs(30));
+    daemon
 }
 
-impl Drop for Daemon {
-    /// A failing test must not leave a daemon running.
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Daemon {
-    fn start(spool_dir: &Path, extra_env: &[(&str, &str)]) -> Daemon {
-        let stderr_path = spool_dir.with_extension(format!("{}.log", rand::random::<u32>()));
-        let stderr = std::fs::File::create(&stderr_path).unwrap();
-        let mut command = capstore(spool_dir);
-        command.envs(extra_env.iter().copied()).arg("run").stderr(stderr).stdout(Stdio::null());
-        let daemon = Daemon { child: command.spawn().unwrap(), stderr_path };
-        wait_until("daemon ingesting", || daemon.log().contains("ingest ready"));
-        daemon
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.stderr_path).unwrap_or_default()
-    }
-
-    fn stop(mut self) -> String {
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), nix::sys::signal::Signal::SIGTERM)
-            .unwrap();
-        let status = self.child.wait().unwrap();
-        assert!(status.success(), "SIGTERM must stop cleanly: {status}\n{}", self.log());
-        self.log()
-    }
+/// SIGTERM, which must stop the daemon cleanly; returns its log.
+fn stop_daemon(daemon: Daemon) -> String {
+    let (code, _, log) = daemon.terminate();
+    assert_eq!(code, 0, "SIGTERM must stop cleanly:\n{log}");
+    log
 }
 
 fn inbox_files(spool_dir: &Path) -> Vec<PathBuf> {
@@ -150,9 +113,9 @@ fn put_then_run_captures_the_file_with_its_labels() {
     assert_eq!(stdout, format!("{id}\t{}\n", payload_path.display()));
     assert_eq!(inbox_files(&spool_dir).len(), 1, "put works without a daemon: the file waits in the inbox");
 
-    let daemon = Daemon::start(&spool_dir, &[]);
+    let daemon = start_daemon(&spool_dir, &[]);
     wait_until("inbox drained", || inbox_files(&spool_dir).is_empty());
-    daemon.stop();
+    stop_daemon(daemon);
     let captures = all_captures(&spool_dir);
     assert_eq!(captures.len(), 1);
     let (meta, bytes) = &captures[0];
@@ -186,14 +149,14 @@ fn put_rejects_bad_arguments_naming_them() {
 fn a_second_daemon_on_the_same_spool_exits_4_naming_the_holder() {
     let dir = tempfile::tempdir().unwrap();
     let spool_dir = dir.path().join("spool");
-    let daemon = Daemon::start(&spool_dir, &[]);
+    let daemon = start_daemon(&spool_dir, &[]);
     let started = Instant::now();
     let (code, _, stderr) = output(capstore(&spool_dir).arg("run"));
     assert!(started.elapsed() < Duration::from_secs(10), "the refusal must be immediate");
     assert_eq!(code, 4, "{stderr}");
-    assert!(stderr.contains(&format!("pid {}", daemon.child.id())), "{stderr}");
+    assert!(stderr.contains(&format!("pid {}", daemon.pid())), "{stderr}");
     assert!(stderr.contains("host "), "{stderr}");
-    daemon.stop();
+    stop_daemon(daemon);
 }
 
 #[test]
@@ -210,11 +173,11 @@ fn bad_inbox_files_are_quarantined_without_blocking_good_ones() {
     std::fs::write(inbox.join("good").join(".being-written"), b"ignored").unwrap();
     std::fs::write(inbox.join("good").join("half.tmp"), b"ignored").unwrap();
     std::fs::write(inbox.join("good").join("c"), b"good").unwrap();
-    let daemon = Daemon::start(&spool_dir, &[("CAPSTORE_SPOOL_MAX_CAPTURE_BYTES", "200KiB")]);
+    let daemon = start_daemon(&spool_dir, &[("CAPSTORE_SPOOL_MAX_CAPTURE_BYTES", "200KiB")]);
     wait_until("good file ingested, bad ones quarantined", || {
         inbox_files(&spool_dir).is_empty() && all_captures(&spool_dir).len() == 1
     });
-    let log = daemon.stop();
+    let log = stop_daemon(daemon);
     assert_eq!(all_captures(&spool_dir)[0].1, b"good");
     assert!(inbox.join("good").join(".being-written").exists() && inbox.join("good").join("half.tmp").exists());
     let quarantine = spool_dir.join("quarantine").join("inbox");
@@ -244,7 +207,7 @@ fn a_full_spool_leaves_files_in_the_inbox_and_resumes_when_space_returns() {
     let spool_dir = dir.path().join("spool");
     let stream = spool_dir.join("inbox").join("s");
     std::fs::create_dir_all(&stream).unwrap();
-    let daemon = Daemon::start(&spool_dir, &[("CAPSTORE_SPOOL_MAX_BYTES", "100KiB")]);
+    let daemon = start_daemon(&spool_dir, &[("CAPSTORE_SPOOL_MAX_BYTES", "100KiB")]);
     for i in 0..6 {
         std::fs::write(stream.join(format!(".f{i}")), vec![i as u8; 30_000]).unwrap();
         std::fs::rename(stream.join(format!(".f{i}")), stream.join(format!("f{i}"))).unwrap();
@@ -266,7 +229,7 @@ fn a_full_spool_leaves_files_in_the_inbox_and_resumes_when_space_returns() {
         moved += 1;
     }
     wait_until("inbox drains once space returns", || inbox_files(&spool_dir).is_empty());
-    daemon.stop();
+    stop_daemon(daemon);
     let total: usize = all_captures(&spool_dir).len()
         + (0..moved)
             .map(|i| PackFile::open(&dir.path().join(format!("published-{i}"))).unwrap().entries().len())
@@ -281,9 +244,9 @@ fn spool_verify_finds_a_damaged_pack_and_inspect_counts_by_state() {
     let stream = spool_dir.join("inbox").join("s");
     std::fs::create_dir_all(&stream).unwrap();
     std::fs::write(stream.join("a"), vec![7u8; 5000]).unwrap();
-    let daemon = Daemon::start(&spool_dir, &[]);
+    let daemon = start_daemon(&spool_dir, &[]);
     wait_until("ingested", || inbox_files(&spool_dir).is_empty());
-    daemon.stop();
+    stop_daemon(daemon);
 
     let (code, stdout, stderr) = output(capstore(&spool_dir).args(["spool", "inspect", "--json"]));
     assert_eq!(code, 0, "{stderr}");

@@ -4,6 +4,8 @@
 //! Checked after every restart (I1, I6, I7): every acknowledged capture is in the spool exactly once with the same
 //! bytes; no `.open` pack is left after recovery; the inbox holds nothing already captured; nothing dropped is lost.
 
+mod common;
+
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -11,32 +13,25 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use capstore::bench::expected_payload;
 use capstore::config::SpoolConfig;
 use capstore::pack::PackFile;
 use capstore::spool::{list_packs, PackState, Spool};
+use common::daemon::{expected_payload, Daemon, DaemonEnv};
 use rand::Rng;
 use uuid::Uuid;
 
 const KILLS: usize = 22;
 
+/// Small packs (sealed by bytes too) and fast seals, so kills land in every state of a pack.
+fn crash_env(spool_dir: &Path) -> DaemonEnv {
+    DaemonEnv::offline(spool_dir)
+        .set("CAPSTORE_SPOOL_PACK_MAX_BYTES", "1MiB")
+        .set("CAPSTORE_SPOOL_PACK_MAX_AGE", "150ms")
+        .set("CAPSTORE_LOG_LEVEL", "warn")
+}
+
 fn capstore(spool_dir: &Path) -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_capstore"));
-    command
-        .env_clear()
-        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        .env("CAPSTORE_SPOOL_DIR", spool_dir)
-        // Any free port: daemons of parallel tests (and other processes) must not fight over the default one.
-        .env("CAPSTORE_HTTP_LISTEN", "127.0.0.1:0")
-        // No catalog here (port 1 refuses at once): ingest must work regardless, publishing just waits.
-        .env("CAPSTORE_CATALOG_URL", "http://127.0.0.1:1")
-        .env("CAPSTORE_BUCKET_URL", format!("file://{}", spool_dir.with_extension("bucket").display()))
-        .env("CAPSTORE_SPOOL_PACK_MAX_BYTES", "1MiB")
-        .env("CAPSTORE_SPOOL_PACK_MAX_AGE", "150ms")
-        .env("CAPSTORE_SPOOL_MIN_FREE_BYTES", "1MiB")
-        .env("CAPSTORE_SPOOL_INBOX_RESCAN_INTERVAL", "200ms")
-        .env("CAPSTORE_LOG_LEVEL", "warn");
-    command
+    crash_env(spool_dir).command()
 }
 
 fn sigkill(child: &mut Child) {
@@ -86,12 +81,9 @@ fn appended_captures_survive_sigkill_at_random_instants() {
     let mut acknowledged: BTreeMap<Uuid, usize> = BTreeMap::new();
     let mut rng = rand::rng();
     for round in 0..KILLS {
-        let mut child = capstore(&spool_dir)
-            .args(["debug", "append-stream", "--producers", "8"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
+        let mut command = capstore(&spool_dir);
+        command.args(["debug", "append-stream", "--producers", "8"]).stdout(Stdio::piped()).stderr(Stdio::inherit());
+        let mut child = common::spawn_tied_to_process(command).unwrap();
         let stdout = child.stdout.take().unwrap();
         let acks: Arc<Mutex<Vec<(Uuid, usize)>>> = Arc::default();
         let reader_acks = acks.clone();
@@ -184,7 +176,9 @@ fn inbox_ingest_is_exactly_once_across_sigkills() {
         (contents.captures.len(), waiting.len())
     };
     for round in 0..KILLS {
-        let mut child = capstore(&spool_dir).arg("run").stderr(Stdio::inherit()).spawn().unwrap();
+        let mut command = capstore(&spool_dir);
+        command.arg("run").stderr(Stdio::inherit());
+        let mut child = common::spawn_tied_to_process(command).unwrap();
         let kill_at = Instant::now() + Duration::from_millis(rng.random_range(50..500));
         while Instant::now() < kill_at {
             producer.drop_one();
@@ -195,25 +189,16 @@ fn inbox_ingest_is_exactly_once_across_sigkills() {
     }
     // A last clean run drains the inbox; SIGTERM stops it cleanly (once it is up: a signal before the handlers are
     // installed would kill it by default action).
-    let log_path = dir.path().join("last-run.log");
-    let mut child = capstore(&spool_dir)
-        .env("CAPSTORE_LOG_LEVEL", "info")
-        .arg("run")
-        .stderr(std::fs::File::create(&log_path).unwrap())
-        .spawn()
-        .unwrap();
+    let mut last_run: Daemon =
+        crash_env(&spool_dir).set("CAPSTORE_LOG_LEVEL", "info").start(dir.path().join("last-run.log"));
     let started = Instant::now();
-    while !std::fs::read_to_string(&log_path).unwrap_or_default().contains("ingest ready") {
-        assert!(started.elapsed() < Duration::from_secs(30), "the last run never came up");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    last_run.wait_for_log("ingest ready", Duration::from_secs(30));
     while !inbox_ids(&inbox_stream).is_empty() {
         assert!(started.elapsed() < Duration::from_secs(60), "inbox did not drain");
         std::thread::sleep(Duration::from_millis(20));
     }
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
-    let status = child.wait().unwrap();
-    assert!(status.success(), "SIGTERM must stop the daemon cleanly: {status}");
+    let (code, _, log) = last_run.terminate();
+    assert_eq!(code, 0, "SIGTERM must stop the daemon cleanly:\n{log}");
     let (captured, waiting) = check(&producer, KILLS);
     assert_eq!(waiting, 0);
     assert_eq!(captured, producer.dropped.len(), "every dropped file is captured exactly once");

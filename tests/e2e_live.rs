@@ -6,11 +6,9 @@ mod common;
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use capstore::bench::expected_payload;
 use capstore::bucket::Bucket;
 use capstore::catalog::lease::{LeaseStore, LeaseTimings};
 use capstore::catalog::query::{CatalogReader, ListQuery};
@@ -19,6 +17,7 @@ use capstore::config::Config;
 use capstore::reader::Reader;
 use capstore::spool::{list_packs, SpoolPaths};
 use common::clickhouse::shared_server;
+use common::daemon::{expected_payload, Daemon, DaemonEnv};
 use common::proxy::FaultProxy;
 use rand::Rng;
 use uuid::Uuid;
@@ -36,7 +35,7 @@ enum BucketKind {
 /// One daemon's world: its spool, bucket, catalog database and name, and (optionally) a fault proxy to ClickHouse.
 struct World {
     dir: tempfile::TempDir,
-    env: BTreeMap<String, String>,
+    env: DaemonEnv,
     proxy: Option<FaultProxy>,
     config: Config,
 }
@@ -47,47 +46,25 @@ impl World {
         let dir = tempfile::tempdir().unwrap();
         let proxy = with_proxy.then(|| FaultProxy::start(server.http_addr));
         let catalog_url = proxy.as_ref().map_or_else(|| server.url(), |proxy| proxy.url());
-        let catalog_name = format!("e2e-{}", rand::random::<u32>());
-        let mut env: BTreeMap<String, String> = [
-            ("CAPSTORE_CATALOG_NAME", catalog_name.clone()),
-            ("CAPSTORE_CATALOG_URL", catalog_url),
-            ("CAPSTORE_CATALOG_DATABASE", server.fresh_database("e2e")),
-            ("CAPSTORE_CATALOG_TABLE_PREFIX", "cs".into()),
-            ("CAPSTORE_CATALOG_REQUEST_TIMEOUT", "2s".into()),
-            ("CAPSTORE_LEASE_TTL", "3s".into()),
-            ("CAPSTORE_LEASE_PUBLISH_TIMEOUT", "1s".into()),
-            ("CAPSTORE_SPOOL_DIR", dir.path().join("spool").display().to_string()),
-            ("CAPSTORE_SPOOL_PACK_MAX_BYTES", "2MiB".into()),
-            ("CAPSTORE_SPOOL_PACK_MAX_AGE", "200ms".into()),
-            ("CAPSTORE_SPOOL_MIN_FREE_BYTES", "1MiB".into()),
-            ("CAPSTORE_SPOOL_INBOX_RESCAN_INTERVAL", "250ms".into()),
-            ("CAPSTORE_UPLOAD_PART_SIZE", "5MiB".into()),
-            ("CAPSTORE_SHUTDOWN_GRACE", "20s".into()),
-            ("CAPSTORE_LOG_LEVEL", "info".into()),
-            // Any free port: parallel daemons must not fight over the default HTTP port.
-            ("CAPSTORE_HTTP_LISTEN", "127.0.0.1:0".into()),
-        ]
-        .into_iter()
-        .map(|(key, value)| (key.to_string(), value))
-        .collect();
-        match bucket {
-            BucketKind::File => {
-                env.insert("CAPSTORE_BUCKET_URL".into(), format!("file://{}", dir.path().join("bucket").display()));
-            }
-            BucketKind::S3 => {
-                let s3 = common::s3::shared_s3();
-                env.insert("CAPSTORE_BUCKET_URL".into(), format!("s3://{}", s3.bucket));
-                env.insert("CAPSTORE_BUCKET_ENDPOINT".into(), s3.endpoint());
-                env.insert("CAPSTORE_BUCKET_REGION".into(), "us-east-1".into());
-                env.insert("CAPSTORE_BUCKET_ALLOW_HTTP".into(), "true".into());
-                env.insert("CAPSTORE_BUCKET_ACCESS_KEY_ID".into(), s3.access_key.clone());
-                env.insert("CAPSTORE_BUCKET_SECRET_ACCESS_KEY".into(), s3.secret_key.clone());
+        let mut env = DaemonEnv::live("e2e", dir.path())
+            .set("CAPSTORE_CATALOG_URL", catalog_url)
+            .set("CAPSTORE_SPOOL_PACK_MAX_BYTES", "2MiB")
+            .set("CAPSTORE_SPOOL_INBOX_RESCAN_INTERVAL", "250ms")
+            .set("CAPSTORE_UPLOAD_PART_SIZE", "5MiB")
+            .set("CAPSTORE_SHUTDOWN_GRACE", "20s");
+        if let BucketKind::S3 = bucket {
+            let s3 = common::s3::shared_s3();
+            env = env
+                .set("CAPSTORE_BUCKET_URL", format!("s3://{}", s3.bucket))
+                .set("CAPSTORE_BUCKET_ENDPOINT", s3.endpoint())
+                .set("CAPSTORE_BUCKET_REGION", "us-east-1")
+                .set("CAPSTORE_BUCKET_ALLOW_HTTP", "true")
+                .set("CAPSTORE_BUCKET_ACCESS_KEY_ID", s3.access_key.clone())
+                .set("CAPSTORE_BUCKET_SECRET_ACCESS_KEY", s3.secret_key.clone())
                 // Every test uses its own prefix in the shared bucket.
-                env.insert("CAPSTORE_BUCKET_PREFIX".into(), format!("t{}", rand::random::<u32>()));
-            }
+                .set("CAPSTORE_BUCKET_PREFIX", format!("t{}", rand::random::<u32>()));
         }
-        let pairs: Vec<(String, String)> = env.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-        let mut config = Config::from_sources("", &pairs).unwrap();
+        let mut config = env.config();
         // The test process reaches ClickHouse directly, never through the proxy it cuts.
         config.catalog.url = server.url();
         World { dir, env, proxy, config }
@@ -105,21 +82,13 @@ impl World {
 
     fn start(&self, extra_env: &[(&str, &str)]) -> Daemon {
         let log_path = self.dir.path().join(format!("daemon-{}.log", rand::random::<u32>()));
-        let mut command = Command::new(env!("CARGO_BIN_EXE_capstore"));
-        command
-            .env_clear()
-            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-            .envs(&self.env)
-            .envs(extra_env.iter().copied())
-            .arg("run")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log_path).unwrap());
-        Daemon { child: command.spawn().unwrap(), log_path }
+        let env = extra_env.iter().fold(self.env.clone(), |env, (key, value)| env.set(key, *value));
+        env.start(log_path)
     }
 
     async fn catalog(&self) -> (CatalogClient, Tables) {
         let client = CatalogClient::connect(&self.config.catalog).await.unwrap();
-        let tables = Tables::new(&self.config.catalog.database, "cs", None);
+        let tables = Tables::from_config(&self.config.catalog);
         (client, tables)
     }
 
@@ -213,50 +182,6 @@ impl World {
     }
 }
 
-struct Daemon {
-    child: Child,
-    log_path: PathBuf,
-}
-
-impl Drop for Daemon {
-    /// A failing test must not leave a daemon running.
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Daemon {
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log_path).unwrap_or_default()
-    }
-
-    fn signal(&self, signal: nix::sys::signal::Signal) {
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), signal).unwrap();
-    }
-
-    fn kill(mut self) {
-        self.signal(nix::sys::signal::Signal::SIGKILL);
-        self.child.wait().unwrap();
-    }
-
-    /// SIGTERM and wait; returns the exit code and how long the stop took.
-    fn terminate(mut self) -> (i32, Duration, String) {
-        let started = Instant::now();
-        self.signal(nix::sys::signal::Signal::SIGTERM);
-        let status = self.child.wait().unwrap();
-        (status.code().unwrap_or(-1), started.elapsed(), self.log())
-    }
-
-    async fn wait_for_log(&self, needle: &str, within: Duration) {
-        let started = Instant::now();
-        while !self.log().contains(needle) {
-            assert!(started.elapsed() < within, "daemon never logged {needle:?}:\n{}", self.log());
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-}
-
 /// Drops files into the inbox as a well-behaved producer does: hidden temp name, then rename.
 struct Producer {
     stream: PathBuf,
@@ -306,8 +231,8 @@ async fn two_thousand_mixed_captures_through_s3_are_listed_once_and_read_back_id
     let _turn = S3_TURN.lock().await;
     let world = World::new(BucketKind::S3, false);
     let mut producer = Producer::new(world.inbox_stream(), mixed_sizes());
-    let daemon = world.start(&[]);
-    daemon.wait_for_log("capstore running", Duration::from_secs(30)).await;
+    let mut daemon = world.start(&[]);
+    daemon.wait_for_log_async("capstore running", Duration::from_secs(30)).await;
     producer.drop_many(2000);
     world.wait_for_drain(&producer, Duration::from_secs(180)).await;
     let (code, _, log) = daemon.terminate();
@@ -341,7 +266,7 @@ async fn crash_matrix_sigkill_at_random_and_named_points_then_one_clean_run() {
         let started = Instant::now();
         let status = loop {
             producer.drop_many(3);
-            if let Some(status) = daemon.child.try_wait().unwrap() {
+            if let Some(status) = daemon.child_mut().try_wait().unwrap() {
                 break status;
             }
             assert!(started.elapsed() < Duration::from_secs(60), "failpoint {point} never reached:\n{}", daemon.log());
@@ -361,8 +286,8 @@ async fn a_clickhouse_cut_of_three_ttls_never_stops_ingest_and_uploads_nothing_w
     let world = World::new(BucketKind::File, true);
     let proxy = world.proxy.as_ref().unwrap();
     let mut producer = Producer::new(world.inbox_stream(), vec![100, 5000, 50_000]);
-    let daemon = world.start(&[]);
-    daemon.wait_for_log("capstore running", Duration::from_secs(30)).await;
+    let mut daemon = world.start(&[]);
+    daemon.wait_for_log_async("capstore running", Duration::from_secs(30)).await;
     producer.drop_many(50);
     world.wait_for_drain(&producer, Duration::from_secs(60)).await;
 
@@ -396,8 +321,8 @@ async fn an_s3_outage_under_load_retries_and_drains_after() {
     let world = World::new(BucketKind::S3, false);
     let s3 = common::s3::shared_s3();
     let mut producer = Producer::new(world.inbox_stream(), vec![100, 5000, 200_000]);
-    let daemon = world.start(&[]);
-    daemon.wait_for_log("capstore running", Duration::from_secs(30)).await;
+    let mut daemon = world.start(&[]);
+    daemon.wait_for_log_async("capstore running", Duration::from_secs(30)).await;
     producer.drop_many(30);
     s3.stop();
     let outage_started = Instant::now();
@@ -421,7 +346,7 @@ async fn a_lost_spool_is_repaired_by_reconcile_and_invalid_objects_are_skipped()
     producer.drop_many(20);
     let mut daemon = world.start(&[("CAPSTORE_FAILPOINTS", "after_upload_before_rename")]);
     let started = Instant::now();
-    while daemon.child.try_wait().unwrap().is_none() {
+    while daemon.child_mut().try_wait().unwrap().is_none() {
         assert!(started.elapsed() < Duration::from_secs(60), "never uploaded:\n{}", daemon.log());
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -433,8 +358,8 @@ async fn a_lost_spool_is_repaired_by_reconcile_and_invalid_objects_are_skipped()
     let invalid = bucket_root.join(uploaded[0].0.rsplit_once('/').unwrap().0).join(format!("{}.cpk", Uuid::now_v7()));
     std::fs::write(&invalid, b"this is not a pack").unwrap();
 
-    let daemon = world.start(&[]);
-    daemon.wait_for_log("reconcile done", Duration::from_secs(60)).await;
+    let mut daemon = world.start(&[]);
+    daemon.wait_for_log_async("reconcile done", Duration::from_secs(60)).await;
     let log = daemon.log();
     assert!(log.contains("not a valid pack"), "the invalid object is reported:\n{log}");
     let (code, _, _) = daemon.terminate();
@@ -453,8 +378,8 @@ async fn a_lost_spool_is_repaired_by_reconcile_and_invalid_objects_are_skipped()
 async fn sigterm_under_load_exits_cleanly_and_frees_the_lease() {
     let world = World::new(BucketKind::File, false);
     let mut producer = Producer::new(world.inbox_stream(), vec![100, 5000, 100_000]);
-    let daemon = world.start(&[]);
-    daemon.wait_for_log("capstore running", Duration::from_secs(30)).await;
+    let mut daemon = world.start(&[]);
+    daemon.wait_for_log_async("capstore running", Duration::from_secs(30)).await;
     for _ in 0..20 {
         producer.drop_many(10);
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -471,8 +396,8 @@ async fn sigterm_under_load_exits_cleanly_and_frees_the_lease() {
     let other_spool = world.dir.path().join("other-spool");
     let mut daemon =
         world.start(&[("CAPSTORE_SPOOL_DIR", other_spool.to_str().unwrap()), ("CAPSTORE_LEASE_START_WAIT", "0s")]);
-    daemon.wait_for_log("capstore running", Duration::from_secs(30)).await;
-    assert!(daemon.child.try_wait().unwrap().is_none(), "the new holder must not be refused");
+    daemon.wait_for_log_async("capstore running", Duration::from_secs(30)).await;
+    assert!(daemon.child_mut().try_wait().unwrap().is_none(), "the new holder must not be refused");
     let (code, _, _) = daemon.terminate();
     assert_eq!(code, 0);
     // Whatever did not fit in the grace is still in the first spool; a last run publishes it.

@@ -8,10 +8,9 @@ use std::time::{Duration, Instant};
 
 use capstore::capture::CaptureMeta;
 use capstore::catalog::query::CatalogReader;
-use capstore::config::Config;
 use capstore::daemon::run_in_process;
 use capstore::spool::writer::AppendError;
-use common::clickhouse::shared_server;
+use common::daemon::{expected_payload, DaemonEnv};
 use uuid::Uuid;
 
 fn meta(capture_id: Uuid) -> CaptureMeta {
@@ -27,25 +26,8 @@ fn meta(capture_id: Uuid) -> CaptureMeta {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn library_appends_are_published_and_read_back_and_shutdown_is_clean() {
-    let server = shared_server();
     let dir = tempfile::tempdir().unwrap();
-    let env: Vec<(String, String)> = [
-        ("CAPSTORE_CATALOG_NAME", format!("embedded-{}", rand::random::<u32>())),
-        ("CAPSTORE_CATALOG_URL", server.url()),
-        ("CAPSTORE_CATALOG_DATABASE", server.fresh_database("embedded")),
-        ("CAPSTORE_LEASE_TTL", "3s".into()),
-        ("CAPSTORE_LEASE_PUBLISH_TIMEOUT", "1s".into()),
-        ("CAPSTORE_CATALOG_REQUEST_TIMEOUT", "2s".into()),
-        ("CAPSTORE_SPOOL_DIR", dir.path().join("spool").display().to_string()),
-        ("CAPSTORE_SPOOL_PACK_MAX_AGE", "200ms".into()),
-        ("CAPSTORE_SPOOL_MIN_FREE_BYTES", "1MiB".into()),
-        ("CAPSTORE_BUCKET_URL", format!("file://{}", dir.path().join("bucket").display())),
-        ("CAPSTORE_HTTP_LISTEN", "127.0.0.1:0".into()),
-    ]
-    .into_iter()
-    .map(|(key, value)| (key.to_string(), value))
-    .collect();
-    let config = Config::from_sources("", &env).unwrap();
+    let config = DaemonEnv::live("embedded", dir.path()).config();
 
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
     let (writer_tx, writer_rx) = tokio::sync::oneshot::channel();
@@ -56,7 +38,7 @@ async fn library_appends_are_published_and_read_back_and_shutdown_is_clean() {
     let mut appended = Vec::new();
     for size in [0usize, 100, 40 * 1024, 3 * 1024 * 1024] {
         let capture_id = Uuid::now_v7();
-        let payload = capstore::bench::expected_payload(capture_id, size);
+        let payload = expected_payload(capture_id, size);
         let ack = writer.append(meta(capture_id), payload.clone()).await.unwrap();
         assert_eq!(ack.capture_id, capture_id);
         appended.push((capture_id, payload));

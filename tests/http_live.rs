@@ -2,69 +2,33 @@
 
 mod common;
 
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::clickhouse::shared_server;
+use common::daemon::{Daemon, DaemonEnv};
 use reqwest::StatusCode;
 use serde_json::Value;
 
 const MIB: usize = 1024 * 1024;
 
-struct Daemon {
-    child: Child,
+/// A `capstore run` child with its HTTP base URL.
+struct HttpDaemon {
+    daemon: Daemon,
     base: String,
-    log_path: PathBuf,
     _dir: tempfile::TempDir,
 }
 
-impl Drop for Daemon {
-    /// A failing test must not leave a daemon running.
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Daemon {
+impl HttpDaemon {
     /// Start `capstore run` on a fresh catalog and spool; returns once /healthz answers.
-    async fn start(extra_env: &[(&str, String)]) -> Daemon {
-        let server = shared_server();
+    async fn start(extra_env: &[(&str, String)]) -> HttpDaemon {
         let dir = tempfile::tempdir().unwrap();
         let port = common::free_port(false);
-        let env: Vec<(String, String)> = [
-            ("CAPSTORE_CATALOG_NAME", format!("http-{}", rand::random::<u32>())),
-            ("CAPSTORE_CATALOG_URL", server.url()),
-            ("CAPSTORE_CATALOG_DATABASE", server.fresh_database("http")),
-            ("CAPSTORE_CATALOG_TABLE_PREFIX", "cs".into()),
-            ("CAPSTORE_CATALOG_REQUEST_TIMEOUT", "2s".into()),
-            ("CAPSTORE_LEASE_TTL", "3s".into()),
-            ("CAPSTORE_LEASE_PUBLISH_TIMEOUT", "1s".into()),
-            ("CAPSTORE_SPOOL_DIR", dir.path().join("spool").display().to_string()),
-            ("CAPSTORE_SPOOL_PACK_MAX_AGE", "200ms".into()),
-            ("CAPSTORE_SPOOL_MIN_FREE_BYTES", "1MiB".into()),
-            ("CAPSTORE_SPOOL_MAX_CAPTURE_BYTES", "3MiB".into()),
-            ("CAPSTORE_BUCKET_URL", format!("file://{}", dir.path().join("bucket").display())),
-            ("CAPSTORE_HTTP_LISTEN", format!("127.0.0.1:{port}")),
-            ("CAPSTORE_SHUTDOWN_GRACE", "5s".into()),
-            ("CAPSTORE_LOG_LEVEL", "info".into()),
-        ]
-        .into_iter()
-        .map(|(key, value)| (key.to_string(), value))
-        .chain(extra_env.iter().map(|(key, value)| (key.to_string(), value.clone())))
-        .collect();
-        let log_path = dir.path().join("daemon.log");
-        let mut command = Command::new(env!("CARGO_BIN_EXE_capstore"));
-        command
-            .env_clear()
-            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-            .envs(env)
-            .arg("run")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log_path).unwrap());
-        let child = common::spawn_tied_to_process(command).unwrap();
-        let mut daemon = Daemon { child, base: format!("http://127.0.0.1:{port}"), log_path, _dir: dir };
+        let env = DaemonEnv::live("http", dir.path())
+            .set("CAPSTORE_SPOOL_MAX_CAPTURE_BYTES", "3MiB")
+            .set("CAPSTORE_HTTP_LISTEN", format!("127.0.0.1:{port}"))
+            .set("CAPSTORE_SHUTDOWN_GRACE", "5s");
+        let env = extra_env.iter().fold(env, |env, (key, value)| env.set(key, value.clone()));
+        let daemon = env.start(dir.path().join("daemon.log"));
+        let mut daemon = HttpDaemon { daemon, base: format!("http://127.0.0.1:{port}"), _dir: dir };
         let client = reqwest::Client::new();
         let started = Instant::now();
         loop {
@@ -72,7 +36,7 @@ impl Daemon {
                 assert_eq!(response.status(), StatusCode::OK);
                 return daemon;
             }
-            assert!(daemon.child.try_wait().unwrap().is_none(), "daemon exited:\n{}", daemon.log());
+            assert!(daemon.daemon.exited().is_none(), "daemon exited:\n{}", daemon.log());
             assert!(started.elapsed() < Duration::from_secs(20), "http never came up:\n{}", daemon.log());
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -83,7 +47,7 @@ impl Daemon {
     }
 
     fn log(&self) -> String {
-        std::fs::read_to_string(&self.log_path).unwrap_or_default()
+        self.daemon.log()
     }
 
     /// Poll GET `path` until it answers 200 (the catalog connects after HTTP is up); returns the answer.
@@ -116,7 +80,7 @@ fn payload(len: usize, seed: u8) -> Vec<u8> {
 
 #[tokio::test]
 async fn post_get_list_status_metrics() {
-    let daemon = Daemon::start(&[]).await;
+    let daemon = HttpDaemon::start(&[]).await;
     let client = reqwest::Client::new();
 
     // Writes work before the catalog is connected; reads wait for it.
@@ -193,7 +157,7 @@ async fn token_required_when_configured() {
     let token_dir = tempfile::tempdir().unwrap();
     let token_path = token_dir.path().join("token");
     std::fs::write(&token_path, "s3cret-token\n").unwrap();
-    let daemon = Daemon::start(&[("CAPSTORE_HTTP_TOKEN_FILE", token_path.display().to_string())]).await;
+    let daemon = HttpDaemon::start(&[("CAPSTORE_HTTP_TOKEN_FILE", token_path.display().to_string())]).await;
     let client = reqwest::Client::new();
     for path in ["/status", "/metrics", "/v1/captures?stream=a"] {
         let response = client.get(daemon.url(path)).send().await.unwrap();
@@ -216,7 +180,7 @@ async fn token_required_when_configured() {
 #[tokio::test]
 async fn spool_full_answers_503_with_retry_after_and_loses_nothing() {
     // The open pack never seals (large size and age limits), so the spool cannot free space during the test.
-    let daemon = Daemon::start(&[
+    let daemon = HttpDaemon::start(&[
         ("CAPSTORE_SPOOL_MAX_BYTES", "1MiB".to_string()),
         ("CAPSTORE_SPOOL_PACK_MAX_BYTES", "64MiB".to_string()),
         ("CAPSTORE_SPOOL_PACK_MAX_AGE", "1h".to_string()),
@@ -256,7 +220,7 @@ async fn spool_full_answers_503_with_retry_after_and_loses_nothing() {
 async fn catalog_unreachable_writes_work_reads_wait_and_shutdown_is_clean() {
     // Nothing listens on the catalog port: ingest is up, the catalog never connects.
     let dead_catalog = format!("http://127.0.0.1:{}", common::free_port(false));
-    let mut daemon = Daemon::start(&[("CAPSTORE_CATALOG_URL", dead_catalog)]).await;
+    let mut daemon = HttpDaemon::start(&[("CAPSTORE_CATALOG_URL", dead_catalog)]).await;
     let client = reqwest::Client::new();
     let url = daemon.url("/v1/captures?stream=offline&wait=published&timeout_ms=300");
     let response = client.post(url).body("kept").send().await.unwrap();
@@ -272,10 +236,13 @@ async fn catalog_unreachable_writes_work_reads_wait_and_shutdown_is_clean() {
     let status = json(daemon.get_ok(&client, "/status").await).await;
     assert_eq!(status["writer"]["records_appended"], 1, "{status}");
 
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(daemon.child.id() as i32), nix::sys::signal::Signal::SIGTERM)
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(daemon.daemon.pid() as i32), nix::sys::signal::Signal::SIGTERM)
         .unwrap();
-    assert!(common::wait_until(Duration::from_secs(10), || matches!(daemon.child.try_wait(), Ok(Some(_)))));
-    assert_eq!(daemon.child.wait().unwrap().code(), Some(0), "{}", daemon.log());
+    assert!(common::wait_until(Duration::from_secs(10), || matches!(
+        daemon.daemon.child_mut().try_wait(),
+        Ok(Some(_))
+    )));
+    assert_eq!(daemon.daemon.child_mut().wait().unwrap().code(), Some(0), "{}", daemon.log());
     assert!(client.get(daemon.url("/healthz")).send().await.is_err(), "still serving after exit");
     assert!(daemon.log().contains("http stopped"), "{}", daemon.log());
 }

@@ -5,10 +5,11 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use capstore::capture::CaptureMeta;
 use capstore::catalog::lease::{
     ClaimOutcome, Identity, LeaseKeeper, LeaseState, LeaseStore, LeaseTimings, PublishPermit, StartError,
 };
@@ -16,8 +17,9 @@ use capstore::catalog::publish::{PackDescriptor, PublishError, PublishOutcome, P
 use capstore::catalog::query::{CatalogReader, ListQuery};
 use capstore::catalog::{CatalogClient, ErrorKind, Tables};
 use capstore::config::{Config, HumanDuration};
-use capstore::pack::{CaptureMeta, IndexEntry, PackSummary};
+use capstore::pack::{IndexEntry, PackSummary};
 use common::clickhouse::shared_server;
+use common::daemon::DaemonEnv;
 use common::proxy::FaultProxy;
 use tokio::sync::watch;
 use uuid::Uuid;
@@ -508,25 +510,17 @@ impl Drop for Holder {
 }
 
 fn spawn_holder(config: &Config, spool_dir: &std::path::Path, start_wait: &str) -> Holder {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_capstore"))
-        .env_clear()
-        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        .env("CAPSTORE_CATALOG_NAME", &config.catalog_name)
-        .env("CAPSTORE_CATALOG_URL", &config.catalog.url)
-        .env("CAPSTORE_CATALOG_DATABASE", &config.catalog.database)
-        .env("CAPSTORE_CATALOG_TABLE_PREFIX", &config.catalog.table_prefix)
-        .env("CAPSTORE_CATALOG_REQUEST_TIMEOUT", "2s")
-        .env("CAPSTORE_LEASE_TTL", "3s")
-        .env("CAPSTORE_LEASE_PUBLISH_TIMEOUT", "1s")
-        .env("CAPSTORE_LEASE_START_WAIT", start_wait)
-        .env("CAPSTORE_SPOOL_DIR", spool_dir)
-        .env("CAPSTORE_SPOOL_MIN_FREE_BYTES", "1MiB")
-        .env("CAPSTORE_LOG_LEVEL", "warn")
-        .args(["debug", "hold-lease"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
+    let holder_env = DaemonEnv::live("holder", spool_dir.parent().unwrap())
+        .set("CAPSTORE_CATALOG_NAME", config.catalog_name.clone())
+        .set("CAPSTORE_CATALOG_URL", config.catalog.url.clone())
+        .set("CAPSTORE_CATALOG_DATABASE", config.catalog.database.clone())
+        .set("CAPSTORE_CATALOG_TABLE_PREFIX", config.catalog.table_prefix.clone())
+        .set("CAPSTORE_LEASE_START_WAIT", start_wait)
+        .set("CAPSTORE_SPOOL_DIR", spool_dir.display().to_string())
+        .set("CAPSTORE_LOG_LEVEL", "warn");
+    let mut command = holder_env.command();
+    command.args(["debug", "hold-lease"]).stdout(Stdio::piped()).stderr(Stdio::inherit());
+    let mut child = common::spawn_tied_to_process(command).unwrap();
     let mut line = String::new();
     BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
     let mut fields = line.split_whitespace();

@@ -10,6 +10,8 @@
 //!
 //! and commit the new file. A reader of an existing major must keep reading old golden files, so keep old vectors.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -71,12 +73,9 @@ fn golden_captures() -> Vec<(CaptureMeta, Vec<u8>)> {
     ]
 }
 
+/// The bytes of a pack of `captures` written to `path`.
 fn write_pack(path: &Path, pack_id: Uuid, created_at_ns: u64, captures: &[(CaptureMeta, Vec<u8>)]) -> Vec<u8> {
-    let mut writer = PackWriter::create(path, pack_id, created_at_ns).unwrap();
-    for (meta, payload) in captures {
-        writer.append(meta, bytes::Bytes::copy_from_slice(payload)).unwrap();
-    }
-    writer.finish().unwrap();
+    common::packs::write_pack(path, pack_id, created_at_ns, captures.to_vec());
     std::fs::read(path).unwrap()
 }
 

@@ -4,6 +4,7 @@
 mod bench;
 mod catalog_cmd;
 mod config_cmd;
+mod debug;
 mod put;
 mod read_cmd;
 mod spool_cmd;
@@ -65,7 +66,7 @@ enum Command {
     Bench(bench::BenchCommand),
     /// Test helpers (not a stable interface).
     #[command(subcommand, hide = true)]
-    Debug(bench::DebugCommand),
+    Debug(debug::DebugCommand),
 }
 
 pub fn main() -> i32 {
@@ -93,8 +94,8 @@ pub fn main() -> i32 {
         Command::Verify { json } => read_cmd::verify(&config, json),
         Command::Lease(command) => catalog_cmd::lease(&config, command),
         Command::Gc => catalog_cmd::gc(&config),
-        Command::Bench(command) => bench::run(&config, command),
-        Command::Debug(command) => bench::debug(&config, command),
+        Command::Bench(command) => bench::run(&config, cli.config.as_deref(), command),
+        Command::Debug(command) => debug::run(&config, command),
     };
     match result {
         Ok(code) => code,

@@ -14,6 +14,8 @@
 #![allow(dead_code)]
 
 pub mod clickhouse;
+pub mod daemon;
+pub mod packs;
 pub mod proxy;
 pub mod s3;
 

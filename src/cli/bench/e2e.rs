@@ -1,320 +1,108 @@
-//! Benchmarks with a baseline measured in the same run (`capstore bench spool`).
-//!
-//! Spool append throughput: concurrent producers append captures of one size through the group-commit writer until
-//! `total_bytes` are acknowledged; the baseline is `dd if=/dev/zero bs=1M count=N conv=fdatasync` writing the same number
-//! of bytes into the same directory. Each size runs `repeats` times and the median is reported, because these machines
-//! are shared and noisy.
+//! `capstore bench e2e`: end to end through a real daemon (captures/s, MB/s, ack -> listed latency, peak RSS), beside
+//! `rclone copy` of the same captures as individual objects to the same bucket, in the same run.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Child, Command};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
 use serde::Serialize;
 use uuid::Uuid;
 
-use crate::pack::CaptureMeta;
-use crate::spool::writer::{spawn_writer, WriterSettings};
-use crate::spool::SpoolPaths;
+use capstore::capture::CaptureMeta;
+use capstore::catalog::query::CatalogReader;
 
-#[derive(Debug, Clone, Serialize)]
-pub struct SpoolBenchRow {
-    pub capture_bytes: u64,
-    pub captures: u64,
-    pub total_bytes: u64,
-    pub spool_seconds: f64,
-    pub spool_mb_per_s: f64,
-    pub captures_per_s: f64,
-    pub fsyncs: u64,
-    pub dd_seconds: f64,
-    pub dd_mb_per_s: f64,
-    /// spool MB/s divided by dd MB/s.
-    pub ratio_to_dd: f64,
+use super::deterministic_payload as expected_payload;
+
+/// How long the daemon may take to start publishing (the lease's start wait included).
+const START_TIMEOUT: Duration = Duration::from_secs(120);
+/// A throughput phase fails when no new publish arrives for this long.
+const STALL_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A `capstore run` child tied to the bench: SIGTERMed when the bench exits however it exits (the kernel sends it
+/// when the bench process dies), and when this value drops on an error path.
+struct ChildDaemon {
+    child: Option<Child>,
+    log_path: PathBuf,
 }
 
-pub struct SpoolBenchOptions {
-    pub dir: PathBuf,
-    pub capture_sizes: Vec<u64>,
-    pub total_bytes: u64,
-    pub producers: usize,
-    pub repeats: usize,
-}
-
-pub async fn spool_append(options: &SpoolBenchOptions) -> std::io::Result<Vec<SpoolBenchRow>> {
-    std::fs::create_dir_all(&options.dir)?;
-    let mut rows = Vec::new();
-    for &capture_bytes in &options.capture_sizes {
-        let captures = (options.total_bytes / capture_bytes).max(1);
-        let total_bytes = captures * capture_bytes;
-        let mut spool_runs = Vec::new();
-        let mut dd_runs = Vec::new();
-        let mut fsyncs = 0;
-        for _ in 0..options.repeats {
-            // Alternate the two so drift in machine load hits both alike.
-            dd_runs.push(run_dd(&options.dir, total_bytes)?);
-            let (seconds, run_fsyncs) = run_spool(&options.dir, capture_bytes, captures, options.producers).await?;
-            spool_runs.push(seconds);
-            fsyncs = run_fsyncs;
-        }
-        let spool_seconds = median(&mut spool_runs);
-        let dd_seconds = median(&mut dd_runs);
-        let megabytes = total_bytes as f64 / 1e6;
-        rows.push(SpoolBenchRow {
-            capture_bytes,
-            captures,
-            total_bytes,
-            spool_seconds,
-            spool_mb_per_s: megabytes / spool_seconds,
-            captures_per_s: captures as f64 / spool_seconds,
-            fsyncs,
-            dd_seconds,
-            dd_mb_per_s: megabytes / dd_seconds,
-            ratio_to_dd: dd_seconds / spool_seconds,
-        });
-    }
-    Ok(rows)
-}
-
-/// Test payload derived from the capture id, so a crash test can check bytes without remembering them.
-pub fn expected_payload(capture_id: Uuid, len: usize) -> Vec<u8> {
-    let seed = capture_id.as_bytes();
-    (0..len).map(|i| seed[i % 16].wrapping_add((i / 16) as u8)).collect()
-}
-
-fn median(values: &mut [f64]) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
-}
-
-fn run_dd(dir: &Path, total_bytes: u64) -> std::io::Result<f64> {
-    let target = dir.join("dd-baseline.bin");
-    let megabytes = total_bytes.div_ceil(1024 * 1024);
-    let started = Instant::now();
-    let status = Command::new("dd")
-        .arg("if=/dev/zero")
-        .arg(format!("of={}", target.display()))
-        .arg("bs=1M")
-        .arg(format!("count={megabytes}"))
-        .arg("conv=fdatasync")
-        .stderr(std::process::Stdio::null())
-        .status()?;
-    let seconds = started.elapsed().as_secs_f64();
-    std::fs::remove_file(&target)?;
-    if !status.success() {
-        return Err(std::io::Error::other(format!("dd failed: {status}")));
-    }
-    // dd wrote whole MiB; scale to the bytes the spool wrote so MB/s compare like for like.
-    Ok(seconds * total_bytes as f64 / (megabytes * 1024 * 1024) as f64)
-}
-
-async fn run_spool(dir: &Path, capture_bytes: u64, captures: u64, producers: usize) -> std::io::Result<(f64, u64)> {
-    let spool_dir = dir.join(format!("spool-bench-{}", Uuid::now_v7()));
-    let paths = SpoolPaths::new(&spool_dir);
-    for sub in [&paths.root, &paths.packs] {
-        std::fs::create_dir_all(sub)?;
-    }
-    let settings = WriterSettings {
-        pack_max_bytes: 64 * 1024 * 1024,
-        pack_max_records: 1_000_000,
-        pack_max_age: Duration::from_secs(3600),
-        max_capture_bytes: capture_bytes.max(1),
-        max_bytes: 0,
-        min_free_bytes: 0,
-    };
-    let (writer, thread) = spawn_writer(paths, settings);
-    // Incompressible, non-constant payload so checksums do real work. Every producer hands over the same immutable
-    // buffer (a reference count, not a copy), as dd writes the same buffer again and again: the run measures the
-    // spool's own work (checksums, the copy into the page cache, fsyncs), not the producers' allocations.
-    let payload = bytes::Bytes::from(
-        (0..capture_bytes).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect::<Vec<u8>>(),
-    );
-    let next = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let started = Instant::now();
-    let mut tasks = Vec::new();
-    for _ in 0..producers {
-        let writer = writer.clone();
-        let payload = payload.clone();
-        let next = next.clone();
-        tasks.push(tokio::spawn(async move {
-            while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < captures {
-                let meta = CaptureMeta {
-                    capture_id: Uuid::now_v7(),
-                    stream: "bench".into(),
-                    captured_at_ns: crate::util::now_ns(),
-                    labels: BTreeMap::new(),
-                    content_type: None,
-                    source_name: None,
-                };
-                writer.append(meta, payload.clone()).await.map_err(std::io::Error::other)?;
-            }
-            Ok::<(), std::io::Error>(())
-        }));
-    }
-    for task in tasks {
-        task.await.map_err(std::io::Error::other)??;
-    }
-    let fsyncs = writer.stats().snapshot().fsyncs;
-    writer.close();
-    drop(writer);
-    tokio::task::spawn_blocking(move || thread.join()).await.map_err(std::io::Error::other)?;
-    let seconds = started.elapsed().as_secs_f64();
-    std::fs::remove_dir_all(&spool_dir)?;
-    Ok((seconds, fsyncs))
-}
-
-/// One row of `capstore bench catalog`.
-#[derive(Debug, Clone, Serialize)]
-pub struct CatalogBenchRow {
-    pub rows: u64,
-    pub publish_seconds: f64,
-    pub publish_rows_per_s: f64,
-    pub client_seconds: f64,
-    pub client_rows_per_s: f64,
-    /// capstore rows/s divided by clickhouse-client rows/s.
-    pub ratio_to_client: f64,
-}
-
-pub struct CatalogBenchOptions {
-    pub config: crate::config::Config,
-    /// Native-protocol port of the same server, for the clickhouse-client baseline.
-    pub native_port: u16,
-    pub batch_rows: Vec<u64>,
-    pub repeats: usize,
-}
-
-/// Publish batches of capture rows through the fenced publish (descriptor rows + fenced publishes row + read-back),
-/// beside `clickhouse-client` inserting the same rows as TSV into a table of the same schema, in the same run.
-pub async fn catalog_publish(options: &CatalogBenchOptions) -> anyhow::Result<Vec<CatalogBenchRow>> {
-    use crate::catalog::lease::{Identity, LeaseKeeper, LeaseStore, LeaseTimings};
-    use crate::catalog::publish::{PackDescriptor, PublishOutcome, Publisher};
-    use crate::pack::{IndexEntry, PackSummary};
-
-    let config = &options.config;
-    let (client, tables) = crate::catalog::connect(config).await?;
-    let baseline_table = format!("{}.bench_client_captures", tables.database);
-    client.execute(&format!("DROP TABLE IF EXISTS {baseline_table}")).await?;
-    client.execute(&format!("CREATE TABLE {baseline_table} AS {}", tables.captures)).await?;
-    let identity = Identity { spool_id: Uuid::new_v4(), host: "bench".into(), pid: std::process::id() };
-    let timings = LeaseTimings::from_config(&config.lease, &client);
-    let keeper = LeaseKeeper::new(
-        LeaseStore::new(client.clone(), &tables, &config.catalog_name, timings),
-        identity,
-        &config.catalog_name,
-    );
-    let (shutdown_tx, mut shutdown_rx) = tokio::sync::watch::channel(false);
-    keeper.acquire_at_start(config.start_wait(), &mut shutdown_rx).await?;
-    let handle = keeper.handle();
-    let keeper_task = tokio::spawn(keeper.run(shutdown_rx));
-    let publisher = Publisher::new(client.clone(), tables.clone(), &config.catalog_name, handle);
-
-    let mut results = Vec::new();
-    for &rows in &options.batch_rows {
-        let mut publish_runs = Vec::new();
-        let mut client_runs = Vec::new();
-        for _ in 0..options.repeats {
-            let pack_id = Uuid::now_v7();
-            let object_key = format!("bench/{pack_id}.cpk");
-            let entries: Vec<IndexEntry> = (0..rows)
-                .map(|n| IndexEntry {
-                    meta: CaptureMeta {
-                        capture_id: Uuid::now_v7(),
-                        stream: "bench/stream".into(),
-                        captured_at_ns: 1_700_000_000_000_000_000 + n,
-                        labels: BTreeMap::from([("site".to_string(), "berlin".to_string())]),
-                        content_type: None,
-                        source_name: None,
-                    },
-                    record_offset: 40 + n * 1100,
-                    record_len: 1100,
-                    payload_offset: 40 + n * 1100 + 76,
-                    payload_len: 1024,
-                    crc32c: n as u32,
-                })
-                .collect();
-            let tsv = baseline_tsv(&config.catalog_name, &object_key, pack_id, &entries);
-            let started = Instant::now();
-            let status = run_clickhouse_client(options.native_port, &baseline_table, &tsv)?;
-            client_runs.push(started.elapsed().as_secs_f64());
-            anyhow::ensure!(status.success(), "clickhouse-client failed: {status}");
-
-            let pack = PackDescriptor {
-                summary: PackSummary {
-                    pack_id,
-                    bytes: 40 + rows * 1100,
-                    records: rows,
-                    sha256_hex: "00".repeat(32),
-                    first_captured_at_ns: 0,
-                    last_captured_at_ns: 0,
-                    created_at_ns: 0,
-                },
-                object_key,
-                entries,
-            };
-            let started = Instant::now();
-            loop {
-                match publisher.publish_batch(std::slice::from_ref(&pack)).await {
-                    Ok(PublishOutcome::Committed { .. }) => break,
-                    Ok(other) => anyhow::bail!("unexpected publish outcome {other:?}"),
-                    Err(error) => {
-                        tracing::warn!(%error, "publish failed during the benchmark; retrying");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                    }
+impl ChildDaemon {
+    fn spawn(mut command: Command, log_path: PathBuf) -> anyhow::Result<ChildDaemon> {
+        let bench_pid = std::process::id() as i32;
+        // SAFETY: the closure runs in the forked child before exec and calls only async-signal-safe functions.
+        unsafe {
+            use std::os::unix::process::CommandExt;
+            command.pre_exec(move || {
+                nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGTERM).map_err(std::io::Error::from)?;
+                // The bench may have died between fork and prctl: then nobody would signal us.
+                if nix::unistd::getppid().as_raw() != bench_pid {
+                    return Err(std::io::Error::other("the bench is already gone"));
                 }
-            }
-            publish_runs.push(started.elapsed().as_secs_f64());
+                Ok(())
+            });
         }
-        let publish_seconds = median(&mut publish_runs);
-        let client_seconds = median(&mut client_runs);
-        results.push(CatalogBenchRow {
-            rows,
-            publish_seconds,
-            publish_rows_per_s: rows as f64 / publish_seconds,
-            client_seconds,
-            client_rows_per_s: rows as f64 / client_seconds,
-            ratio_to_client: client_seconds / publish_seconds,
-        });
+        let child = command.spawn().context("cannot start the `capstore run` child")?;
+        Ok(ChildDaemon { child: Some(child), log_path })
     }
-    shutdown_tx.send(true).ok();
-    keeper_task.await.ok();
-    client.execute(&format!("DROP TABLE IF EXISTS {baseline_table}")).await?;
-    Ok(results)
+
+    fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, Child::id)
+    }
+
+    fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log_path).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(15)..].join("\n")
+    }
+
+    /// Until the child logs `needle`; an error naming the log (and the catalog it tried) if it exits or takes longer
+    /// than `timeout`.
+    async fn wait_for_log(
+        &mut self,
+        needle: &str,
+        timeout: Duration,
+        config: &capstore::config::Config,
+    ) -> anyhow::Result<()> {
+        let started = Instant::now();
+        loop {
+            if std::fs::read_to_string(&self.log_path)?.contains(needle) {
+                return Ok(());
+            }
+            let child = self.child.as_mut().expect("the child runs until stop");
+            if let Some(status) = child.try_wait()? {
+                anyhow::bail!(
+                    "the daemon exited ({status}) before it logged {needle:?}; its log {}:\n{}",
+                    self.log_path.display(),
+                    self.log_tail()
+                );
+            }
+            anyhow::ensure!(
+                started.elapsed() < timeout,
+                "the daemon did not log {needle:?} within {timeout:?} (catalog.url = {}); its log {}:\n{}",
+                config.catalog.url,
+                self.log_path.display(),
+                self.log_tail()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// SIGTERM (the daemon drains and releases its lease) and wait.
+    fn stop(&mut self) -> anyhow::Result<()> {
+        if let Some(mut child) = self.child.take() {
+            nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM)?;
+            child.wait()?;
+        }
+        Ok(())
+    }
 }
 
-fn baseline_tsv(catalog: &str, object_key: &str, pack_id: Uuid, entries: &[crate::pack::IndexEntry]) -> Vec<u8> {
-    use std::fmt::Write as _;
-    let mut tsv = String::with_capacity(entries.len() * 200);
-    for entry in entries {
-        let keys: Vec<String> = entry.meta.labels.keys().map(|k| format!("'{k}'")).collect();
-        let values: Vec<String> = entry.meta.labels.values().map(|v| format!("'{v}'")).collect();
-        let _ = writeln!(
-            tsv,
-            "{catalog}\t{}\t{}\t{}\t{pack_id}\t{object_key}\t{}\t{}\t{}\t{}\t{}\t[{}]\t[{}]\t\t1\t{}",
-            entry.meta.stream,
-            entry.meta.captured_at_ns,
-            entry.meta.capture_id,
-            entry.record_offset,
-            entry.record_len,
-            entry.payload_offset,
-            entry.payload_len,
-            entry.crc32c,
-            keys.join(","),
-            values.join(","),
-            pack_id
-        );
+impl Drop for ChildDaemon {
+    fn drop(&mut self) {
+        let _ = self.stop();
     }
-    tsv.into_bytes()
-}
-
-fn run_clickhouse_client(port: u16, table: &str, tsv: &[u8]) -> std::io::Result<std::process::ExitStatus> {
-    use std::io::Write as _;
-    let mut child = Command::new("clickhouse-client")
-        .args(["--host", "127.0.0.1", "--port", &port.to_string(), "--query"])
-        .arg(format!("INSERT INTO {table} FORMAT TSV"))
-        .stdin(std::process::Stdio::piped())
-        .spawn()?;
-    child.stdin.take().expect("piped stdin").write_all(tsv)?;
-    child.wait()
 }
 
 /// How the e2e bench hands captures to capstore.
@@ -324,7 +112,7 @@ pub enum E2eProducer {
     /// Files in the inbox of a `capstore run` child (the latency phase posts over its HTTP API).
     Inbox,
     /// Appends through the Rust library to a daemon in the bench's own process
-    /// ([`crate::daemon::run_in_process`]).
+    /// ([`capstore::daemon::run_in_process`]).
     Library,
 }
 
@@ -336,6 +124,8 @@ pub struct E2eBenchRow {
     pub captures: u64,
     /// Throughput phase: from handing over the first capture until the catalog lists the last one.
     pub seconds: f64,
+    /// `seconds` in units of `spool.pack_max_age`: below about 10, linger and the last publish dominate the figure.
+    pub seconds_per_pack_max_age: f64,
     pub captures_per_s: f64,
     pub mb_per_s: f64,
     /// Latency phase: captures handed over one every 20 ms, well below capacity; from the acknowledgement (the record
@@ -352,7 +142,10 @@ pub struct E2eBenchRow {
 }
 
 pub struct E2eBenchOptions {
-    pub config: crate::config::Config,
+    pub config: capstore::config::Config,
+    /// The file the configuration came from (`--config`), handed to the `capstore run` child: the child also
+    /// inherits the environment, so it runs with exactly the bench's configuration.
+    pub config_path: Option<PathBuf>,
     /// Scratch directory for the spool and the staged files (same filesystem, so dropping is a rename).
     pub dir: PathBuf,
     pub capture_sizes: Vec<u64>,
@@ -422,7 +215,9 @@ pub async fn e2e(options: &E2eBenchOptions) -> anyhow::Result<Vec<E2eBenchRow>> 
             config.spool.dir = run_dir.join(format!("spool-{producer:?}"));
             config.catalog_name = format!("bench-{}", rand::random::<u32>());
             let run = match producer {
-                E2eProducer::Inbox => run_inbox(config, &run_dir, &staging, &ids, capture_bytes).await?,
+                E2eProducer::Inbox => {
+                    run_inbox(config, options.config_path.as_deref(), &run_dir, &staging, &ids, capture_bytes).await?
+                }
                 E2eProducer::Library => run_library(config, capture_bytes, captures).await?,
             };
             let mut latencies = run.latencies_ms;
@@ -435,6 +230,7 @@ pub async fn e2e(options: &E2eBenchOptions) -> anyhow::Result<Vec<E2eBenchRow>> 
                 capture_bytes,
                 captures,
                 seconds: run.seconds,
+                seconds_per_pack_max_age: run.seconds / options.config.spool.pack_max_age.0.as_secs_f64(),
                 captures_per_s: captures as f64 / run.seconds,
                 mb_per_s: megabytes / run.seconds,
                 latency_captures: latencies.len() as u64,
@@ -451,20 +247,17 @@ pub async fn e2e(options: &E2eBenchOptions) -> anyhow::Result<Vec<E2eBenchRow>> 
     Ok(rows)
 }
 
-async fn follower_for(config: &crate::config::Config) -> anyhow::Result<CatalogFollower> {
-    let client = crate::catalog::CatalogClient::connect(&config.catalog).await?;
-    let tables = crate::catalog::Tables::new(
-        &config.catalog.database,
-        &config.catalog.table_prefix,
-        config.catalog.cluster.as_deref(),
-    );
-    let reader = crate::catalog::query::CatalogReader::new(client, tables, &config.catalog_name);
+async fn follower_for(config: &capstore::config::Config) -> anyhow::Result<CatalogFollower> {
+    let reader = capstore::catalog::connect_reader(config)
+        .await
+        .with_context(|| format!("the bench cannot reach the catalog at {}", config.catalog.url))?;
     Ok(CatalogFollower { reader, after_version: 0 })
 }
 
 /// The inbox producer against a `capstore run` child.
 async fn run_inbox(
-    config: crate::config::Config,
+    config: capstore::config::Config,
+    config_path: Option<&Path>,
     run_dir: &Path,
     staging: &Path,
     ids: &[Uuid],
@@ -475,25 +268,21 @@ async fn run_inbox(
         probe.local_addr()?
     };
     let log_path = run_dir.join("daemon.log");
-    let mut child = Command::new(std::env::current_exe()?)
+    let mut command = Command::new(std::env::current_exe()?);
+    if let Some(path) = config_path {
+        command.arg("--config").arg(path);
+    }
+    command
         .arg("run")
         .env("CAPSTORE_SPOOL_DIR", &config.spool.dir)
         .env("CAPSTORE_CATALOG_NAME", &config.catalog_name)
         .env("CAPSTORE_HTTP_LISTEN", http_listen.to_string())
         // The bench waits for the start line, which is logged at info.
         .env("CAPSTORE_LOG_LEVEL", "info")
-        .stderr(std::fs::File::create(&log_path)?)
-        .spawn()?;
-    let daemon_pid = child.id();
-    let wait_started = Instant::now();
-    while !std::fs::read_to_string(&log_path)?.contains("capstore running") {
-        anyhow::ensure!(
-            wait_started.elapsed() < Duration::from_secs(60),
-            "the daemon did not start: see {}",
-            log_path.display()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log_path)?);
+    let mut child = ChildDaemon::spawn(command, log_path)?;
+    child.wait_for_log("capstore running", START_TIMEOUT, &config).await?;
     let mut follower = follower_for(&config).await?;
 
     let first_version = follower.after_version;
@@ -523,17 +312,16 @@ async fn run_inbox(
     })
     .await?;
 
-    let peak_rss_mib = peak_rss_mib(daemon_pid)?;
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(daemon_pid as i32), nix::sys::signal::Signal::SIGTERM)?;
-    child.wait()?;
+    let peak_rss_mib = peak_rss_mib(child.pid())?;
+    child.stop()?;
     Ok(E2eRun { seconds, latencies_ms, peak_rss_mib })
 }
 
 /// The library producer against a daemon in this process.
-async fn run_library(config: crate::config::Config, capture_bytes: u64, captures: u64) -> anyhow::Result<E2eRun> {
+async fn run_library(config: capstore::config::Config, capture_bytes: u64, captures: u64) -> anyhow::Result<E2eRun> {
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
     let (writer_tx, writer_rx) = tokio::sync::oneshot::channel();
-    let daemon = tokio::spawn(crate::daemon::run_in_process(config.clone(), shutdown_rx, writer_tx));
+    let daemon = tokio::spawn(capstore::daemon::run_in_process(config.clone(), shutdown_rx, writer_tx));
     let writer = writer_rx.await?;
     let mut follower = follower_for(&config).await?;
     // Incompressible, non-constant payload; every producer hands over the same immutable buffer (see the spool bench).
@@ -547,7 +335,7 @@ async fn run_library(config: crate::config::Config, capture_bytes: u64, captures
                 let meta = CaptureMeta {
                     capture_id,
                     stream: "bench".into(),
-                    captured_at_ns: crate::util::now_ns(),
+                    captured_at_ns: capstore::util::now_ns(),
                     labels: BTreeMap::new(),
                     content_type: None,
                     source_name: None,
@@ -559,7 +347,7 @@ async fn run_library(config: crate::config::Config, capture_bytes: u64, captures
     // Warm up until one capture is listed: the clock starts with the pipeline up (lease held), as for the child.
     let warm_up = Uuid::now_v7();
     append(warm_up).await?;
-    follower.wait_for(&mut HashSet::from([warm_up.to_string()]), Duration::from_secs(120), |_, _| {}).await?;
+    follower.wait_for(&mut HashSet::from([warm_up.to_string()]), START_TIMEOUT, |_, _| {}).await?;
 
     let ids: Arc<Vec<Uuid>> = Arc::new((0..captures).map(|_| Uuid::now_v7()).collect());
     let first_version = follower.after_version;
@@ -643,7 +431,7 @@ fn peak_rss_mib(pid: u32) -> anyhow::Result<f64> {
 
 /// Follows the catalog by version, as a consumer tailing "everything after version N" does.
 struct CatalogFollower {
-    reader: crate::catalog::query::CatalogReader,
+    reader: CatalogReader,
     after_version: u64,
 }
 
@@ -653,17 +441,21 @@ impl CatalogFollower {
     /// clock does not include reading every capture back (see [`Self::verify_listed`], run after it).
     async fn wait_for_published(&mut self, expected: u64, timeout: Duration) -> anyhow::Result<()> {
         let started = Instant::now();
+        let mut last_progress = Instant::now();
         let mut published = 0;
         while published < expected {
             anyhow::ensure!(
-                started.elapsed() < timeout,
-                "{} captures were not published in {timeout:?}",
-                expected - published
+                started.elapsed() < timeout && last_progress.elapsed() < STALL_TIMEOUT,
+                "{} of {expected} captures were not published: nothing new for {:?} ({:?} in all); see the daemon's log",
+                expected - published,
+                last_progress.elapsed(),
+                started.elapsed(),
             );
             let publishes = self.reader.publishes_after(self.after_version, 1000).await?;
             for publish in &publishes {
                 published += publish.captures;
                 self.after_version = publish.version;
+                last_progress = Instant::now();
             }
             if publishes.is_empty() {
                 tokio::time::sleep(Duration::from_millis(20)).await;
