@@ -21,6 +21,7 @@ pub fn fsync_parent_dir(path: &Path) -> io::Result<()> {
 
 /// Rename and fsync the destination directory (and the source directory when it differs).
 pub fn rename_durable(from: &Path, to: &Path) -> io::Result<()> {
+    #[allow(clippy::disallowed_methods, reason = "this is the durable rename: the fsyncs follow")]
     fs::rename(from, to)?;
     let to_dir = parent_of(to);
     fsync_dir(&to_dir)?;

@@ -7,29 +7,38 @@
 //!
 //! # Layout
 //!
-//! - [`config`]: the TOML file, environment overrides and every validation rule.
-//! - [`capture`]: what a capture may look like (stream names, labels), shared by every way in.
-//! - [`spool`]: the durable local buffer.
-//!   - [`spool::pack`]: the pack file format (writer, reader, recovery scan); specified in `specs/pack-format.md`.
-//!   - [`spool::writer`]: the group-commit writer thread that owns the `.open` pack, its syncer thread (fsyncs,
-//!     acknowledgements) and sealer thread; quotas.
-//!   - [`spool::hasher`]: the pack's SHA-256, computed on a thread of its own while the pack is written.
-//!   - [`spool::recovery`]: start-time repair of whatever a crash left.
-//!   - [`spool::inbox`]: the inbox watcher and `capstore put`.
-//!   - [`spool::lock`]: the flock that makes one process the owner of a spool.
-//!   - [`spool::durable`]: temp-file + fsync + rename + directory-fsync helpers every state change uses.
-//! - [`catalog`]: ClickHouse: client and error classification, schema, the publisher lease, fenced publish, reads.
-//! - [`bucket`]: the object store: key layout, verified uploads, range reads.
-//! - [`pipeline`]: uploader, indexer (`pending_index`), reconcile, and the supervisor behind `capstore run`.
-//! - [`http`]: the HTTP API of `capstore run`: ingest, reads, status, metrics, health.
+//! Top to bottom as the data flows; a module imports only from modules listed below it.
+//!
+//! - [`daemon`]: `capstore run`: the start order, signals, the publishing loop and the one way down.
+//! - [`http`]: the HTTP API of `capstore run`: server and token check, capture endpoints, metrics.
+//! - [`pipeline`]: the stages from sealed pack to published capture: uploader, indexer (`pending_index`), reconcile,
+//!   and the status board.
 //! - [`reader`]: reading captures back (catalog location, one range read, CRC), from the spool when still local.
-//! - [`failpoint`]: test-only crash points for crash tests.
-//! - [`bench`]: throughput benchmarks with same-run baselines (`capstore bench`).
+//! - [`spool`]: the durable local buffer: open and recovery, the group-commit writer, inbox ingest, the owner lock,
+//!   and [`spool::layout`], the only code that renames or deletes spool files.
+//! - [`bucket`]: the object store: key layout, verified uploads, range reads, backends.
+//! - [`catalog`]: ClickHouse: the client (the one error classifier), schema, the publisher lease (table protocol and
+//!   keeper), fenced publish, reads.
+//! - [`config`]: the TOML file, environment overrides, every validation rule, units.
+//! - [`pack`]: the pack file format (codec, scan, writer, sealed reader, hasher), specified in `specs/pack-format.md`.
+//! - [`capture`]: what a capture is and the rules every way in applies.
+//! - [`durable`], [`retry`], [`failpoint`], [`exit_code`], [`util`]: crash-safe file steps; the one backoff policy
+//!   and outage log; test-only crash points; the process exit codes; clocks.
+//!
+//! The `capstore` binary (`src/main.rs`, `src/cli/`) parses commands, sets up logging and calls into these modules;
+//! its benchmarks live in `src/cli/bench/`.
+//!
+//! # Embedding
+//!
+//! A Rust program runs the daemon inside its own process with [`run_in_process`] and appends captures through the
+//! [`SpoolWriter`] it hands over (an [`Ack`] means the record is fsynced); [`Reader`] reads captures back, and
+//! [`PackFile`] reads a pack file directly. These re-exports are the library's interface; the modules are public so
+//! that the binary and the integration tests reach the same code, not as a stable API.
 //!
 //! # File states
 //!
 //! `inbox file` -(append + fsync)-> record in `packs/<id>.open` -(seal)-> `.sealed` -(upload)-> `.uploaded`
-//! -(publish)-> deleted. A state change is a rename followed by a directory fsync; see [`spool`].
+//! -(publish)-> deleted. A state change is a rename followed by a directory fsync; see [`spool::layout`].
 
 pub mod bucket;
 pub mod capture;
@@ -37,6 +46,7 @@ pub mod catalog;
 pub mod config;
 pub mod daemon;
 pub mod durable;
+pub mod exit_code;
 pub mod failpoint;
 pub mod http;
 pub mod pack;
@@ -46,11 +56,9 @@ pub mod retry;
 pub mod spool;
 pub mod util;
 
-/// Process exit codes (also documented in the README).
-pub mod exit_code {
-    pub const CLEAN: i32 = 0;
-    pub const FATAL: i32 = 1;
-    pub const CONFIG_OR_USAGE: i32 = 2;
-    pub const CATALOG_HELD: i32 = 3;
-    pub const SPOOL_OWNED: i32 = 4;
-}
+pub use capture::CaptureMeta;
+pub use config::Config;
+pub use daemon::{run_in_process, DaemonError};
+pub use pack::PackFile;
+pub use reader::{ReadCapture, Reader};
+pub use spool::writer::{Ack, AppendError, SpoolWriter};

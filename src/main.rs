@@ -14,6 +14,7 @@ fn main() {
 fn limit_malloc_arenas() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only sets a tuning parameter; it is called before any other thread exists.
+    #[allow(unsafe_code, reason = "mallopt before any other thread exists")]
     unsafe {
         libc::mallopt(libc::M_ARENA_MAX, 2);
     }

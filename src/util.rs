@@ -1,4 +1,4 @@
-//! Small helpers shared by every module: wall-clock time in the forms the catalog and logs use.
+//! Small helpers shared by every module: wall-clock time in the forms the catalog and logs use, and the host name.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -18,4 +18,9 @@ pub fn now_rfc3339() -> String {
 /// `2026-11-30T07:15:16Z` for a time in nanoseconds since the epoch.
 pub fn ns_to_rfc3339(ns: u64) -> String {
     humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_nanos(ns)).to_string()
+}
+
+/// This machine's host name (`unknown-host` if the kernel will not say), for holder strings and the spool lock.
+pub fn host_name() -> String {
+    nix::unistd::gethostname().map(|h| h.to_string_lossy().into_owned()).unwrap_or_else(|_| "unknown-host".into())
 }

@@ -1,6 +1,8 @@
 //! The `capstore` binary as operators and producers use it: config checking, `put`, the daemon's inbox ingest
 //! (quarantine, quotas, the owner lock) and the offline spool tools.
 
+#![allow(clippy::disallowed_methods, reason = "these tests play producers, which rename files into the inbox")]
+
 mod common;
 
 use std::path::{Path, PathBuf};

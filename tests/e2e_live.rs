@@ -2,6 +2,8 @@
 //! bucket, producers dropping files into the inbox; faults injected for real (SIGKILL at random and at named points,
 //! a ClickHouse cut, an S3 outage, a lost spool, SIGTERM under load).
 
+#![allow(clippy::disallowed_methods, reason = "these tests play producers, which rename files into the inbox")]
+
 mod common;
 
 use std::collections::{BTreeMap, HashSet};

@@ -43,6 +43,11 @@ async fn library_appends_are_published_and_read_back_and_shutdown_is_clean() {
         assert_eq!(ack.capture_id, capture_id);
         appended.push((capture_id, payload));
     }
+    // The library gets the capture rules HTTP and the inbox apply: a stream segment starting with '.' is refused.
+    let mut hidden_stream = meta(Uuid::now_v7());
+    hidden_stream.stream = "embedded/.hidden".into();
+    let refused = writer.append(hidden_stream, b"x".to_vec()).await.unwrap_err();
+    assert!(matches!(&refused, AppendError::Invalid(problem) if problem.contains(".hidden")), "{refused}");
 
     let (client, tables) = capstore::catalog::connect(&config).await.unwrap();
     let catalog = CatalogReader::new(client, tables, &config.catalog_name);

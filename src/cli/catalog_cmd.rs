@@ -1,12 +1,19 @@
-//! `capstore lease show|break` and `capstore gc`: operator views and interventions on the catalog.
+//! `capstore lease show|break`, `gc`, `reconcile` and `verify`: operator views, interventions and repairs of the
+//! catalog.
+
+use std::io::IsTerminal;
+use std::sync::Arc;
 
 use clap::Subcommand;
 
-use capstore::catalog::lease::{LeaseStore, LeaseTimings};
+use capstore::bucket::Bucket;
+use capstore::catalog::lease::{LeaseKeeper, LeaseStore, LeaseTimings, StartError};
+use capstore::catalog::publish::Publisher;
 use capstore::catalog::query::CatalogReader;
 use capstore::catalog::{CatalogClient, Tables};
 use capstore::config::Config;
 use capstore::exit_code;
+use capstore::pipeline::Pipeline;
 
 #[derive(Subcommand)]
 pub enum LeaseCommand {
@@ -26,14 +33,14 @@ pub enum LeaseCommand {
 
 async fn connect(config: &Config) -> anyhow::Result<(CatalogClient, Tables, LeaseStore)> {
     let client = CatalogClient::connect(&config.catalog).await?;
-    let tables = Tables::new(&config.catalog.database, &config.catalog.table_prefix, config.catalog.cluster.as_deref());
+    let tables = Tables::from_config(&config.catalog);
     let timings = LeaseTimings::from_config(&config.lease, &client);
     let store = LeaseStore::new(client.clone(), &tables, &config.catalog_name, timings);
     Ok((client, tables, store))
 }
 
 pub fn lease(config: &Config, command: LeaseCommand) -> anyhow::Result<i32> {
-    let runtime = tokio::runtime::Runtime::new()?;
+    let runtime = crate::cli::runtime()?;
     runtime.block_on(async {
         let (_client, _tables, store) = connect(config).await?;
         match command {
@@ -86,7 +93,7 @@ pub fn lease(config: &Config, command: LeaseCommand) -> anyhow::Result<i32> {
 }
 
 pub fn gc(config: &Config) -> anyhow::Result<i32> {
-    let runtime = tokio::runtime::Runtime::new()?;
+    let runtime = crate::cli::runtime()?;
     runtime.block_on(async {
         let (client, tables, store) = connect(config).await?;
         let reader = CatalogReader::new(client, tables, &config.catalog_name);
@@ -98,5 +105,95 @@ pub fn gc(config: &Config) -> anyhow::Result<i32> {
             config.catalog_name
         );
         Ok(exit_code::CLEAN)
+    })
+}
+
+/// `capstore reconcile`: publish packs the bucket holds and the catalog lacks. Needs the spool (for the publisher
+/// identity) and the lease, so run it while the daemon is stopped (the daemon also reconciles at start).
+pub fn reconcile(config: &Config) -> anyhow::Result<i32> {
+    super::runtime()?.block_on(async {
+        let spool = match super::own_spool(config, "stop the daemon first (it also reconciles at start)")? {
+            Ok(spool) => spool,
+            Err(exit_code) => return Ok(exit_code),
+        };
+        let (client, tables) = capstore::catalog::connect(config).await?;
+        let keeper = LeaseKeeper::for_catalog(&client, &tables, config, spool.id());
+        let (_stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
+        let lease = match keeper.start(config.start_wait(), &mut stop_rx).await {
+            Ok(lease) => lease,
+            Err(error @ StartError::Refused { .. }) => {
+                eprintln!("capstore reconcile: {error}");
+                return Ok(exit_code::CATALOG_HELD);
+            }
+            Err(error) => return Err(error.into()),
+        };
+        let publisher = Arc::new(Publisher::new(client, tables, &config.catalog_name, lease.handle().clone()));
+        let bucket = Arc::new(Bucket::from_config(config)?);
+        let pipeline =
+            Pipeline::new(Arc::new(config.clone()), spool.paths().clone(), bucket, publisher, lease.handle().clone());
+        let on_terminal = std::io::stderr().is_terminal();
+        let progress = move |done: u64, total: u64| {
+            if on_terminal {
+                eprint!("\rreconcile: {done}/{total} packs examined");
+            }
+        };
+        let result = pipeline.reconcile(&progress).await;
+        if on_terminal {
+            eprintln!();
+        }
+        lease.stop().await;
+        let report = result?;
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        Ok(if report.invalid.is_empty() { exit_code::CLEAN } else { exit_code::FATAL })
+    })
+}
+
+/// `capstore verify`: every pack the catalog shows as published is in the bucket, reads back as a pack, and has the
+/// size, SHA-256 and record count the catalog recorded. Exit 1 on any problem.
+pub fn verify(config: &Config, json: bool) -> anyhow::Result<i32> {
+    super::runtime()?.block_on(async {
+        let catalog = capstore::catalog::connect_reader(config).await?;
+        let bucket = Bucket::from_config(config)?;
+        let packs = catalog.committed_packs().await?;
+        let on_terminal = std::io::stderr().is_terminal();
+        let mut problems = Vec::new();
+        for (index, pack) in packs.iter().enumerate() {
+            if on_terminal {
+                eprint!("\rverify: {}/{} packs", index + 1, packs.len());
+            }
+            let problem = match bucket.read_pack_index(&pack.object_key).await {
+                Err(error) => Some(error.to_string()),
+                Ok(remote) if remote.size != pack.bytes => {
+                    Some(format!("size {} in the bucket, {} in the catalog", remote.size, pack.bytes))
+                }
+                Ok(remote) if hex::encode(remote.trailer.sha256) != pack.sha256 => {
+                    Some("SHA-256 differs from the catalog".into())
+                }
+                Ok(remote) if remote.entries.len() as u64 != pack.records => {
+                    Some("record count differs from the catalog".into())
+                }
+                Ok(_) => None,
+            };
+            if let Some(problem) = problem {
+                problems.push(
+                    serde_json::json!({"pack_id": pack.pack_id, "object_key": pack.object_key, "problem": problem}),
+                );
+            }
+        }
+        if on_terminal {
+            eprintln!();
+        }
+        if json {
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&serde_json::json!({"checked_packs": packs.len(), "problems": problems}))?
+            );
+        } else {
+            for problem in &problems {
+                println!("BAD  {}: {}", problem["object_key"], problem["problem"]);
+            }
+            println!("checked {} published packs: {} bad", packs.len(), problems.len());
+        }
+        Ok(if problems.is_empty() { exit_code::CLEAN } else { exit_code::FATAL })
     })
 }

@@ -27,7 +27,7 @@ pub enum DebugCommand {
 }
 
 pub fn run(config: &Config, command: DebugCommand) -> anyhow::Result<i32> {
-    let runtime = tokio::runtime::Runtime::new()?;
+    let runtime = crate::cli::runtime()?;
     match command {
         DebugCommand::AppendStream { max, producers } => runtime.block_on(append_stream(config, max, producers)),
         DebugCommand::HoldLease => runtime.block_on(hold_lease(config)),
@@ -58,13 +58,9 @@ async fn hold_lease(config: &Config) -> anyhow::Result<i32> {
 async fn append_stream(config: &Config, max: Option<u64>, producers: usize) -> anyhow::Result<i32> {
     use capstore::capture::CaptureMeta;
     use capstore::spool::writer::{spawn_writer, WriterSettings};
-    let (spool, _recovery) = match capstore::spool::Spool::open(&config.spool) {
-        Ok(opened) => opened,
-        Err(error @ capstore::spool::SpoolError::Locked(_)) => {
-            eprintln!("capstore: {error}");
-            return Ok(exit_code::SPOOL_OWNED);
-        }
-        Err(error) => return Err(error.into()),
+    let spool = match crate::cli::own_spool(config, "one appender per spool")? {
+        Ok(spool) => spool,
+        Err(exit_code) => return Ok(exit_code),
     };
     let (writer, thread) = spawn_writer(spool.paths().clone(), WriterSettings::from_config(&config.spool));
     let next = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));

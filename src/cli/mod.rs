@@ -4,6 +4,7 @@
 mod bench;
 mod catalog_cmd;
 mod config_cmd;
+mod daemon_cmd;
 mod debug;
 mod put;
 mod read_cmd;
@@ -82,16 +83,16 @@ pub fn main() -> i32 {
     let quiet_by_default = !matches!(cli.command, Command::Run | Command::Debug(_));
     init_logging(&config, quiet_by_default);
     let result = match cli.command {
-        Command::Run => run_daemon(config),
+        Command::Run => daemon_cmd::run(config),
         Command::CheckConfig => unreachable!("handled above"),
         Command::Put(args) => put::put(&config, args),
         Command::Spool(command) => spool_cmd::run(&config, command),
         Command::Get(args) => read_cmd::get(&config, args),
         Command::Ls(args) => read_cmd::ls(&config, args),
         Command::Tail(args) => read_cmd::tail(&config, args),
-        Command::Status { json } => read_cmd::status(&config, json),
-        Command::Reconcile => read_cmd::reconcile(&config),
-        Command::Verify { json } => read_cmd::verify(&config, json),
+        Command::Status { json } => daemon_cmd::status(&config, json),
+        Command::Reconcile => catalog_cmd::reconcile(&config),
+        Command::Verify { json } => catalog_cmd::verify(&config, json),
         Command::Lease(command) => catalog_cmd::lease(&config, command),
         Command::Gc => catalog_cmd::gc(&config),
         Command::Bench(command) => bench::run(&config, cli.config.as_deref(), command),
@@ -129,14 +130,20 @@ fn init_logging(config: &Config, quiet_by_default: bool) {
     };
 }
 
-fn run_daemon(config: Config) -> anyhow::Result<i32> {
-    let runtime = tokio::runtime::Runtime::new()?;
-    match runtime.block_on(capstore::daemon::run(config)) {
-        Ok(code) => Ok(code),
-        Err(error) => {
-            tracing::error!(%error, "capstore stopped");
-            eprintln!("capstore: {error}");
-            Ok(error.exit_code())
+/// The runtime every async command runs on.
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Runtime::new()?)
+}
+
+/// Own the spool (lock and recovery), as an offline tool that publishes must; `Err(exit code)` after printing who
+/// owns it and `hint` when another process does.
+fn own_spool(config: &Config, hint: &str) -> anyhow::Result<Result<capstore::spool::Spool, i32>> {
+    match capstore::spool::Spool::open(&config.spool) {
+        Ok((spool, _recovery)) => Ok(Ok(spool)),
+        Err(error @ capstore::spool::SpoolError::Locked(_)) => {
+            eprintln!("capstore: {error}; {hint}");
+            Ok(Err(exit_code::SPOOL_OWNED))
         }
+        Err(error) => Err(error.into()),
     }
 }

@@ -10,7 +10,7 @@ use uuid::Uuid;
 use capstore::capture;
 use capstore::config::Config;
 use capstore::exit_code;
-use capstore::spool::inbox::{put_file, EnvelopeHeader};
+use capstore::spool::envelope::{put_file, EnvelopeHeader};
 use capstore::spool::SpoolPaths;
 
 #[derive(Args)]

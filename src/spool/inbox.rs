@@ -4,13 +4,7 @@
 //! it into `inbox/<stream>/<name>`. The stream is the subdirectory path. A name `<uuid>` or `<uuid>.<ext>` keeps that
 //! capture_id; any other name gets a generated UUIDv7.
 //!
-//! Envelopes: a file whose name ends in `.capenv` carries metadata in front of the payload, so labels and a content
-//! type ride along atomically with the bytes (`capstore put` writes these):
-//!
-//! ```text
-//! capenv1 {"labels":{"k":"v"},"content_type":"image/png","captured_at_ns":1764486916000000000}\n
-//! <payload bytes>
-//! ```
+//! Envelopes ([`super::envelope`]) carry labels, a content type and a capture time in front of the payload.
 //!
 //! Every field of the JSON object is optional. A plain file's captured_at_ns is its modification time.
 //!
@@ -26,28 +20,25 @@
 //! Discovery: a recursive `notify` watcher reports files closed after writing and files renamed in; a periodic rescan
 //! backs it up, so a missed event only delays a file.
 
-use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::collections::{HashSet, VecDeque};
 use std::fs;
-use std::io::{self, Write};
+use std::io;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch, Semaphore};
 use uuid::Uuid;
 
+use super::envelope::{is_envelope_name, parse_envelope, EnvelopeHeader, MAX_ENVELOPE_HEADER};
 use super::writer::{AppendError, SpoolWriter};
 use super::SpoolPaths;
 use crate::capture;
 use crate::durable;
 use crate::pack::CaptureMeta;
 
-pub const ENVELOPE_EXTENSION: &str = "capenv";
-const ENVELOPE_MAGIC: &[u8] = b"capenv1 ";
-const MAX_ENVELOPE_HEADER: usize = 1024 * 1024;
 /// Bytes of payload in memory at once across all ingest tasks, from the read until the spool acknowledged the append
 /// (a single larger file still goes, alone). This bounds the daemon's memory however large the inbox backlog is.
 const READ_BUDGET_KIB: u32 = 16 * 1024;
@@ -55,18 +46,6 @@ const READ_BUDGET_KIB: u32 = 16 * 1024;
 const UNLINK_SYNC_INTERVAL: Duration = Duration::from_millis(50);
 /// How soon to look again after the spool refused a file for lack of space.
 const RETRY_AFTER_REFUSAL: Duration = Duration::from_secs(1);
-
-/// The metadata header of an envelope file.
-#[derive(Debug, Default, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct EnvelopeHeader {
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub labels: BTreeMap<String, String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub content_type: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub captured_at_ns: Option<u64>,
-}
 
 /// Names producers use while writing; never ingested.
 pub fn is_ignored_name(name: &str) -> bool {
@@ -538,10 +517,6 @@ fn stat_one(context: &IngestContext, path: &Path) -> Result<Option<(fs::Metadata
     Ok(Some((metadata, relative)))
 }
 
-fn is_envelope_name(name: &str) -> bool {
-    name.strip_suffix(ENVELOPE_EXTENSION).is_some_and(|stem| stem.ends_with('.'))
-}
-
 /// Blocking: read and validate each file of a group.
 fn read_all(context: &IngestContext, group: Vec<Candidate>) -> (Vec<Prepared>, BatchOutcomes) {
     let mut prepared = Vec::with_capacity(group.len());
@@ -636,63 +611,6 @@ fn quarantine(context: &IngestContext, path: &Path, reason: &str) -> FileOutcome
     }
 }
 
-/// Split an envelope into its header and payload.
-pub fn parse_envelope(mut contents: Vec<u8>) -> Result<(EnvelopeHeader, Vec<u8>), String> {
-    if !contents.starts_with(ENVELOPE_MAGIC) {
-        return Err("envelope does not start with \"capenv1 \"".into());
-    }
-    let search_end = contents.len().min(MAX_ENVELOPE_HEADER);
-    let newline = contents[..search_end]
-        .iter()
-        .position(|&b| b == b'\n')
-        .ok_or_else(|| format!("envelope header has no newline within {MAX_ENVELOPE_HEADER} bytes"))?;
-    let header: EnvelopeHeader = serde_json::from_slice(&contents[ENVELOPE_MAGIC.len()..newline])
-        .map_err(|e| format!("envelope header is not valid: {e}"))?;
-    let payload = contents.split_off(newline + 1);
-    Ok((header, payload))
-}
-
-pub fn encode_envelope_header(header: &EnvelopeHeader) -> Vec<u8> {
-    let mut bytes = ENVELOPE_MAGIC.to_vec();
-    bytes.extend(serde_json::to_vec(header).expect("envelope header serializes"));
-    bytes.push(b'\n');
-    bytes
-}
-
-/// `capstore put`: copy a file into the inbox atomically (temp name, fsync, rename, directory fsync) as an envelope.
-/// Works whether or not the daemon runs; the daemon (or its next start) ingests it.
-pub fn put_file(
-    inbox: &Path,
-    stream: &str,
-    capture_id: Uuid,
-    header: &EnvelopeHeader,
-    source: &mut dyn io::Read,
-) -> io::Result<PathBuf> {
-    capture::validate_stream(stream).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-    let dir = inbox.join(stream);
-    fs::create_dir_all(&dir)?;
-    let target = dir.join(format!("{capture_id}.{ENVELOPE_EXTENSION}"));
-    if target.exists() {
-        return Err(io::Error::new(
-            io::ErrorKind::AlreadyExists,
-            format!("{} is already in the inbox", target.display()),
-        ));
-    }
-    let temp = durable::temp_path_for(&target);
-    let result = (|| {
-        let mut file = fs::OpenOptions::new().write(true).create_new(true).open(&temp)?;
-        file.write_all(&encode_envelope_header(header))?;
-        io::copy(source, &mut file)?;
-        file.sync_all()?;
-        drop(file);
-        durable::rename_durable(&temp, &target)
-    })();
-    if result.is_err() {
-        let _ = fs::remove_file(&temp);
-    }
-    result.map(|()| target)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -723,22 +641,5 @@ mod tests {
         let slice = walk_inbox_limited(dir.path(), 4).unwrap();
         assert_eq!(slice.len(), 4);
         assert!(slice.iter().all(|path| path.file_name().unwrap().to_string_lossy().starts_with('f')));
-    }
-
-    #[test]
-    fn envelopes_round_trip() {
-        let header = EnvelopeHeader {
-            labels: BTreeMap::from([("site".into(), "berlin".into())]),
-            content_type: Some("text/plain".into()),
-            captured_at_ns: Some(42),
-        };
-        let mut bytes = encode_envelope_header(&header);
-        bytes.extend_from_slice(b"payload\nwith newline");
-        let (parsed, payload) = parse_envelope(bytes).unwrap();
-        assert_eq!(parsed.labels, header.labels);
-        assert_eq!(parsed.captured_at_ns, Some(42));
-        assert_eq!(payload, b"payload\nwith newline");
-        assert!(parse_envelope(b"capenv1 {\"bogus\":1}\nx".to_vec()).unwrap_err().contains("bogus"));
-        assert!(parse_envelope(b"plain".to_vec()).is_err());
     }
 }

@@ -51,17 +51,13 @@ impl SpoolLock {
             }
             Err((_, errno)) => return Err(io_error(io::Error::from(errno))),
         };
-        let holder = format!("{} {} {}\n", std::process::id(), host_name(), crate::util::now_rfc3339());
+        let holder = format!("{} {} {}\n", std::process::id(), crate::util::host_name(), crate::util::now_rfc3339());
         flock.set_len(0).map_err(io_error)?;
         flock.seek(SeekFrom::Start(0)).map_err(io_error)?;
         flock.write_all(holder.as_bytes()).map_err(io_error)?;
         flock.sync_all().map_err(io_error)?;
         Ok(SpoolLock { _flock: flock })
     }
-}
-
-pub fn host_name() -> String {
-    nix::unistd::gethostname().map(|h| h.to_string_lossy().into_owned()).unwrap_or_else(|_| "unknown-host".into())
 }
 
 #[cfg(test)]
@@ -75,7 +71,7 @@ mod tests {
         let error = SpoolLock::acquire(dir.path()).unwrap_err();
         let text = error.to_string();
         assert!(text.contains(&format!("pid {}", std::process::id())), "{text}");
-        assert!(text.contains(&host_name()), "{text}");
+        assert!(text.contains(&crate::util::host_name()), "{text}");
     }
 
     #[test]

@@ -20,6 +20,7 @@
 //! - recovery keeps every complete record of a torn `.open` file and quarantines what it cannot read (I6);
 //! - pack ids are UUIDv7, so sorting names sorts packs oldest first.
 
+pub mod envelope;
 pub mod inbox;
 pub mod layout;
 pub mod lock;

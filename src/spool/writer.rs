@@ -204,20 +204,17 @@ pub fn spawn_writer(paths: SpoolPaths, settings: WriterSettings) -> (SpoolWriter
 
 impl SpoolWriter {
     /// Append one capture; resolves once it is fsynced (or refused). The payload is written from this buffer, not
-    /// copied.
+    /// copied. The capture must follow the rules every way in applies ([`crate::capture::validate_meta`]): the inbox
+    /// and HTTP check them first to name the offending file or parameter, the library gets them here.
     pub async fn append(&self, meta: CaptureMeta, payload: impl Into<Bytes>) -> Result<Ack, AppendError> {
+        if let Err(problem) = crate::capture::validate_meta(&meta) {
+            self.stats.appends_refused.fetch_add(1, Ordering::Relaxed);
+            return Err(AppendError::Invalid(problem));
+        }
         let (reply, reply_rx) = oneshot::channel();
         let payload = payload.into();
         self.requests_tx.send_async(Request::Append { meta, payload, reply }).await.map_err(|_| AppendError::Closed)?;
         reply_rx.await.map_err(|_| AppendError::Closed)?
-    }
-
-    /// Blocking form of [`SpoolWriter::append`], for callers outside an async runtime.
-    pub fn append_blocking(&self, meta: CaptureMeta, payload: impl Into<Bytes>) -> Result<Ack, AppendError> {
-        let (reply, reply_rx) = oneshot::channel();
-        let payload = payload.into();
-        self.requests_tx.send(Request::Append { meta, payload, reply }).map_err(|_| AppendError::Closed)?;
-        reply_rx.blocking_recv().map_err(|_| AppendError::Closed)?
     }
 
     /// Seal the open pack now (if it has records); returns what was sealed.
@@ -846,6 +843,29 @@ mod tests {
             writer.append(meta("s"), b"x".to_vec()).await.unwrap();
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        writer.close();
+        thread.join();
+    }
+
+    #[tokio::test]
+    async fn appends_that_break_the_capture_rules_are_refused_naming_the_rule() {
+        let (_dir, paths) = new_spool();
+        let (writer, thread) = spawn_writer(paths.clone(), settings());
+        let mut bad_stream = meta("s");
+        bad_stream.stream = "cam/.hidden".into();
+        let mut too_many_labels = meta("s");
+        too_many_labels.labels = (0..=crate::capture::MAX_LABELS).map(|n| (format!("k{n}"), String::new())).collect();
+        let mut control_in_content_type = meta("s");
+        control_in_content_type.content_type = Some("text/plain\n".into());
+        for (bad, rule) in
+            [(bad_stream, "segment"), (too_many_labels, "labels"), (control_in_content_type, "content type")]
+        {
+            let error = writer.append(bad, b"x".to_vec()).await.unwrap_err();
+            assert!(matches!(&error, AppendError::Invalid(problem) if problem.contains(rule)), "{error}");
+        }
+        assert_eq!(writer.stats().snapshot().appends_refused, 3);
+        assert_eq!(writer.stats().snapshot().records_appended, 0, "nothing of a refused append is in the spool");
+        writer.append(meta("cam/ok"), b"x".to_vec()).await.unwrap();
         writer.close();
         thread.join();
     }

@@ -43,6 +43,7 @@ pub fn spawn_tied_to_process(command: Command) -> io::Result<Child> {
                 // with the process.
                 for mut request in request_rx {
                     let parent_pid = std::process::id() as i32;
+                    #[allow(unsafe_code, reason = "pre_exec: only async-signal-safe calls between fork and exec")]
                     unsafe {
                         use std::os::unix::process::CommandExt;
                         request.command.pre_exec(move || {

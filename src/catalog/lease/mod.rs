@@ -120,7 +120,7 @@ pub struct Identity {
 impl Identity {
     /// This process, publishing for the spool `spool_id`.
     pub fn of_this_process(spool_id: Uuid) -> Identity {
-        Identity { spool_id, host: crate::spool::lock::host_name(), pid: std::process::id() }
+        Identity { spool_id, host: crate::util::host_name(), pid: std::process::id() }
     }
 
     pub fn holder(&self) -> String {

@@ -32,6 +32,7 @@ impl ChildDaemon {
     fn spawn(mut command: Command, log_path: PathBuf) -> anyhow::Result<ChildDaemon> {
         let bench_pid = std::process::id() as i32;
         // SAFETY: the closure runs in the forked child before exec and calls only async-signal-safe functions.
+        #[allow(unsafe_code, reason = "pre_exec: only async-signal-safe calls between fork and exec")]
         unsafe {
             use std::os::unix::process::CommandExt;
             command.pre_exec(move || {
@@ -287,6 +288,7 @@ async fn run_inbox(
 
     let first_version = follower.after_version;
     let started = Instant::now();
+    #[allow(clippy::disallowed_methods, reason = "the bench plays a producer, and producers rename into the inbox")]
     std::fs::rename(staging, config.spool.dir.join("inbox").join("bench"))?;
     follower.wait_for_published(ids.len() as u64, Duration::from_secs(1800)).await?;
     let seconds = started.elapsed().as_secs_f64();

@@ -83,7 +83,7 @@ pub enum BenchCommand {
 }
 
 pub fn run(config: &Config, config_path: Option<&Path>, command: BenchCommand) -> anyhow::Result<i32> {
-    let runtime = tokio::runtime::Runtime::new()?;
+    let runtime = crate::cli::runtime()?;
     let (dir, total, sizes, producers, repeats, json) = match command {
         BenchCommand::Spool { dir, total, sizes, producers, repeats, json } => {
             (dir, total, sizes, producers, repeats, json)
