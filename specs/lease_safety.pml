@@ -1,6 +1,6 @@
 /*
  * capstore: safety of the publisher lease and the fenced publish
- * (DESIGN.md sections 6 and 7; src/catalog/lease.rs, src/catalog/publish.rs).
+ * (DESIGN.md sections 6 and 7; src/catalog/lease/, src/catalog/publish.rs).
  *
  * Small enough for an EXHAUSTIVE search.  One Promela process, the world, whose
  * every option is one atomic step of a publisher, of the ClickHouse server, or

@@ -8,9 +8,9 @@
  * Variants (expected verdicts in check.sh):
  *   (none)      claim and publish at once (DESIGN 7 as first written)
  *   EMB_SENT    no permit until publish_timeout + clock_skew + 0.1 s after the
- *               takeover claim was SENT (src/catalog/lease.rs today)
+ *               takeover claim was SENT (the first version of the fix)
  *   EMB_REPLY   the same embargo counted from when the claim's read-back said
- *               held (the proposed correction)
+ *               held (what src/catalog/lease/store.rs does)
  * The protocol itself is specs/lease_safety.pml.
  */
 #define TAKEOVER 1

@@ -6,10 +6,10 @@
 //! ClickHouse being down delays publishing, never ingest) -> lease with the start wait -> owed packs -> reconcile
 //! (when `catalog.reconcile_on_start`) -> the loop.
 //!
-//! States: `intake` ([`Running::start`] returned: captures are accepted and acknowledged), `publishing` (the lease is
+//! States: `intake` (`Running::start` returned: captures are accepted and acknowledged), `publishing` (the lease is
 //! held and the loop runs), `draining` (intake stopped: HTTP writes answer 503, the open pack is sealed, what fits in
-//! `shutdown_grace` is uploaded and published), `stopped` ([`Running::shutdown`]: the lease released, HTTP stopped
-//! last, the final status written). Every way out, fatal or not, passes through [`Running::shutdown`].
+//! `shutdown_grace` is uploaded and published), `stopped` (`Running::shutdown`: the lease released, HTTP stopped
+//! last, the final status written). Every way out, fatal or not, passes through `Running::shutdown`.
 //!
 //! The loop: publish what is owed, then upload sealed packs (only while the lease is held and nothing is owed), then
 //! wait for a new sealed pack, a lease state change (a re-acquired lease wakes it at once), the error backoff
@@ -354,31 +354,10 @@ async fn run_loop(
         if lease.state() == LeaseState::Failed {
             return LoopEnd::Latched;
         }
-        let mut failed = false;
         let mut moved = 0;
-        match pipeline.index_round().await {
-            Ok(count) => {
-                moved += count;
-                publish_outage.recovered();
-            }
-            Err(RoundError::NoLease) => {}
-            Err(error) => {
-                publish_outage.failed(&error);
-                failed = true;
-            }
-        }
+        let mut failed = !count_round(pipeline.index_round().await, &mut publish_outage, &mut moved);
         if !failed {
-            match pipeline.upload_round().await {
-                Ok(count) => {
-                    moved += count;
-                    upload_outage.recovered();
-                }
-                Err(RoundError::NoLease) => {}
-                Err(error) => {
-                    upload_outage.failed(&error);
-                    failed = true;
-                }
-            }
+            failed = !count_round(pipeline.upload_round().await, &mut upload_outage, &mut moved);
         }
         let pause = if failed {
             backoff.next_delay_unbounded()
@@ -398,6 +377,23 @@ async fn run_loop(
                 }
             }
             _ = shutdown_rx.changed() => {}
+        }
+    }
+}
+
+/// Adds a round's packs to `moved` and logs its outcome; false when the round failed (the loop backs off). A round
+/// that did not run for want of the lease is no failure: the lease keeper is on it.
+fn count_round(round: Result<usize, RoundError>, outage: &mut OutageLog, moved: &mut usize) -> bool {
+    match round {
+        Ok(count) => {
+            *moved += count;
+            outage.recovered();
+            true
+        }
+        Err(RoundError::NoLease) => true,
+        Err(error) => {
+            outage.failed(&error);
+            false
         }
     }
 }

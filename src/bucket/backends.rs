@@ -78,7 +78,7 @@ fn split_bucket<'a>(url: &str, rest: &'a str) -> Result<(&'a str, &'a str), Buck
     Ok((bucket_name, path))
 }
 
-/// object_store's per-request retry for cloud backends: a few quick retries, well inside [`RetryPolicy`]'s budget.
+/// object_store's per-request retry for cloud backends: a few quick retries, well inside [`crate::retry::RetryPolicy`]'s budget.
 pub fn store_retry_config() -> RetryConfig {
     RetryConfig {
         backoff: BackoffConfig {

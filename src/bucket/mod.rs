@@ -12,7 +12,7 @@
 //! outage) writes the same key, and the "already there" check below makes the retry a no-op. A path in the URL
 //! (`s3://bucket/some/path`) becomes the first part of the prefix; empty parts are skipped.
 //!
-//! # Upload protocol ([`Bucket::upload_pack`])
+//! # Upload protocol ([`Bucket::upload_pack`], in `upload.rs`)
 //!
 //! 1. Take one of `upload.concurrency` permits.
 //! 2. A `file://` bucket gets the pack by [`local_dir::place_pack`] (a hard link of the sealed pack, or a staged
@@ -41,7 +41,7 @@
 //! size difference). Keys hold the pack_id, which only the spool that wrote the pack uses, so this needs two
 //! processes uploading different packs with the same id, which the spool's owner lock rules out.
 //!
-//! # Backends and settings ([`Bucket::from_config`])
+//! # Backends and settings ([`Bucket::from_config`], built in `backends.rs`)
 //!
 //! - `file:///abs/path`: a local directory (created if missing); the URL path is the root, not part of the keys.
 //! - `s3://bucket[/path]`: `AWS_*` environment variables first (the usual credential chain; instance metadata when
@@ -59,8 +59,9 @@
 //!
 //! Every operation runs under a bounded retry loop ([`RetryPolicy`]: exponential backoff with full jitter, 100 ms
 //! doubling to 5 s, at most 8 attempts and 60 s by default) that retries only errors [`classify`] calls
-//! [`BucketErrorKind::Transient`]. When the loop gives up the error is still `Transient`: a bucket outage is never a
-//! pack's fault, so the caller retries later without counting it against the pack. Every step is idempotent (same
+//! [`BucketErrorKind::Transient`]. Each retry logs at DEBUG only: the caller logs the outage ([`crate::retry`]). When
+//! the loop gives up the error is still `Transient`: a bucket outage is never a pack's fault, so the caller retries
+//! later without counting it against the pack. Every step is idempotent (same
 //! key, same bytes, compare on conflict), so retrying a whole upload is safe even when an earlier attempt's outcome is
 //! unknown. Cloud backends also get object_store's own per-request retry ([`store_retry_config`]: a few quick
 //! retries of 5xx and connection errors, 15 s budget) and timeouts (connect 5 s; a request 30 s plus one second per

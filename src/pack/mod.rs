@@ -16,7 +16,7 @@
 //!                                         magic "\x89CPKEND\n" (the last 12 bytes keep this layout in every major)
 //! ```
 //!
-//! Metadata block (in records and in footer entries alike): capture_id [16], captured_at_ns u64, stream (u32 length +
+//! Metadata block (in records and in footer entries alike): capture_id `[16]`, captured_at_ns u64, stream (u32 length +
 //! UTF-8), content_type (u8 presence 0/1 + string), source_name (u8 presence + string), label_count u32, then
 //! (key, value) string pairs in strictly ascending byte order of the key. Bytes after the known fields of a
 //! length-delimited block (metadata block, footer entry, footer) are skipped by readers: that is where a newer minor
@@ -47,11 +47,11 @@
 //!
 //! # Files
 //!
-//! - [`codec`]: encode and decode of every block (metadata, header, trailer, footer, record), with the layout checks.
-//! - [`scan`]: the sequential scan from the start of a pack (recovery of `.open` files, full verification).
-//! - [`writer`]: [`PackWriter`], the appender of `.open` files, and its [`SyncPoint`]s.
-//! - [`sealed`]: [`PackFile`], a sealed pack on local disk.
-//! - [`hasher`]: the pack's SHA-256 on a thread of its own.
+//! - `codec.rs`: encode and decode of every block (metadata, header, trailer, footer, record), with the layout checks.
+//! - `scan.rs`: the sequential scan from the start of a pack (recovery of `.open` files, full verification).
+//! - `writer.rs`: [`PackWriter`], the appender of `.open` files, and its [`SyncPoint`]s.
+//! - `sealed.rs`: [`PackFile`], a sealed pack on local disk.
+//! - `hasher.rs`: the pack's SHA-256 on a thread of its own.
 
 mod codec;
 mod hasher;

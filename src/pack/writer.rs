@@ -25,7 +25,7 @@ use super::*;
 /// returns; dropping the writer without it or [`PackWriter::finish`] loses the unsynced tail (recovery handles the
 /// rest).
 ///
-/// The SHA-256 for the trailer is computed by a [`BackgroundHasher`] from the same reference-counted buffers that are
+/// The SHA-256 for the trailer is computed by a background hasher (`hasher.rs`) from the same reference-counted buffers that are
 /// written, so hashing overlaps writing and fsyncing and large payloads are never copied.
 pub struct PackWriter {
     path: PathBuf,

@@ -1,5 +1,5 @@
-//! The status snapshot: every lease field, spool counts per state, pipeline counters. [`StatusBoard`] collects the
-//! daemon's parts as the start order brings them up; [`status_file_loop`] writes its snapshot once a second into
+//! The status snapshot: every lease field, spool counts per state, pipeline counters. `StatusBoard` collects the
+//! daemon's parts as the start order brings them up; `status_file_loop` writes its snapshot once a second into
 //! `<spool>/status.json` (atomically replaced, not fsynced: it is a view, not state), which `capstore status` prints,
 //! and the HTTP API serves the same snapshot and its metrics.
 

@@ -134,7 +134,7 @@ pub struct IngestStats {
 }
 
 /// Inbox directories with unlinks not yet made durable. Ingest records every unlink here and fsyncs the directories
-/// every [`UNLINK_SYNC_INTERVAL`]; the indexer calls [`UnlinkLog::sync`] before it deletes published packs, so a pack
+/// every `UNLINK_SYNC_INTERVAL`; the indexer calls [`UnlinkLog::sync`] before it deletes published packs, so a pack
 /// never leaves the spool while the unlink of one of its sources could still be undone by a crash (recovery finds
 /// such a source's key only in a pack that is still local).
 #[derive(Debug, Default)]
@@ -189,8 +189,8 @@ struct IngestContext {
 
 /// Runs until `shutdown_rx` turns true; then finishes the files in flight and returns.
 ///
-/// States of the loop: a `backlog` of at most [`BACKLOG_LIMIT`] candidate paths (from events and rescans; it may hold
-/// duplicates and files already gone, which cost one `stat`), up to [`MAX_BATCHES_IN_FLIGHT`] batches being ingested
+/// States of the loop: a `backlog` of at most `BACKLOG_LIMIT` candidate paths (from events and rescans; it may hold
+/// duplicates and files already gone, which cost one `stat`), up to `MAX_BATCHES_IN_FLIGHT` batches being ingested
 /// (`in_flight` holds their paths, so no file is ever ingested by two batches at once), and `rescan_pending`: a
 /// rescan was asked for (by the timer, an event overflow, a full backlog, a rescan that stopped at the limit, or a
 /// deferral) and runs once the backlog is empty. So memory stays bounded however many files wait in the inbox, and a
@@ -331,7 +331,7 @@ impl Ingestor {
         }
     }
 
-    /// Up to [`BACKLOG_LIMIT`] files under `dir`, and whether there may be more.
+    /// Up to `BACKLOG_LIMIT` files under `dir`, and whether there may be more.
     async fn walk(&self, dir: PathBuf) -> (Vec<PathBuf>, bool) {
         match tokio::task::spawn_blocking(move || walk_inbox_limited(&dir, BACKLOG_LIMIT)).await {
             Ok(Ok(files)) => {

@@ -19,6 +19,11 @@
 //! - a spool file is deleted only after the catalog shows it published (I5);
 //! - recovery keeps every complete record of a torn `.open` file and quarantines what it cannot read (I6);
 //! - pack ids are UUIDv7, so sorting names sorts packs oldest first.
+//!
+//! Files: this one opens a spool ([`Spool::open`]: directories, lock, spool id, recovery); [`layout`] names the paths
+//! and states and is the only code that renames or deletes a spool file; [`writer`] is the group-commit writer;
+//! [`recovery`] repairs what a crash left; [`inbox`] ingests producers' files and [`envelope`] is their format and
+//! `capstore put`; [`lock`] is the owner lock.
 
 pub mod envelope;
 pub mod inbox;

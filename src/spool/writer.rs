@@ -8,7 +8,7 @@
 //! the bytes to the kernel, and pass the batch's acknowledgements with the pack's [`SyncPoint`] to the syncer thread.
 //! The syncer fdatasyncs (once for every batch waiting on the same file) and only then acknowledges. So batch N+1 is
 //! written while batch N is fsynced, and the pack's SHA-256 is computed meanwhile on a third thread
-//! ([`super::hasher`]). An append is never acknowledged before the fsync that covers it; an append that fails (quota,
+//! ([`crate::pack`]'s hasher). An append is never acknowledged before the fsync that covers it; an append that fails (quota,
 //! size, I/O) is answered with an error and is not in the spool.
 //!
 //! A failed fsync poisons the pack (the syncer answers that batch and every later one of the pack with an error); the

@@ -1,6 +1,6 @@
 //! The publisher lease: one process at a time publishes into a catalog name.
 //!
-//! # Table protocol ([`LeaseStore`], in [`store`])
+//! # Table protocol ([`LeaseStore`], in `store.rs`)
 //!
 //! Rows `(catalog, term, lease_id, holder, written_at_ms, expires_at_ms, kind)` in a plain MergeTree, times stamped by
 //! the server. The *head* is the set of rows at the highest term. The expiry of a `(term, lease_id)` is the minimum
@@ -20,7 +20,7 @@
 //!   earlier process of that spool is dead, so it may claim over a live head held by its own spool id at once; the
 //!   fence keeps any late statement of the predecessor (old lease_id) from landing.
 //!
-//! # Keeper states ([`LeaseKeeper`], [`LeaseState`], in [`keeper`])
+//! # Keeper states ([`LeaseKeeper`], [`LeaseState`], in `keeper.rs`)
 //!
 //! ```text
 //!  none ──claim ok──► held ──renew every ttl/6──► held
