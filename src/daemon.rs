@@ -102,6 +102,10 @@ async fn run_until(
     let mut running = Running::start(Arc::new(config), writer_tx).await?;
     let ended = running.publish_until_stopped(&mut shutdown_rx).await;
     running.shutdown().await;
+    match &ended {
+        Ok(code) => tracing::info!(exit_code = code, "stopped"),
+        Err(error) => tracing::error!(%error, "stopped"),
+    }
     ended
 }
 
@@ -266,7 +270,6 @@ impl Running {
         tracing::info!(grace = ?config.shutdown_grace.0, "shutting down: intake stopped, sealing the open pack");
         self.stop_intake().await;
         drain(&pipeline, config.shutdown_grace.0).await;
-        tracing::info!(lease_state = ?lease.state(), "stopped cleanly");
         Ok(exit_code::CLEAN)
     }
 

@@ -269,3 +269,18 @@ fn spool_verify_finds_a_damaged_pack_and_inspect_counts_by_state() {
     assert_eq!(code, 1, "{stdout}");
     assert!(stdout.contains("BAD"), "{stdout}");
 }
+
+#[test]
+fn an_unreachable_catalog_is_warned_about_once_while_the_daemon_keeps_retrying() {
+    let dir = tempfile::tempdir().unwrap();
+    let spool_dir = dir.path().join("spool");
+    // Debug logging shows every retry; the WARN level must show the outage once (then every 30 s).
+    let daemon = start_daemon(&spool_dir, &[("CAPSTORE_LOG_LEVEL", "info,capstore=debug")]);
+    wait_until("six failed catalog connects", || {
+        daemon.log().lines().any(|line| line.contains("catalog unreachable") && line.contains("failures=6"))
+    });
+    let log = stop_daemon(daemon);
+    let warnings: Vec<&str> =
+        log.lines().filter(|line| line.contains("WARN") && line.contains("catalog unreachable")).collect();
+    assert_eq!(warnings.len(), 1, "one WARN line for the outage, not one per retry:\n{log}");
+}

@@ -9,7 +9,6 @@ pub fn run(config: Config) -> anyhow::Result<i32> {
     match super::runtime()?.block_on(capstore::daemon::run(config)) {
         Ok(code) => Ok(code),
         Err(error) => {
-            tracing::error!(%error, "capstore stopped");
             eprintln!("capstore: {error}");
             Ok(error.exit_code())
         }

@@ -123,7 +123,9 @@ fn init_logging(config: &Config, quiet_by_default: bool) {
     let level = if quiet_by_default && config.log.level == "info" { "warn" } else { config.log.level.as_str() };
     let filter =
         tracing_subscriber::EnvFilter::try_new(level).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // Colours only on a terminal: a log file or the journal gets plain text that grep and operators can read.
+    let on_terminal = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(on_terminal);
     let _ = match config.log.format {
         LogFormat::Json => builder.json().try_init(),
         LogFormat::Text => builder.try_init(),
