@@ -155,6 +155,8 @@ impl Running {
         let (writer, writer_thread) = spawn_writer(paths.clone(), WriterSettings::from_config(&config.spool));
         let ingestor = Ingestor::new(
             paths.clone(),
+            spool.inbox(),
+            spool.inbox_ledger(),
             writer.clone(),
             config.spool.max_capture_bytes.0,
             config.spool.inbox_rescan_interval.0,

@@ -284,3 +284,118 @@ fn an_unreachable_catalog_is_warned_about_once_while_the_daemon_keeps_retrying()
         log.lines().filter(|line| line.contains("WARN") && line.contains("catalog unreachable")).collect();
     assert_eq!(warnings.len(), 1, "one WARN line for the outage, not one per retry:\n{log}");
 }
+
+/// Waits until the daemon has walked the whole inbox `count` more times (each walk logs "inbox walked" at debug).
+fn wait_for_walks(daemon: &Daemon, count: usize) {
+    let walks = |log: &str| log.lines().filter(|line| line.contains("inbox walked") && line.contains("dir=")).count();
+    let before = walks(&daemon.log());
+    wait_until("inbox rescans", || walks(&daemon.log()) >= before + count);
+}
+
+#[test]
+fn the_inbox_never_follows_a_symlink_and_skips_special_files_with_one_warning() {
+    let dir = tempfile::tempdir().unwrap();
+    let spool_dir = dir.path().join("spool");
+    let stream = spool_dir.join("inbox").join("s");
+    std::fs::create_dir_all(&stream).unwrap();
+    // What a hostile producer points at: a directory of secrets outside the inbox.
+    let outside = dir.path().join("secrets");
+    std::fs::create_dir_all(&outside).unwrap();
+    std::fs::write(outside.join("token"), b"do not capture me").unwrap();
+    // A directory symlink made under a dot-name and renamed in, a file symlink, and a FIFO.
+    std::os::unix::fs::symlink(&outside, stream.join(".linked")).unwrap();
+    std::fs::rename(stream.join(".linked"), stream.join("linked")).unwrap();
+    std::os::unix::fs::symlink(outside.join("token"), stream.join("token-link")).unwrap();
+    nix::unistd::mkfifo(&stream.join("pipe"), nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    std::fs::write(stream.join("good"), b"good").unwrap();
+
+    let daemon = start_daemon(&spool_dir, &[("CAPSTORE_LOG_LEVEL", "info,capstore::spool::inbox=debug")]);
+    wait_until("the good file ingested", || !stream.join("good").exists());
+    wait_for_walks(&daemon, 3);
+    std::fs::write(stream.join(".later"), b"later").unwrap();
+    std::fs::rename(stream.join(".later"), stream.join("later")).unwrap();
+    wait_until("a later file ingested: the FIFO blocked nothing", || !stream.join("later").exists());
+    let log = stop_daemon(daemon);
+
+    assert_eq!(std::fs::read(outside.join("token")).unwrap(), b"do not capture me", "a file outside was touched");
+    let payloads: Vec<Vec<u8>> = all_captures(&spool_dir).into_iter().map(|(_, payload)| payload).collect();
+    assert_eq!(payloads, vec![b"good".to_vec(), b"later".to_vec()], "only the regular files were captured");
+    for entry in ["linked", "token-link", "pipe"] {
+        assert!(std::fs::symlink_metadata(stream.join(entry)).is_ok(), "{entry} was removed");
+        let field = format!("file=s/{entry}");
+        let names_it = |line: &str| line.split_whitespace().any(|word| word == field);
+        let warnings = log.lines().filter(|line| line.contains("WARN") && names_it(line)).count();
+        assert_eq!(warnings, 1, "one WARN for {entry} over several rescans:\n{log}");
+    }
+}
+
+#[test]
+fn a_captured_file_that_cannot_be_unlinked_is_captured_once_across_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    let spool_dir = dir.path().join("spool");
+    let locked = spool_dir.join("inbox").join("locked");
+    std::fs::create_dir_all(&locked).unwrap();
+    std::fs::write(locked.join("frame"), b"locked frame").unwrap();
+    common::daemon::give_to_daemon_user(dir.path());
+    // A stream directory the daemon may read but not change (as a root-owned one would be).
+    let mode = |bits| std::fs::set_permissions(&locked, std::os::unix::fs::PermissionsExt::from_mode(bits)).unwrap();
+    mode(0o555);
+    let env = DaemonEnv::offline(&spool_dir).set("CAPSTORE_LOG_LEVEL", "info,capstore::spool::inbox=debug");
+    let start = |env: &DaemonEnv| {
+        let mut daemon = env.clone().unprivileged().start(dir.path().join(format!("{}.log", rand::random::<u32>())));
+        daemon.wait_for_log("ingest ready", Duration::from_secs(30));
+        daemon
+    };
+    let captured_frames = || all_captures(&spool_dir).iter().filter(|(_, payload)| payload == b"locked frame").count();
+
+    let daemon = start(&env);
+    wait_until("the locked file captured", || captured_frames() == 1);
+    wait_for_walks(&daemon, 4);
+    let log = stop_daemon(daemon);
+    assert_eq!(captured_frames(), 1, "captured again on a rescan:\n{log}");
+    assert_eq!(log.matches("cannot be removed").count(), 1, "said once:\n{log}");
+    assert!(locked.join("frame").exists());
+
+    let daemon = start(&env);
+    wait_for_walks(&daemon, 3);
+    stop_daemon(daemon);
+    assert_eq!(captured_frames(), 1, "captured again after a restart");
+
+    // Once the directory may be changed, the next start removes the file and forgets it.
+    mode(0o755);
+    let daemon = start(&env);
+    wait_for_walks(&daemon, 1);
+    stop_daemon(daemon);
+    assert!(!locked.join("frame").exists());
+    assert_eq!(captured_frames(), 1);
+    let ledger = std::fs::read_to_string(spool_dir.join("inbox-captured")).unwrap_or_default();
+    assert!(ledger.trim().is_empty(), "the ledger forgets removed files: {ledger:?}");
+}
+
+#[test]
+fn an_unlistable_inbox_directory_is_warned_about_once_and_stops_neither_ingest_nor_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let spool_dir = dir.path().join("spool");
+    let closed = spool_dir.join("inbox").join("closed");
+    let open = spool_dir.join("inbox").join("open");
+    std::fs::create_dir_all(&closed).unwrap();
+    std::fs::create_dir_all(&open).unwrap();
+    std::fs::write(closed.join("hidden-away"), b"x").unwrap();
+    common::daemon::give_to_daemon_user(dir.path());
+    std::fs::set_permissions(&closed, std::os::unix::fs::PermissionsExt::from_mode(0o000)).unwrap();
+    let env = DaemonEnv::offline(&spool_dir).set("CAPSTORE_LOG_LEVEL", "info,capstore::spool::inbox=debug");
+    for run in 0..2 {
+        let log_path = dir.path().join(format!("run-{run}.log"));
+        let mut daemon = env.clone().unprivileged().start(log_path);
+        daemon.wait_for_log("ingest ready", Duration::from_secs(30));
+        let name = format!("good-{run}");
+        std::fs::write(open.join(format!(".{name}")), b"good").unwrap();
+        std::fs::rename(open.join(format!(".{name}")), open.join(&name)).unwrap();
+        wait_until("the good file ingested", || !open.join(&name).exists());
+        wait_for_walks(&daemon, 4);
+        let log = stop_daemon(daemon);
+        let warnings = log.lines().filter(|line| line.contains("WARN") && line.contains("cannot be listed")).count();
+        assert_eq!(warnings, 1, "run {run}: one WARN for the directory, not one per rescan:\n{log}");
+    }
+    assert_eq!(all_captures(&spool_dir).len(), 2);
+}

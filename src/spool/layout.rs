@@ -80,16 +80,24 @@ impl SpoolPaths {
         Ok(removed)
     }
 
-    /// Move `file` (a pack, or an inbox file) into `quarantine/<subdir>/` with a `.reason` file beside it; never
-    /// overwrites an earlier quarantined file.
+    /// Move the pack file `file` into `quarantine/<subdir>/` with a `.reason` file beside it; never overwrites an
+    /// earlier quarantined file.
     pub fn quarantine(&self, subdir: &str, file: &Path, reason: &str) -> io::Result<PathBuf> {
+        let name = file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "unnamed".into());
+        let target = self.quarantine_slot(subdir, &name, reason)?;
+        durable::rename_durable(file, &target)?;
+        Ok(target)
+    }
+
+    /// A fresh place in `quarantine/<subdir>/` for a file called `name`, its `.reason` file already written: the
+    /// caller moves the file there (inbox files are moved relative to the inbox's descriptor, see
+    /// [`super::inbox`]).
+    pub fn quarantine_slot(&self, subdir: &str, name: &str, reason: &str) -> io::Result<PathBuf> {
         let target_dir = self.quarantine.join(subdir);
         fs::create_dir_all(&target_dir)?;
-        let name = file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "unnamed".into());
         // A time prefix keeps quarantined files unique and sorted by when they arrived.
         let target = target_dir.join(format!("{}-{name}", crate::util::now_ns()));
         durable::write_file_durable(&reason_path(&target), reason.as_bytes())?;
-        durable::rename_durable(file, &target)?;
         Ok(target)
     }
 

@@ -38,8 +38,12 @@ use std::path::{Path, PathBuf};
 
 use uuid::Uuid;
 
+use std::sync::Arc;
+
 use crate::config::SpoolConfig;
 use crate::durable;
+use inbox::beneath::InboxRoot;
+use inbox::ledger::InboxLedger;
 pub use layout::{list_packs, PackListing, PackState, SpoolPaths};
 pub use lock::{LockError, SpoolLock};
 pub use recovery::RecoveryReport;
@@ -66,6 +70,8 @@ pub enum SpoolError {
 pub struct Spool {
     paths: SpoolPaths,
     spool_id: Uuid,
+    inbox: Arc<InboxRoot>,
+    inbox_ledger: Arc<InboxLedger>,
     _lock: SpoolLock,
 }
 
@@ -83,8 +89,20 @@ impl Spool {
         }
         let lock = SpoolLock::acquire(&paths.root)?;
         let spool_id = read_or_create_spool_id(&paths.root)?;
-        let report = recovery::recover(&paths).map_err(io_error)?;
-        Ok((Spool { paths, spool_id, _lock: lock }, report))
+        let inbox_ledger = Arc::new(InboxLedger::load(&paths.root).map_err(io_error)?);
+        let report = recovery::recover(&paths, &inbox_ledger).map_err(io_error)?;
+        let inbox = Arc::new(InboxRoot::open(&paths.inbox).map_err(io_error)?);
+        Ok((Spool { paths, spool_id, inbox, inbox_ledger, _lock: lock }, report))
+    }
+
+    /// The inbox, opened as a directory descriptor (see [`inbox::beneath`]).
+    pub fn inbox(&self) -> Arc<InboxRoot> {
+        self.inbox.clone()
+    }
+
+    /// Inbox files captured but not removable (see [`inbox::ledger`]); ingest skips them.
+    pub fn inbox_ledger(&self) -> Arc<InboxLedger> {
+        self.inbox_ledger.clone()
     }
 
     pub fn paths(&self) -> &SpoolPaths {

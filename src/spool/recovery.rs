@@ -9,7 +9,9 @@
 //!    header is unreadable but holds more than a header's worth of bytes is quarantined (it is not ours to delete).
 //! 3. Each `.sealed` and `.uploaded` pack has its trailer and footer checked; a pack that fails goes to quarantine.
 //! 4. Inbox exactly-once: an inbox file whose source key is already recorded in a pack was captured before the crash
-//!    (its unlink was lost), so it is removed instead of being ingested twice.
+//!    (its unlink was lost), so it is removed instead of being ingested twice; one that cannot be removed is recorded
+//!    in the inbox ledger instead, and ledger entries of files now gone are dropped. A file or directory of the inbox
+//!    that cannot be read never fails the start.
 
 use std::collections::HashSet;
 use std::fs;
@@ -18,6 +20,7 @@ use std::path::Path;
 
 use serde::Serialize;
 
+use super::inbox::ledger::InboxLedger;
 use super::{inbox, list_packs, PackState, SpoolPaths};
 use crate::pack::{self, PackFile, PackWriter};
 
@@ -38,7 +41,7 @@ impl RecoveryReport {
     }
 }
 
-pub fn recover(paths: &SpoolPaths) -> io::Result<RecoveryReport> {
+pub fn recover(paths: &SpoolPaths, inbox_ledger: &InboxLedger) -> io::Result<RecoveryReport> {
     let mut report = RecoveryReport::default();
     report.temp_files_removed += paths.remove_leftover_temp_files(&paths.packs)?;
     report.temp_files_removed += paths.remove_leftover_temp_files(&paths.root)?;
@@ -56,7 +59,7 @@ pub fn recover(paths: &SpoolPaths) -> io::Result<RecoveryReport> {
             },
         }
     }
-    report.inbox_duplicates_removed = inbox::remove_already_captured(paths, &source_keys)?;
+    report.inbox_duplicates_removed = inbox::remove_already_captured(paths, inbox_ledger, &source_keys)?;
     if !report.is_clean() {
         tracing::info!(
             open_packs_sealed = report.open_packs_sealed,

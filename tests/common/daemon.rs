@@ -15,6 +15,9 @@ use capstore::config::Config;
 #[derive(Debug, Clone)]
 pub struct DaemonEnv {
     vars: BTreeMap<String, String>,
+    /// Run as `nobody` when the tests run as root, so file permissions bind the daemon as they bind a real service
+    /// account (root's permission override would hide them).
+    unprivileged: bool,
 }
 
 impl DaemonEnv {
@@ -57,7 +60,10 @@ impl DaemonEnv {
     }
 
     fn from_pairs<const N: usize>(pairs: [(&str, String); N]) -> DaemonEnv {
-        DaemonEnv { vars: pairs.into_iter().map(|(key, value)| (key.to_string(), value)).collect() }
+        DaemonEnv {
+            vars: pairs.into_iter().map(|(key, value)| (key.to_string(), value)).collect(),
+            unprivileged: false,
+        }
     }
 
     /// Set (or replace) one variable.
@@ -77,9 +83,23 @@ impl DaemonEnv {
         Config::from_sources("", &pairs).expect("the test environment is a valid configuration")
     }
 
+    /// Run the binary as an unprivileged user (see the field). The caller makes the spool that user's: see
+    /// [`give_to_daemon_user`].
+    pub fn unprivileged(mut self) -> DaemonEnv {
+        self.unprivileged = true;
+        self
+    }
+
     /// `capstore` with exactly this environment (and `PATH`); add the arguments.
     pub fn command(&self) -> Command {
-        let mut command = Command::new(env!("CARGO_BIN_EXE_capstore"));
+        let binary = env!("CARGO_BIN_EXE_capstore");
+        let mut command = if self.unprivileged && running_as_root() {
+            let mut setpriv = Command::new("setpriv");
+            setpriv.args(["--reuid", NOBODY, "--regid", NOBODY, "--clear-groups", binary]);
+            setpriv
+        } else {
+            Command::new(binary)
+        };
         command.env_clear().env("PATH", std::env::var_os("PATH").unwrap_or_default()).envs(&self.vars);
         command
     }
@@ -95,6 +115,24 @@ impl DaemonEnv {
         command.args(args).stdout(Stdio::null()).stderr(std::fs::File::create(&log_path).expect("create the log"));
         Daemon::spawn(command, log_path)
     }
+}
+
+/// The uid and gid an unprivileged daemon runs as when the tests run as root (Debian's `nobody`/`nogroup`).
+const NOBODY: &str = "65534";
+
+fn running_as_root() -> bool {
+    nix::unistd::geteuid().is_root()
+}
+
+/// Makes `dir` (created if missing) and everything under it owned by the user an [`DaemonEnv::unprivileged`] daemon
+/// runs as; a no-op when the tests do not run as root (the daemon then runs as the same user).
+pub fn give_to_daemon_user(dir: &Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    if !running_as_root() {
+        return;
+    }
+    let status = Command::new("chown").args(["-R", &format!("{NOBODY}:{NOBODY}")]).arg(dir).status().unwrap();
+    assert!(status.success(), "chown of {} failed", dir.display());
 }
 
 /// A `capstore` child process. Dropping it SIGKILLs it (a failing test must not leave a daemon running), and it dies
