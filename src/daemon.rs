@@ -36,7 +36,7 @@ use crate::config::Config;
 use crate::exit_code;
 use crate::http::HttpServer;
 use crate::pipeline::status::{status_file_loop, write_status, StatusBoard};
-use crate::pipeline::{off_runtime, Pipeline, RoundError};
+use crate::pipeline::{off_runtime, Pipeline, PublishedPacks, RoundError};
 use crate::reader::Reader;
 use crate::retry::{OutageLog, RetryPolicy};
 use crate::spool::inbox::{Ingestor, UnlinkLog};
@@ -140,6 +140,8 @@ struct Running {
     http: Option<HttpServer>,
     /// Inbox unlinks the indexer makes durable before a published pack leaves the spool.
     inbox_unlinks: Arc<UnlinkLog>,
+    /// Where the indexer announces published packs, for HTTP's `wait=published`.
+    published: Arc<PublishedPacks>,
     status_task: tokio::task::JoinHandle<()>,
     lease: Option<RunningLease>,
 }
@@ -191,13 +193,13 @@ impl Running {
             intake: Some(intake),
             http: None,
             inbox_unlinks,
+            published: Arc::default(),
             status_task,
             lease: None,
         };
         let max_capture_bytes = running.config.spool.max_capture_bytes.0;
-        match HttpServer::start(&running.config.http, running.board.clone(), running.writer.clone(), max_capture_bytes)
-            .await
-        {
+        let (board, writer, published) = (running.board.clone(), running.writer.clone(), running.published.clone());
+        match HttpServer::start(&running.config.http, board, writer, published, max_capture_bytes).await {
             Ok(http) => running.http = Some(http),
             Err(error) => {
                 running.shutdown().await;
@@ -238,6 +240,7 @@ impl Running {
         let publisher = Arc::new(Publisher::new(client.clone(), tables, &config.catalog_name, lease.clone()));
         let mut pipeline = Pipeline::new(config.clone(), paths.clone(), bucket, publisher, lease.clone());
         pipeline.inbox_unlinks = Some(self.inbox_unlinks.clone());
+        pipeline.published = self.published.clone();
         self.board.set_pipeline_counters(pipeline.counters.clone());
         tracing::info!(
             catalog = %config.catalog_name,

@@ -156,7 +156,8 @@ async fn post_get_list_status_metrics() {
 async fn token_required_when_configured() {
     let token_dir = tempfile::tempdir().unwrap();
     let token_path = token_dir.path().join("token");
-    std::fs::write(&token_path, "s3cret-token\n").unwrap();
+    std::fs::write(&token_path, "s3cret-token-0123456789\n").unwrap();
+    std::fs::set_permissions(&token_path, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
     let daemon = HttpDaemon::start(&[("CAPSTORE_HTTP_TOKEN_FILE", token_path.display().to_string())]).await;
     let client = reqwest::Client::new();
     for path in ["/status", "/metrics", "/v1/captures?stream=a"] {
@@ -167,10 +168,15 @@ async fn token_required_when_configured() {
     }
     let response = client.post(daemon.url("/v1/captures?stream=a")).body("x").send().await.unwrap();
     assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
-    let response =
-        client.post(daemon.url("/v1/captures?stream=a")).bearer_auth("s3cret-token").body("x").send().await.unwrap();
+    let response = client
+        .post(daemon.url("/v1/captures?stream=a"))
+        .bearer_auth("s3cret-token-0123456789")
+        .body("x")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(response.status(), StatusCode::CREATED);
-    let response = client.get(daemon.url("/status")).bearer_auth("s3cret-token").send().await.unwrap();
+    let response = client.get(daemon.url("/status")).bearer_auth("s3cret-token-0123456789").send().await.unwrap();
     assert_eq!(response.status(), StatusCode::OK);
     daemon.get_ok(&client, "/healthz").await;
     daemon.get_ok(&client, "/readyz").await;

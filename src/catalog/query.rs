@@ -85,6 +85,35 @@ pub struct Page {
     pub watermark: u64,
 }
 
+impl Page {
+    /// The page cut after the last capture that keeps its JSON within about `max_bytes` (one capture at least), with
+    /// the cursor of that capture, so the next page goes on right after it. Labels can make rows large: this bounds a
+    /// response's size whatever its `limit`.
+    pub fn cut_to_bytes(mut self, max_bytes: usize) -> Page {
+        let mut total = 0;
+        let mut keep = 0;
+        for capture in &self.captures {
+            let row_bytes = serde_json::to_vec(capture).map_or(0, |row| row.len()) + 1;
+            if keep > 0 && total + row_bytes > max_bytes {
+                break;
+            }
+            total += row_bytes;
+            keep += 1;
+        }
+        if keep < self.captures.len() {
+            self.captures.truncate(keep);
+            let last = self.captures.last().expect("at least one capture is kept");
+            let cursor = Cursor {
+                watermark: self.watermark,
+                captured_at_ns: last.captured_at_ns,
+                capture_id: Uuid::parse_str(&last.capture_id).unwrap_or_default(),
+            };
+            self.next_cursor = Some(cursor.encode());
+        }
+        self
+    }
+}
+
 /// Check a cursor's syntax without a round trip, so a caller can reject a bad one as a usage error.
 pub fn validate_cursor(text: &str) -> Result<(), String> {
     Cursor::decode(text).map(|_| ()).map_err(|error| error.message)
@@ -300,6 +329,33 @@ impl CatalogReader {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_page_over_the_byte_budget_is_cut_with_a_cursor_at_its_last_capture() {
+        let capture = |n: u64| CaptureLocation {
+            capture_id: Uuid::from_u128(n as u128 + 1).to_string(),
+            stream: "s".into(),
+            captured_at_ns: n,
+            pack_id: String::new(),
+            object_key: String::new(),
+            record_offset: 0,
+            record_len: 0,
+            payload_offset: 0,
+            payload_len: 0,
+            crc32c: 0,
+            label_keys: vec!["k".into()],
+            label_values: vec!["v".repeat(1000)],
+            content_type: String::new(),
+            version: 1,
+        };
+        let page = Page { captures: (0..10).map(capture).collect(), next_cursor: None, watermark: 7 };
+        let cut = page.clone().cut_to_bytes(3500);
+        assert_eq!(cut.captures.len(), 3);
+        let cursor = Cursor::decode(cut.next_cursor.as_deref().unwrap()).unwrap();
+        assert_eq!((cursor.watermark, cursor.captured_at_ns), (7, 2));
+        assert_eq!(page.clone().cut_to_bytes(usize::MAX).captures.len(), 10, "within the budget: untouched");
+        assert_eq!(page.cut_to_bytes(1).captures.len(), 1, "one capture at least");
+    }
 
     #[test]
     fn cursors_round_trip_and_reject_garbage() {

@@ -16,6 +16,8 @@ pub(super) enum ValueKind {
     Text,
     Integer,
     Boolean,
+    /// A list of strings, comma separated in the environment (`a,b`).
+    List,
     /// Not settable from the environment (tables).
     Table,
 }
@@ -69,6 +71,12 @@ pub(super) const KEYS: &[(&str, &str, ValueKind)] = {
         ("lease", "start_wait", Text),
         ("http", "listen", Text),
         ("http", "token_file", Text),
+        ("http", "allowed_origins", List),
+        ("http", "allowed_hosts", List),
+        ("http", "max_connections", Integer),
+        ("http", "body_timeout", Text),
+        ("http", "max_inflight_bytes", Text),
+        ("http", "max_concurrent_reads", Integer),
         ("log", "level", Text),
         ("log", "format", Text),
     ]
@@ -129,6 +137,13 @@ pub(super) fn apply_env_overrides(
                     continue;
                 }
             },
+            ValueKind::List => toml::Value::Array(
+                text.split(',')
+                    .map(str::trim)
+                    .filter(|item| !item.is_empty())
+                    .map(|item| toml::Value::String(item.to_string()))
+                    .collect(),
+            ),
             ValueKind::Table => {
                 problems.push(ConfigProblem {
                     key: name.clone(),

@@ -19,7 +19,7 @@ mod validate;
 
 pub use env::CONFIG_PATH_ENV;
 pub use units::{ByteSize, HumanDuration, Secret};
-pub use validate::is_catalog_name;
+pub use validate::{is_catalog_name, read_token_file, MIN_TOKEN_LEN};
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -133,7 +133,23 @@ pub struct LeaseConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct HttpConfig {
     pub listen: String,
+    /// File holding the bearer token every endpoint but `/healthz` and `/readyz` requires; mandatory when `listen`
+    /// is beyond loopback.
     pub token_file: Option<PathBuf>,
+    /// Browser origins (`https://tool.example:8443`) whose pages may call the API; a request carrying any other
+    /// `Origin` header is refused. Empty: no web page may.
+    pub allowed_origins: Vec<String>,
+    /// `Host` header values accepted besides the listen address and the loopback names (DNS rebinding protection).
+    /// Beyond loopback (where a token is required) an empty list accepts any host.
+    pub allowed_hosts: Vec<String>,
+    /// Open connections at most; more are closed at once.
+    pub max_connections: u32,
+    /// A request's headers must arrive within this, and a capture's body within it too.
+    pub body_timeout: HumanDuration,
+    /// Request bodies in memory at once, across all connections; past it a POST answers 503 with Retry-After.
+    pub max_inflight_bytes: ByteSize,
+    /// Capture reads (GET of a payload, listings) served at once; past it they answer 503 with Retry-After.
+    pub max_concurrent_reads: u32,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -241,7 +257,16 @@ impl Default for LeaseConfig {
 
 impl Default for HttpConfig {
     fn default() -> Self {
-        HttpConfig { listen: "127.0.0.1:9464".into(), token_file: None }
+        HttpConfig {
+            listen: "127.0.0.1:9464".into(),
+            token_file: None,
+            allowed_origins: Vec::new(),
+            allowed_hosts: Vec::new(),
+            max_connections: 256,
+            body_timeout: HumanDuration::secs(60),
+            max_inflight_bytes: ByteSize(256 * MIB),
+            max_concurrent_reads: 32,
+        }
     }
 }
 
@@ -516,6 +541,32 @@ mod tests {
         let shown = format!("{}{:?}", config.to_redacted_toml(), config);
         assert!(!shown.contains("hunter2") && !shown.contains("s3cr3t"), "{shown}");
         assert!(shown.contains("<redacted>"));
+    }
+
+    #[test]
+    fn a_listen_address_beyond_loopback_needs_a_token_file_with_a_strong_token() {
+        use std::os::unix::fs::PermissionsExt;
+        for loopback in ["127.0.0.1:9464", "[::1]:9464"] {
+            load("", &[("CAPSTORE_HTTP_LISTEN", loopback)]).unwrap().validate().unwrap();
+        }
+        let error = load("", &[("CAPSTORE_HTTP_LISTEN", "0.0.0.0:9464")]).unwrap().validate().unwrap_err();
+        assert!(error.to_string().contains("http.token_file"), "{error}");
+        assert_eq!(problem_keys(error), vec!["http.listen"]);
+
+        let dir = tempfile::tempdir().unwrap();
+        let token = dir.path().join("token");
+        let with_token = |text: &str, mode: u32| {
+            std::fs::write(&token, text).unwrap();
+            std::fs::set_permissions(&token, std::fs::Permissions::from_mode(mode)).unwrap();
+            let env = [("CAPSTORE_HTTP_LISTEN", "0.0.0.0:9464"), ("CAPSTORE_HTTP_TOKEN_FILE", token.to_str().unwrap())];
+            load("", &env).unwrap().validate()
+        };
+        with_token("0123456789abcdef-long-enough\n", 0o600).unwrap();
+        let short = with_token("short", 0o600).unwrap_err();
+        assert!(short.to_string().contains("at least 16"), "{short}");
+        let world_readable = with_token("0123456789abcdef-long-enough", 0o644).unwrap_err();
+        assert!(world_readable.to_string().contains("readable by every user"), "{world_readable}");
+        assert_eq!(problem_keys(world_readable), vec!["http.token_file"]);
     }
 
     #[test]

@@ -1,9 +1,10 @@
 //! Every rule of a configuration, checked at once so an operator can fix them all in one pass.
 
 use std::net::SocketAddr;
+use std::path::Path;
 use std::time::Duration;
 
-use super::{Config, ConfigError, ConfigProblem, HumanDuration, GIB, MIB};
+use super::{Config, ConfigError, ConfigProblem, HumanDuration, Secret, GIB, MIB};
 use crate::pack;
 
 impl Config {
@@ -131,8 +132,55 @@ impl Config {
         if self.shutdown_grace.0.is_zero() {
             bad("shutdown_grace", "must be greater than 0s".into());
         }
-        if self.http.listen.parse::<SocketAddr>().is_err() {
-            bad("http.listen", format!("{:?} must be an address like 127.0.0.1:9464", self.http.listen));
+        match self.http.listen.parse::<SocketAddr>() {
+            Err(_) => bad("http.listen", format!("{:?} must be an address like 127.0.0.1:9464", self.http.listen)),
+            // Beyond loopback anyone on the network could post and read captures: only with a token.
+            Ok(address) if !address.ip().is_loopback() && self.http.token_file.is_none() => bad(
+                "http.listen",
+                format!(
+                    "{} is reachable beyond this host, so http.token_file must be set (a bearer token every \
+                     endpoint but /healthz and /readyz requires)",
+                    self.http.listen
+                ),
+            ),
+            Ok(_) => {}
+        }
+        let http = &self.http;
+        for origin in &http.allowed_origins {
+            let looks_like_origin = origin.split_once("://").is_some_and(|(scheme, rest)| {
+                matches!(scheme, "http" | "https") && !rest.is_empty() && !rest.contains('/')
+            });
+            if !looks_like_origin {
+                bad("http.allowed_origins", format!("{origin:?} must be an origin like https://tool.example:8443"));
+            }
+        }
+        for host in &http.allowed_hosts {
+            if host.is_empty() || host.contains(['/', ' ', ',']) {
+                bad("http.allowed_hosts", format!("{host:?} must be a host name, optionally with :port"));
+            }
+        }
+        if http.max_connections == 0 || http.max_connections > 65_536 {
+            bad("http.max_connections", "must be between 1 and 65536".into());
+        }
+        if http.max_concurrent_reads == 0 || http.max_concurrent_reads > 4096 {
+            bad("http.max_concurrent_reads", "must be between 1 and 4096".into());
+        }
+        if http.body_timeout.0 < Duration::from_secs(1) {
+            bad("http.body_timeout", "must be at least 1s".into());
+        }
+        if http.max_inflight_bytes.0 < self.spool.max_capture_bytes.0 {
+            bad(
+                "http.max_inflight_bytes",
+                format!(
+                    "{} must be at least spool.max_capture_bytes = {}, or a largest capture could never be posted",
+                    http.max_inflight_bytes, self.spool.max_capture_bytes
+                ),
+            );
+        }
+        if let Some(path) = &self.http.token_file {
+            if let Err(problem) = read_token_file(path) {
+                bad("http.token_file", problem);
+            }
         }
         if tracing_subscriber::EnvFilter::try_new(&self.log.level).is_err() {
             bad(
@@ -176,4 +224,32 @@ fn check_bucket_url(url: &str) -> Result<(), String> {
         "memory" => Ok(()),
         other => Err(format!("scheme {other:?} is not one of file, s3, gs, az, memory")),
     }
+}
+
+/// The shortest bearer token accepted: 16 characters (about 96 bits in base64) resist guessing over the network.
+pub const MIN_TOKEN_LEN: usize = 16;
+
+/// Reads the HTTP bearer token from `path`: surrounding whitespace trimmed, at least [`MIN_TOKEN_LEN`] characters
+/// of printable ASCII, and the file must not be readable by every user of the host.
+pub fn read_token_file(path: &Path) -> Result<Secret, String> {
+    use std::os::unix::fs::PermissionsExt;
+    let metadata = std::fs::metadata(path).map_err(|error| format!("cannot read {}: {error}", path.display()))?;
+    let mode = metadata.permissions().mode();
+    if mode & 0o007 != 0 {
+        return Err(format!(
+            "{} is readable by every user (mode {:o}); make it 0600 or 0640 (chmod o-rwx)",
+            path.display(),
+            mode & 0o777
+        ));
+    }
+    let text = std::fs::read_to_string(path).map_err(|error| format!("cannot read {}: {error}", path.display()))?;
+    let token = text.trim();
+    if token.len() < MIN_TOKEN_LEN || !token.chars().all(|c| c.is_ascii_graphic()) {
+        return Err(format!(
+            "{} must hold a token of at least {MIN_TOKEN_LEN} printable ASCII characters without spaces (for example \
+             `openssl rand -base64 24`)",
+            path.display()
+        ));
+    }
+    Ok(Secret::new(token))
 }

@@ -3,11 +3,10 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use axum::body::{Body, Bytes};
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{Path, RawQuery, State};
+use axum::body::Body;
+use axum::extract::{Path, RawQuery, Request, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -16,15 +15,17 @@ use uuid::Uuid;
 use super::{ApiError, HttpState};
 use crate::capture::{self, CaptureMeta};
 use crate::catalog::query::{validate_cursor, ListQuery};
+use crate::pipeline::PackPublished;
 use crate::reader::ReadError;
-use crate::spool::writer::AppendError;
+use crate::spool::writer::{Ack, AppendError};
 
 /// How long `wait=published` waits by default, and at most.
 const PUBLISH_WAIT_DEFAULT: Duration = Duration::from_secs(30);
 const PUBLISH_WAIT_MAX: Duration = Duration::from_secs(300);
-const PUBLISH_POLL: Duration = Duration::from_millis(100);
 const LIST_LIMIT_DEFAULT: u64 = 100;
 const LIST_LIMIT_MAX: u64 = 10_000;
+/// A listing page stops adding captures once its JSON passes this (the next page goes on from there).
+const LIST_RESPONSE_MAX_BYTES: usize = 8 << 20;
 
 fn append_error(error: AppendError) -> ApiError {
     match &error {
@@ -43,13 +44,34 @@ fn append_error(error: AppendError) -> ApiError {
     }
 }
 
-fn read_error(error: ReadError) -> ApiError {
+/// The answer to a failed read. The details (paths, server messages) go to the log, never into the body.
+fn read_error(capture_id: Uuid, error: ReadError) -> ApiError {
     match error {
-        ReadError::Catalog(_) | ReadError::Bucket(_) | ReadError::Spool(_) => ApiError::unavailable(error.to_string()),
-        ReadError::Pack { .. } | ReadError::WrongRecord { .. } => {
-            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, error.to_string())
+        ReadError::Catalog(error) => {
+            tracing::debug!(%capture_id, %error, "read: catalog unavailable");
+            ApiError::unavailable("the catalog is unavailable; retry later")
+        }
+        ReadError::Bucket(error) => {
+            tracing::debug!(%capture_id, %error, "read: bucket unavailable");
+            ApiError::unavailable("the bucket is unavailable; retry later")
+        }
+        ReadError::Spool(error) => {
+            tracing::warn!(%capture_id, %error, "read: local spool read failed");
+            ApiError::unavailable("the local spool could not be read; retry later")
+        }
+        error @ (ReadError::Pack { .. } | ReadError::WrongRecord { .. }) => {
+            tracing::error!(%capture_id, %error, "read: a stored record failed its checks");
+            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the capture's stored record failed its checks")
         }
     }
+}
+
+fn parse_capture_id(field: &'static str, text: &str) -> Result<Uuid, ApiError> {
+    let id = Uuid::parse_str(text).map_err(|_| ApiError::bad(field, format!("{field} = {text:?} is not a UUID")))?;
+    if id.is_nil() {
+        return Err(ApiError::bad(field, format!("{field} = {text:?}: the nil UUID is not a capture id")));
+    }
+    Ok(id)
 }
 
 /// The query string as ordered pairs (repeated keys such as `label` keep every value).
@@ -101,11 +123,7 @@ fn post_params(pairs: Vec<(String, String)>) -> Result<PostParams, ApiError> {
                 capture::validate_stream(&value).map_err(|problem| ApiError::bad("stream", problem))?;
                 stream_opt = Some(value);
             }
-            "id" => {
-                let id = Uuid::parse_str(&value)
-                    .map_err(|_| ApiError::bad("id", format!("id = {value:?} is not a UUID")))?;
-                capture_id_opt = Some(id);
-            }
+            "id" => capture_id_opt = Some(parse_capture_id("id", &value)?),
             "label" => add_label(&mut labels, &value)?,
             "content_type" => {
                 capture::validate_content_type(&value).map_err(|problem| ApiError::bad("content_type", problem))?;
@@ -146,31 +164,59 @@ fn post_params(pairs: Vec<(String, String)>) -> Result<PostParams, ApiError> {
 pub(super) async fn post_capture(
     State(state): State<Arc<HttpState>>,
     RawQuery(raw_query): RawQuery,
-    body: Result<Bytes, BytesRejection>,
+    request: Request,
 ) -> Result<Response, ApiError> {
     let params = post_params(query_pairs(raw_query))?;
-    let payload = body.map_err(|rejection| {
-        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            append_error(AppendError::TooLarge { size: state.max_capture_bytes + 1, limit: state.max_capture_bytes })
-        } else {
-            ApiError::new(rejection.status(), rejection.body_text())
-        }
-    })?;
     if !state.intake_open.load(Ordering::SeqCst) {
         return Err(append_error(AppendError::Closed));
     }
+    // The body's memory is reserved before it is read: its declared length, or the largest capture when undeclared
+    // (a body over the largest capture is refused while reading, once it passes the limit, so the client can read the
+    // 413 instead of meeting a reset connection).
+    let declared_len = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok()?.parse::<u64>().ok())
+        .unwrap_or(state.max_capture_bytes)
+        .min(state.max_capture_bytes);
+    let budget_kib = u32::try_from(declared_len.div_ceil(1024).max(1)).unwrap_or(u32::MAX);
+    let Ok(_body_budget) = state.inflight_kib.try_acquire_many(budget_kib) else {
+        return Err(ApiError::busy("busy: request bodies in flight are at http.max_inflight_bytes; retry shortly"));
+    };
+    let body_limit = usize::try_from(state.max_capture_bytes).unwrap_or(usize::MAX);
+    let payload =
+        match tokio::time::timeout(state.body_timeout, axum::body::to_bytes(request.into_body(), body_limit)).await {
+            Err(_elapsed) => {
+                return Err(ApiError::new(
+                    StatusCode::REQUEST_TIMEOUT,
+                    format!("the body did not arrive within http.body_timeout = {:?}", state.body_timeout),
+                ))
+            }
+            // The only way reading a bounded body fails besides the connection: it is over the limit.
+            Ok(Err(error)) if is_length_limit(&error) => {
+                return Err(append_error(AppendError::TooLarge {
+                    size: state.max_capture_bytes + 1,
+                    limit: state.max_capture_bytes,
+                }))
+            }
+            Ok(Err(error)) => return Err(ApiError::bad("body", format!("the body could not be read: {error}"))),
+            Ok(Ok(payload)) => payload,
+        };
+    // Listen before appending, so the announcement of this capture's pack cannot be missed.
+    let mut announcements = params.wait_published.then(|| state.published.subscribe());
     let stream = params.meta.stream.clone();
-    let ack = state.writer.append(params.meta, payload.to_vec()).await.map_err(|error| {
+    let ack = state.writer.append(params.meta, payload).await.map_err(|error| {
         tracing::debug!(%error, %stream, "http append refused");
         append_error(error)
     })?;
+    drop(_body_budget);
     let capture_id = ack.capture_id.to_string();
     let pack_id = ack.pack_id.to_string();
-    if !params.wait_published {
+    let Some(announcements) = announcements.as_mut() else {
         let body = serde_json::json!({ "capture_id": capture_id, "pack_id": pack_id });
         return Ok((StatusCode::CREATED, Json(body)).into_response());
-    }
-    match wait_published(&state, ack.capture_id, params.wait_timeout).await {
+    };
+    match wait_published(&state, announcements, ack, params.wait_timeout).await {
         Some(version) => {
             let body = serde_json::json!({ "capture_id": capture_id, "pack_id": pack_id, "version": version });
             Ok((StatusCode::CREATED, Json(body)).into_response())
@@ -182,25 +228,59 @@ pub(super) async fn post_capture(
     }
 }
 
-/// Poll the catalog until it shows `capture_id`; its version, or `None` at the timeout or when the server stops.
-async fn wait_published(state: &HttpState, capture_id: Uuid, timeout: Duration) -> Option<u64> {
-    let deadline = Instant::now() + timeout;
+fn is_length_limit(error: &axum::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(current) = source {
+        if current.is::<http_body_util::LengthLimitError>() {
+            return true;
+        }
+        source = current.source();
+    }
+    false
+}
+
+/// Until the pack holding the capture is announced as published; its version, or `None` at the timeout or when the
+/// server stops. A waiter that missed announcements (it fell behind) asks the catalog once per miss.
+async fn wait_published(
+    state: &HttpState,
+    announcements: &mut tokio::sync::broadcast::Receiver<PackPublished>,
+    ack: Ack,
+    timeout: Duration,
+) -> Option<u64> {
+    use tokio::sync::broadcast::error::RecvError;
+    let deadline = tokio::time::Instant::now() + timeout;
     let mut stop_rx = state.stop_rx.clone();
     loop {
-        if let Some(reader) = state.reader.get() {
-            match reader.catalog().get(capture_id, None).await {
-                Ok(Some(location)) => return Some(location.version),
-                Ok(None) => {}
-                Err(error) => tracing::debug!(%error, %capture_id, "catalog read while waiting for publish failed"),
-            }
-        }
-        let now = Instant::now();
-        if now >= deadline || *stop_rx.borrow() {
-            return None;
-        }
-        tokio::select! {
-            _ = tokio::time::sleep(PUBLISH_POLL.min(deadline - now)) => {}
+        let announcement = tokio::select! {
+            announcement = announcements.recv() => announcement,
+            _ = tokio::time::sleep_until(deadline) => return None,
             _ = stop_rx.changed() => return None,
+        };
+        match announcement {
+            Ok(PackPublished { pack_id, version: Some(version) }) if pack_id == ack.pack_id => return Some(version),
+            // Published by an earlier attempt (the replay guard): the catalog has the version.
+            Ok(PackPublished { pack_id, version: None }) if pack_id == ack.pack_id => {
+                return published_version(state, ack.capture_id).await
+            }
+            Ok(_) => {}
+            Err(RecvError::Lagged(_)) => {
+                if let Some(version) = published_version(state, ack.capture_id).await {
+                    return Some(version);
+                }
+            }
+            Err(RecvError::Closed) => return None,
+        }
+    }
+}
+
+/// The capture's published version, from the catalog.
+async fn published_version(state: &HttpState, capture_id: Uuid) -> Option<u64> {
+    let reader = state.reader.get()?;
+    match reader.catalog().get(capture_id, None).await {
+        Ok(location) => location.map(|location| location.version),
+        Err(error) => {
+            tracing::debug!(%error, %capture_id, "catalog read while waiting for a publish failed");
+            None
         }
     }
 }
@@ -208,13 +288,28 @@ async fn wait_published(state: &HttpState, capture_id: Uuid, timeout: Duration) 
 pub(super) async fn get_capture(
     State(state): State<Arc<HttpState>>,
     Path(id): Path<String>,
+    RawQuery(raw_query): RawQuery,
 ) -> Result<Response, ApiError> {
-    let capture_id = Uuid::parse_str(&id).map_err(|_| ApiError::bad("id", format!("id = {id:?} is not a UUID")))?;
+    let capture_id = parse_capture_id("id", &id)?;
+    let mut inline = false;
+    for (key, value) in query_pairs(raw_query) {
+        match (key.as_str(), value.as_str()) {
+            ("disposition", "inline") => inline = true,
+            ("disposition", "attachment") => inline = false,
+            ("disposition", other) => {
+                return Err(ApiError::bad("disposition", format!("disposition = {other:?}: inline or attachment")))
+            }
+            (other, _) => return Err(ApiError::bad("query", format!("unknown parameter {other:?}"))),
+        }
+    }
     let reader = state.reader.get().ok_or_else(|| ApiError::unavailable("the catalog is not connected yet"))?;
+    let Ok(_read) = state.reads.try_acquire() else {
+        return Err(ApiError::busy("busy: http.max_concurrent_reads reads are running; retry shortly"));
+    };
     let capture = reader
         .get(capture_id)
         .await
-        .map_err(read_error)?
+        .map_err(|error| read_error(capture_id, error))?
         .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("capture {capture_id} is unknown")))?;
     let content_type = capture.meta.content_type.as_deref().unwrap_or("application/octet-stream");
     let mut response = Response::new(Body::from(capture.payload));
@@ -222,6 +317,13 @@ pub(super) async fn get_capture(
     let content_type_value =
         HeaderValue::from_str(content_type).unwrap_or(HeaderValue::from_static("application/octet-stream"));
     headers.insert(header::CONTENT_TYPE, content_type_value);
+    // A capture is a producer's bytes, not this server's page: never let a browser run or sniff it as one.
+    headers.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
+    headers.insert(header::CONTENT_SECURITY_POLICY, HeaderValue::from_static("sandbox; default-src 'none'"));
+    if !inline {
+        let disposition = format!("attachment; filename=\"{capture_id}\"");
+        headers.insert(header::CONTENT_DISPOSITION, HeaderValue::from_str(&disposition).expect("an ASCII header"));
+    }
     if let Ok(stream) = HeaderValue::from_str(&capture.meta.stream) {
         headers.insert("x-capstore-stream", stream);
     }
@@ -242,7 +344,12 @@ fn list_query(pairs: Vec<(String, String)>) -> Result<ListQuery, ApiError> {
             }
             "since" => query.since_ns = Some(parse_time("since", &value)?),
             "until" => query.until_ns = Some(parse_time("until", &value)?),
-            "label" => add_label(&mut query.labels, &value)?,
+            "label" => {
+                add_label(&mut query.labels, &value)?;
+                if query.labels.len() > capture::MAX_LABELS {
+                    return Err(ApiError::bad("label", format!("at most {} labels", capture::MAX_LABELS)));
+                }
+            }
             "limit" => {
                 let limit = parse_u64("limit", &value)?;
                 if limit == 0 || limit > LIST_LIMIT_MAX {
@@ -266,8 +373,14 @@ pub(super) async fn list_captures(
 ) -> Result<Response, ApiError> {
     let query = list_query(query_pairs(raw_query))?;
     let reader = state.reader.get().ok_or_else(|| ApiError::unavailable("the catalog is not connected yet"))?;
-    let page = reader.catalog().list(&query).await.map_err(|error| ApiError::unavailable(error.to_string()))?;
-    Ok(Json(page).into_response())
+    let Ok(_read) = state.reads.try_acquire() else {
+        return Err(ApiError::busy("busy: http.max_concurrent_reads reads are running; retry shortly"));
+    };
+    let page = reader.catalog().list(&query).await.map_err(|error| {
+        tracing::debug!(%error, "list: catalog unavailable");
+        ApiError::unavailable("the catalog is unavailable; retry later")
+    })?;
+    Ok(Json(page.cut_to_bytes(LIST_RESPONSE_MAX_BYTES)).into_response())
 }
 
 #[cfg(test)]

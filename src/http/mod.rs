@@ -5,46 +5,63 @@
 //!
 //! | Endpoint | Answers |
 //! |---|---|
-//! | `POST /v1/captures?stream=S[&id=UUID][&label=k=v ...][&content_type=T][&captured_at_ns=N][&wait=published][&timeout_ms=N]`, payload as body | 201 `{capture_id, pack_id}` once the record is fsynced (with `wait=published`: once the catalog shows it, plus `version`); 202 when `wait=published` timed out (durable, not yet published); 400 bad parameter (JSON names the `field`); 413 larger than `spool.max_capture_bytes`; 503 spool full or spool I/O error (with `Retry-After: 1`) or shutting down |
-//! | `GET /v1/captures/{id}` | 200 the payload (`content-type` of the capture, `x-capstore-stream`, `x-capstore-captured-at-ns`, `x-capstore-version` when published); 400 bad id; 404 unknown; 503 catalog not connected or unreachable; 500 a record that fails its checks |
-//! | `GET /v1/captures?stream=&since=&until=&label=k=v&limit=&cursor=` | 200 `{captures, next_cursor, watermark}` (`since`/`until`: ns or RFC 3339; `limit` default 100, at most 10000); 400 bad parameter; 503 catalog not connected or unreachable |
+//! | `POST /v1/captures?stream=S[&id=UUID][&label=k=v ...][&content_type=T][&captured_at_ns=N][&wait=published][&timeout_ms=N]`, payload as body | 201 `{capture_id, pack_id}` once the record is fsynced (with `wait=published`: once the catalog shows it, plus `version`); 202 when `wait=published` timed out (durable, not yet published); 400 bad parameter (JSON names the `field`); 408 body not received within `http.body_timeout`; 413 larger than `spool.max_capture_bytes`; 503 spool full, spool I/O error, request bodies in flight over `http.max_inflight_bytes` (all with `Retry-After: 1`), or shutting down |
+//! | `GET /v1/captures/{id}[?disposition=inline]` | 200 the payload (`content-type` of the capture, `x-capstore-stream`, `x-capstore-captured-at-ns`, `x-capstore-version` when published; served as an attachment with `nosniff` and a `sandbox` CSP unless `disposition=inline`); 400 bad id; 404 unknown; 503 catalog not connected or unreachable, or `http.max_concurrent_reads` busy; 500 a record that fails its checks |
+//! | `GET /v1/captures?stream=&since=&until=&label=k=v&limit=&cursor=` | 200 `{captures, next_cursor, watermark}` (`since`/`until`: ns or RFC 3339; `limit` default 100, at most 10000; at most 64 labels; a page is cut short at about 8 MiB of JSON, with a `next_cursor`); 400 bad parameter; 503 catalog not connected or unreachable, or busy |
 //! | `GET /status` | 200 the status snapshot (the same JSON as `<spool>/status.json`) |
 //! | `GET /metrics` | 200 Prometheus/OpenMetrics text |
 //! | `GET /healthz` | 200 while the process runs |
 //! | `GET /readyz` | 200 while intake is open and the lease is not latched (`failed`); else 503 |
 //!
 //! Auth: when `http.token_file` is set, every endpoint except `/healthz` and `/readyz` requires
-//! `Authorization: Bearer <token>` (the file's content, surrounding whitespace trimmed); anything else gets 401. The
-//! token is never logged. Errors are JSON `{"error": message, "field": name-or-null}`.
+//! `Authorization: Bearer <token>` (the file's content, surrounding whitespace trimmed; the scheme in any case);
+//! anything else gets 401. The token is never logged. A listen address beyond loopback requires a token (config
+//! validation). Errors are JSON `{"error": message, "field": name-or-null}`; they never carry spool paths or server
+//! internals (those go to the log).
 //!
-//! Files: this one holds the server, its state and the token check; `captures` the capture endpoints and their
-//! parameters; `metrics` the Prometheus text.
+//! Browsers (`guard.rs`): a request whose `Origin` is not in `http.allowed_origins` gets 403, so no web page can post
+//! or read captures through a user's browser; a `Host` that is neither the listen address, a loopback name, nor in
+//! `http.allowed_hosts` gets 403, which defeats DNS rebinding (on loopback, where no token guards the API). Allowed
+//! origins get CORS headers.
+//!
+//! Limits (`serve.rs`): at most `http.max_connections` open connections (more are closed at once), headers within
+//! 10 s and bodies within `http.body_timeout`, request bodies in memory within `http.max_inflight_bytes`, at most
+//! `http.max_concurrent_reads` reads at once. Every `wait=published` waiter listens to one announcement of published
+//! packs ([`crate::pipeline::PublishedPacks`]); none polls the catalog.
+//!
+//! Files: this one holds the server's state, routes and errors; `serve.rs` the accept loop and its limits;
+//! `guard.rs` the token, Origin and Host checks; `captures.rs` the capture endpoints and their parameters;
+//! `metrics.rs` the Prometheus text.
 
 mod captures;
+mod guard;
 mod metrics;
+mod serve;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::extract::State;
 use axum::http::{header, HeaderValue, StatusCode};
-use axum::middleware::{self, Next};
+use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use tokio::sync::watch;
+use tokio::sync::{watch, Semaphore};
 
 use crate::catalog::lease::LeaseState;
 use crate::config::HttpConfig;
-use crate::pipeline::off_runtime;
 use crate::pipeline::status::StatusBoard;
+use crate::pipeline::{off_runtime, PublishedPacks};
 use crate::reader::Reader;
 use crate::spool::writer::SpoolWriter;
 
 /// Requests still running this long after the stop are cut off.
 const STOP_GRACE: Duration = Duration::from_secs(5);
+/// A request's headers must arrive within this.
+const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, thiserror::Error)]
 pub enum HttpError {
@@ -58,10 +75,16 @@ pub enum HttpError {
 pub(crate) struct HttpState {
     board: Arc<StatusBoard>,
     writer: SpoolWriter,
+    published: Arc<PublishedPacks>,
     max_capture_bytes: u64,
-    token_opt: Option<String>,
+    body_timeout: Duration,
+    guard: guard::Guard,
     reader: OnceLock<Reader>,
     intake_open: AtomicBool,
+    /// Request bodies in memory, in KiB (see `http.max_inflight_bytes`).
+    inflight_kib: Semaphore,
+    /// Reads served at once (see `http.max_concurrent_reads`).
+    reads: Semaphore,
     stop_rx: watch::Receiver<bool>,
 }
 
@@ -90,10 +113,14 @@ impl HttpServer {
         config: &HttpConfig,
         board: Arc<StatusBoard>,
         writer: SpoolWriter,
+        published: Arc<PublishedPacks>,
         max_capture_bytes: u64,
     ) -> Result<HttpServer, HttpError> {
         let token_opt = match &config.token_file {
-            Some(path) => Some(read_token(path)?),
+            Some(path) => Some(
+                crate::config::read_token_file(path)
+                    .map_err(|reason| HttpError::TokenFile { path: path.display().to_string(), reason })?,
+            ),
             None => None,
         };
         let listener = tokio::net::TcpListener::bind(&config.listen)
@@ -102,26 +129,24 @@ impl HttpServer {
         let local_addr =
             listener.local_addr().map_err(|source| HttpError::Bind { listen: config.listen.clone(), source })?;
         let (stop_tx, stop_rx) = watch::channel(false);
+        let inflight_kib = usize::try_from(config.max_inflight_bytes.0.div_ceil(1024)).unwrap_or(usize::MAX).max(1);
         let state = Arc::new(HttpState {
             board,
             writer,
+            published,
             max_capture_bytes,
-            token_opt,
+            body_timeout: config.body_timeout.0,
+            guard: guard::Guard::new(config, token_opt, local_addr),
             reader: OnceLock::new(),
             intake_open: AtomicBool::new(true),
+            inflight_kib: Semaphore::new(inflight_kib.min(Semaphore::MAX_PERMITS)),
+            reads: Semaphore::new(config.max_concurrent_reads as usize),
             stop_rx: stop_rx.clone(),
         });
-        let router = router(state.clone());
-        let mut shutdown_rx = stop_rx;
-        let task = tokio::spawn(async move {
-            let serving = axum::serve(listener, router).with_graceful_shutdown(async move {
-                let _ = shutdown_rx.wait_for(|stop| *stop).await;
-            });
-            if let Err(error) = serving.await {
-                tracing::error!(%error, "http server failed");
-            }
-        });
-        tracing::info!(listen = %local_addr, auth = state.token_opt.is_some(), "http serving");
+        let router = router(state.clone(), config);
+        let limits = serve::Limits { max_connections: config.max_connections as usize, header_timeout: HEADER_TIMEOUT };
+        let task = tokio::spawn(serve::serve(listener, router, limits, stop_rx));
+        tracing::info!(listen = %local_addr, auth = state.guard.requires_token(), "http serving");
         Ok(HttpServer { state, local_addr, stop_tx, task })
     }
 
@@ -141,28 +166,23 @@ impl HttpServer {
     }
 }
 
-fn read_token(path: &std::path::Path) -> Result<String, HttpError> {
-    let bad = |reason: String| HttpError::TokenFile { path: path.display().to_string(), reason };
-    let text = std::fs::read_to_string(path).map_err(|error| bad(error.to_string()))?;
-    let token = text.trim();
-    if token.is_empty() {
-        return Err(bad("the file is empty".into()));
-    }
-    Ok(token.to_string())
-}
-
-fn router(state: Arc<HttpState>) -> Router {
-    // The limit sits one byte above the largest capture, so a payload of exactly max_capture_bytes passes and anything
-    // larger is refused while reading, before it is buffered whole.
-    let body_limit = usize::try_from(state.max_capture_bytes.saturating_add(1)).unwrap_or(usize::MAX);
+fn router(state: Arc<HttpState>, config: &HttpConfig) -> Router {
     let protected = Router::new()
         .route("/v1/captures", post(captures::post_capture).get(captures::list_captures))
         .route("/v1/captures/{id}", get(captures::get_capture))
         .route("/status", get(status))
         .route("/metrics", get(metrics::metrics))
-        .route_layer(middleware::from_fn_with_state(state.clone(), require_token))
-        .layer(DefaultBodyLimit::max(body_limit));
-    Router::new().route("/healthz", get(healthz)).route("/readyz", get(readyz)).merge(protected).with_state(state)
+        .route_layer(middleware::from_fn_with_state(state.clone(), guard::require_token));
+    let router = Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .merge(protected)
+        .layer(middleware::from_fn_with_state(state.clone(), guard::check_origin_and_host))
+        .with_state(state);
+    match guard::cors_layer(config) {
+        Some(cors) => router.layer(cors),
+        None => router,
+    }
 }
 
 /// An error answer: a status and `{"error", "field"}`.
@@ -191,6 +211,15 @@ impl ApiError {
     fn unavailable(message: impl Into<String>) -> ApiError {
         ApiError::new(StatusCode::SERVICE_UNAVAILABLE, message)
     }
+
+    /// 503 with `Retry-After`: a limit of this server, which clears by itself.
+    fn busy(message: impl Into<String>) -> ApiError {
+        ApiError { retry_after: true, ..ApiError::unavailable(message) }
+    }
+
+    fn forbidden(field: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError { field_opt: Some(field), ..ApiError::new(StatusCode::FORBIDDEN, message) }
+    }
 }
 
 impl IntoResponse for ApiError {
@@ -202,29 +231,6 @@ impl IntoResponse for ApiError {
         }
         response
     }
-}
-
-fn token_matches(expected: &str, given: &str) -> bool {
-    // Compare every byte, so the time taken does not tell how much of a guess was right.
-    expected.len() == given.len() && expected.bytes().zip(given.bytes()).fold(0u8, |diff, (a, b)| diff | (a ^ b)) == 0
-}
-
-async fn require_token(State(state): State<Arc<HttpState>>, request: Request, next: Next) -> Response {
-    if let Some(expected) = &state.token_opt {
-        let given_opt = request
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|value| value.to_str().ok())
-            .and_then(|value| value.strip_prefix("Bearer "));
-        if !given_opt.is_some_and(|given| token_matches(expected, given.trim())) {
-            let mut response =
-                ApiError::new(StatusCode::UNAUTHORIZED, "a bearer token is required (Authorization: Bearer <token>)")
-                    .into_response();
-            response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-            return response;
-        }
-    }
-    next.run(request).await
 }
 
 async fn status(State(state): State<Arc<HttpState>>) -> Result<Json<serde_json::Value>, ApiError> {
@@ -249,16 +255,4 @@ async fn readyz(State(state): State<Arc<HttpState>>) -> Response {
             .into_response();
     }
     (StatusCode::OK, "ready\n").into_response()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn token_comparison() {
-        assert!(token_matches("secret", "secret"));
-        assert!(!token_matches("secret", "secreT"));
-        assert!(!token_matches("secret", "secret2"));
-    }
 }

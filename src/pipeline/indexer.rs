@@ -115,8 +115,15 @@ impl Pipeline {
     async fn publish_and_delete(&self, batch: &[PackDescriptor]) -> Result<usize, PublishError> {
         let outcome = self.publisher.publish_batch(batch).await?;
         crate::failpoint::hit("after_publish_before_delete");
-        if let PublishOutcome::Committed { .. } = outcome {
-            self.counters.publishes.fetch_add(1, Ordering::Relaxed);
+        let version = match outcome {
+            PublishOutcome::Committed { version, .. } => {
+                self.counters.publishes.fetch_add(1, Ordering::Relaxed);
+                Some(version)
+            }
+            PublishOutcome::AlreadyPublished => None,
+        };
+        for descriptor in batch {
+            self.published.announce(descriptor.summary.pack_id, version);
         }
         if !self.inbox_unlinks_durable().await {
             // Keep the packs: the replay guard makes the next round a no-op for them, and it retries the delete.

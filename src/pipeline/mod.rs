@@ -70,6 +70,43 @@ impl PipelineCounters {
     }
 }
 
+/// A pack just published (or found published by the replay guard, when `version` is unknown).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PackPublished {
+    pub pack_id: Uuid,
+    pub version: Option<u64>,
+}
+
+/// Announces every pack the indexer publishes, so a waiter (HTTP `wait=published`) learns it from this process
+/// instead of polling the catalog: one broadcast for every waiter. A waiter that falls behind (the channel keeps the
+/// last [`PUBLISHED_BACKLOG`] announcements) asks the catalog once instead.
+#[derive(Debug)]
+pub struct PublishedPacks {
+    announcements_tx: tokio::sync::broadcast::Sender<PackPublished>,
+}
+
+/// Announcements kept for slow waiters.
+pub const PUBLISHED_BACKLOG: usize = 4096;
+
+impl Default for PublishedPacks {
+    fn default() -> Self {
+        let (announcements_tx, _) = tokio::sync::broadcast::channel(PUBLISHED_BACKLOG);
+        PublishedPacks { announcements_tx }
+    }
+}
+
+impl PublishedPacks {
+    /// Listen for announcements from now on (subscribe before appending, so the pack's publish cannot be missed).
+    pub fn subscribe(&self) -> tokio::sync::broadcast::Receiver<PackPublished> {
+        self.announcements_tx.subscribe()
+    }
+
+    fn announce(&self, pack_id: Uuid, version: Option<u64>) {
+        // No receiver is no error: nobody waits.
+        let _ = self.announcements_tx.send(PackPublished { pack_id, version });
+    }
+}
+
 /// Why a round stopped early. None of these is a pack's fault.
 #[derive(Debug, thiserror::Error)]
 pub enum RoundError {
@@ -117,6 +154,8 @@ pub struct Pipeline {
     pub counters: Arc<PipelineCounters>,
     /// Inbox unlinks to make durable before published packs leave the spool (none in offline tools).
     pub inbox_unlinks: Option<Arc<crate::spool::inbox::UnlinkLog>>,
+    /// Where published packs are announced (the daemon shares it with its HTTP API).
+    pub published: Arc<PublishedPacks>,
     /// Publish failures per pack for reasons of the pack's own (the server rejected its rows).
     index_attempts: Mutex<HashMap<Uuid, u32>>,
 }
@@ -137,6 +176,7 @@ impl Pipeline {
             lease,
             counters: Arc::default(),
             inbox_unlinks: None,
+            published: Arc::default(),
             index_attempts: Mutex::default(),
         }
     }
