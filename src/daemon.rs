@@ -37,7 +37,7 @@ use crate::exit_code;
 use crate::http::HttpServer;
 use crate::pipeline::status::{status_file_loop, write_status, StatusBoard};
 use crate::pipeline::{off_runtime, Pipeline, PublishedPacks, RoundError};
-use crate::reader::Reader;
+use crate::reader::{LocalSpool, Reader};
 use crate::retry::{OutageLog, RetryPolicy};
 use crate::spool::inbox::{Ingestor, UnlinkLog};
 use crate::spool::writer::{spawn_writer, SpoolWriter, WriterSettings, WriterThread};
@@ -154,7 +154,8 @@ impl Running {
     ) -> Result<Running, DaemonError> {
         let (spool, recovery) = Spool::open(&config.spool)?;
         let paths = spool.paths().clone();
-        let (writer, writer_thread) = spawn_writer(paths.clone(), WriterSettings::from_config(&config.spool));
+        let (writer, writer_thread) =
+            spawn_writer(paths.clone(), WriterSettings::from_config(&config.spool), spool.index());
         let ingestor = Ingestor::new(
             paths.clone(),
             spool.inbox(),
@@ -221,7 +222,8 @@ impl Running {
         self.board.set_clickhouse_version(client.server_version().to_string());
         if let Some(http) = &self.http {
             let catalog = CatalogReader::new(client.clone(), tables.clone(), &config.catalog_name);
-            http.state().set_reader(Reader::new(catalog, bucket.clone(), Some(paths.clone())));
+            let spool = LocalSpool { paths: paths.clone(), index_opt: Some(self.spool.index()) };
+            http.state().set_reader(Reader::new(catalog, bucket.clone(), Some(spool)));
         }
 
         let keeper = LeaseKeeper::for_catalog(&client, &tables, &config, self.spool.id());
@@ -241,6 +243,7 @@ impl Running {
         let mut pipeline = Pipeline::new(config.clone(), paths.clone(), bucket, publisher, lease.clone());
         pipeline.inbox_unlinks = Some(self.inbox_unlinks.clone());
         pipeline.published = self.published.clone();
+        pipeline.spool_index = self.spool.index();
         self.board.set_pipeline_counters(pipeline.counters.clone());
         tracing::info!(
             catalog = %config.catalog_name,

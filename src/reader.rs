@@ -1,6 +1,11 @@
 //! Reading captures back: the catalog says where a capture is, one range read fetches its record, the CRC proves the
 //! bytes. A capture whose pack is still in the local spool (not yet uploaded, or uploaded and owed) is read from there,
 //! including captures not published yet.
+//!
+//! Local reads run on the blocking pool, never on the runtime's workers. With the spool's index
+//! ([`crate::spool::index`], the daemon's case) a read opens only the pack that holds the capture: one positioned read
+//! for a pack still being written, its footer and the record for a sealed one. Without it (an offline `capstore get`
+//! on a stopped daemon's spool) every local pack is looked at.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -10,6 +15,7 @@ use uuid::Uuid;
 use crate::bucket::Bucket;
 use crate::catalog::query::{CaptureLocation, CatalogReader};
 use crate::pack::{self, CaptureMeta, PackFile};
+use crate::spool::index::{Candidate, RecordPlace, SpoolIndex};
 use crate::spool::{list_packs, PackState, SpoolPaths};
 
 #[derive(Debug, thiserror::Error)]
@@ -43,14 +49,21 @@ pub struct ReadCapture {
     pub version: Option<u64>,
 }
 
+/// The local spool a reader may read from, and its index when the spool is live.
+#[derive(Debug, Clone)]
+pub struct LocalSpool {
+    pub paths: SpoolPaths,
+    pub index_opt: Option<Arc<SpoolIndex>>,
+}
+
 pub struct Reader {
     catalog: CatalogReader,
     bucket: Arc<Bucket>,
-    spool_opt: Option<SpoolPaths>,
+    spool_opt: Option<LocalSpool>,
 }
 
 impl Reader {
-    pub fn new(catalog: CatalogReader, bucket: Arc<Bucket>, spool_opt: Option<SpoolPaths>) -> Reader {
+    pub fn new(catalog: CatalogReader, bucket: Arc<Bucket>, spool_opt: Option<LocalSpool>) -> Reader {
         Reader { catalog, bucket, spool_opt }
     }
 
@@ -62,19 +75,25 @@ impl Reader {
     pub async fn get(&self, capture_id: Uuid) -> Result<Option<ReadCapture>, ReadError> {
         match self.catalog.get(capture_id, None).await? {
             Some(location) => {
-                if let Some(found) = self.read_from_spool(capture_id, Some(&location.pack_id))? {
+                let pack_id = Uuid::parse_str(&location.pack_id).ok();
+                if let Some(found) = self.read_from_spool(capture_id, pack_id).await? {
                     return Ok(Some(ReadCapture { version: Some(location.version), ..found }));
                 }
                 self.read_from_bucket(capture_id, &location).await.map(Some)
             }
-            None => self.read_from_spool(capture_id, None),
+            None => self.read_from_spool(capture_id, None).await,
         }
     }
 
     async fn read_from_bucket(&self, capture_id: Uuid, location: &CaptureLocation) -> Result<ReadCapture, ReadError> {
-        let range = location.record_offset..location.record_offset + location.record_len;
-        let bytes = self.bucket.read_range(&location.object_key, range).await?;
         let pack_error = |source| ReadError::Pack { pack: location.object_key.clone(), source };
+        let range_end = location.record_offset.checked_add(location.record_len).ok_or_else(|| {
+            pack_error(pack::PackError::Invalid {
+                what: "catalog location",
+                reason: format!("offset {} + length {} overflows", location.record_offset, location.record_len),
+            })
+        })?;
+        let bytes = self.bucket.read_range(&location.object_key, location.record_offset..range_end).await?;
         let entry = pack::entry_from_location(
             &bytes,
             location.record_offset,
@@ -90,35 +109,98 @@ impl Reader {
         Ok(ReadCapture { meta, payload, source: Source::Bucket, version: Some(location.version) })
     }
 
-    /// Look in the local spool: only pack `pack_id` when given, else every pack (open ones by a read-only scan).
-    fn read_from_spool(&self, capture_id: Uuid, pack_id_opt: Option<&str>) -> Result<Option<ReadCapture>, ReadError> {
-        let Some(paths) = &self.spool_opt else { return Ok(None) };
-        if !paths.packs.is_dir() {
-            return Ok(None);
-        }
-        for listing in list_packs(paths)? {
-            if pack_id_opt.is_some_and(|pack_id| pack_id != listing.pack_id.to_string()) {
-                continue;
-            }
-            let found = match listing.state {
-                PackState::Open => read_open_pack(&listing.path, capture_id),
-                PackState::Sealed | PackState::Uploaded => read_sealed_pack(&listing.path, capture_id),
-            };
-            match found {
-                Ok(Some((meta, payload))) => {
-                    return Ok(Some(ReadCapture { meta, payload, source: Source::Spool, version: None }))
-                }
-                Ok(None) => {}
-                // The pack moved on (uploaded, published and deleted) while we looked: not an error.
-                Err(pack::PackError::Io(error)) if error.kind() == std::io::ErrorKind::NotFound => {}
-                Err(source) => return Err(ReadError::Pack { pack: listing.path.display().to_string(), source }),
+    /// Look in the local spool, off the runtime: only pack `pack_id_opt` when given (the catalog's location).
+    async fn read_from_spool(
+        &self,
+        capture_id: Uuid,
+        pack_id_opt: Option<Uuid>,
+    ) -> Result<Option<ReadCapture>, ReadError> {
+        let Some(spool) = self.spool_opt.clone() else { return Ok(None) };
+        if let (Some(index), Some(pack_id)) = (&spool.index_opt, pack_id_opt) {
+            // Most published captures are no longer local: answer that without leaving the runtime.
+            if !index.holds_pack(pack_id) {
+                return Ok(None);
             }
         }
-        Ok(None)
+        let read = tokio::task::spawn_blocking(move || match &spool.index_opt {
+            Some(index) => read_indexed(&spool.paths, index, capture_id, pack_id_opt),
+            None => read_by_scanning(&spool.paths, capture_id, pack_id_opt),
+        });
+        let found = read.await.map_err(std::io::Error::other)??;
+        Ok(found.map(|(meta, payload)| ReadCapture { meta, payload, source: Source::Spool, version: None }))
     }
 }
 
-fn read_sealed_pack(path: &Path, capture_id: Uuid) -> Result<Option<(CaptureMeta, Vec<u8>)>, pack::PackError> {
+type Found = Option<(CaptureMeta, Vec<u8>)>;
+
+/// Blocking: the packs the index names (only `pack_id_opt` when given), newest first.
+fn read_indexed(
+    paths: &SpoolPaths,
+    index: &SpoolIndex,
+    capture_id: Uuid,
+    pack_id_opt: Option<Uuid>,
+) -> Result<Found, ReadError> {
+    let candidates = index.candidates(capture_id);
+    for Candidate { pack_id, place_opt } in candidates {
+        if pack_id_opt.is_some_and(|wanted| wanted != pack_id) {
+            continue;
+        }
+        // The pack may move on between the lookup and the read: try its states in the order it passes them.
+        for state in PackState::ALL {
+            let path = paths.pack_path(pack_id, state);
+            let found = match place_opt {
+                Some(place) => read_at_place(&path, &place),
+                None if state == PackState::Open => continue,
+                None => read_sealed_pack(&path, capture_id),
+            };
+            match found {
+                Ok(Some((meta, payload))) if meta.capture_id == capture_id => return Ok(Some((meta, payload))),
+                // A fingerprint that collided, or a record of another capture: look on.
+                Ok(_) => break,
+                Err(pack::PackError::Io(error)) if error.kind() == std::io::ErrorKind::NotFound => {}
+                Err(source) => return Err(ReadError::Pack { pack: pack_id.to_string(), source }),
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// Blocking: every local pack (only `pack_id_opt` when given), open ones by a read-only scan.
+fn read_by_scanning(paths: &SpoolPaths, capture_id: Uuid, pack_id_opt: Option<Uuid>) -> Result<Found, ReadError> {
+    if !paths.packs.is_dir() {
+        return Ok(None);
+    }
+    for listing in list_packs(paths)? {
+        if pack_id_opt.is_some_and(|pack_id| pack_id != listing.pack_id) {
+            continue;
+        }
+        let found = match listing.state {
+            PackState::Open => read_open_pack(&listing.path, capture_id),
+            PackState::Sealed | PackState::Uploaded => read_sealed_pack(&listing.path, capture_id),
+        };
+        match found {
+            Ok(Some(found)) => return Ok(Some(found)),
+            Ok(None) => {}
+            // The pack moved on (uploaded, published and deleted) while we looked: not an error.
+            Err(pack::PackError::Io(error)) if error.kind() == std::io::ErrorKind::NotFound => {}
+            Err(source) => return Err(ReadError::Pack { pack: listing.pack_id.to_string(), source }),
+        }
+    }
+    Ok(None)
+}
+
+/// One positioned read of a record whose place the index knows.
+fn read_at_place(path: &Path, place: &RecordPlace) -> Result<Found, pack::PackError> {
+    use std::os::unix::fs::FileExt;
+    let file = std::fs::File::open(path)?;
+    let mut bytes = vec![0u8; place.record_len as usize];
+    file.read_exact_at(&mut bytes, place.record_offset)?;
+    let entry =
+        pack::entry_from_location(&bytes, place.record_offset, place.payload_offset, place.payload_len, place.crc32c)?;
+    pack::decode_record(&bytes, &entry).map(Some)
+}
+
+fn read_sealed_pack(path: &Path, capture_id: Uuid) -> Result<Found, pack::PackError> {
     let pack = PackFile::open(path)?;
     match pack.find(capture_id) {
         Some(index) => pack.read_capture(index).map(Some),
@@ -126,7 +208,7 @@ fn read_sealed_pack(path: &Path, capture_id: Uuid) -> Result<Option<(CaptureMeta
     }
 }
 
-fn read_open_pack(path: &Path, capture_id: Uuid) -> Result<Option<(CaptureMeta, Vec<u8>)>, pack::PackError> {
+fn read_open_pack(path: &Path, capture_id: Uuid) -> Result<Found, pack::PackError> {
     use std::os::unix::fs::FileExt;
     let scan = pack::scan_file(path)?;
     let Some(entry) = scan.entries.iter().find(|entry| entry.meta.capture_id == capture_id) else { return Ok(None) };
@@ -134,4 +216,72 @@ fn read_open_pack(path: &Path, capture_id: Uuid) -> Result<Option<(CaptureMeta, 
     let mut bytes = vec![0u8; entry.record_len as usize];
     file.read_exact_at(&mut bytes, entry.record_offset)?;
     pack::decode_record(&bytes, entry).map(Some)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pack::{IndexEntry, PackWriter};
+
+    fn meta(capture_id: Uuid) -> CaptureMeta {
+        CaptureMeta {
+            capture_id,
+            stream: "s".into(),
+            captured_at_ns: 1,
+            labels: Default::default(),
+            content_type: None,
+            source_name: None,
+        }
+    }
+
+    /// A sealed pack of one capture in the spool at `paths`; returns its entries.
+    fn sealed_pack(paths: &SpoolPaths, capture_id: Uuid, payload: &[u8]) -> (Uuid, Vec<IndexEntry>) {
+        let pack_id = Uuid::now_v7();
+        let mut writer = PackWriter::create(&paths.pack_path(pack_id, PackState::Sealed), pack_id, 1).unwrap();
+        writer.append(&meta(capture_id), bytes::Bytes::copy_from_slice(payload)).unwrap();
+        let entries = writer.entries().to_vec();
+        writer.finish().unwrap();
+        (pack_id, entries)
+    }
+
+    #[test]
+    fn an_indexed_read_opens_only_the_pack_that_holds_the_capture() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = SpoolPaths::new(dir.path());
+        std::fs::create_dir_all(&paths.packs).unwrap();
+        let index = SpoolIndex::default();
+        let (wanted, other) = (Uuid::now_v7(), Uuid::now_v7());
+        let (damaged_pack, damaged_entries) = sealed_pack(&paths, other, b"other");
+        index.add_sealed(damaged_pack, &damaged_entries);
+        let (pack, entries) = sealed_pack(&paths, wanted, b"wanted");
+        index.add_sealed(pack, &entries);
+        // Ruin the other pack's trailer: any read that opens it fails.
+        let damaged_path = paths.pack_path(damaged_pack, PackState::Sealed);
+        let length = std::fs::metadata(&damaged_path).unwrap().len();
+        std::fs::OpenOptions::new().write(true).open(&damaged_path).unwrap().set_len(length - 1).unwrap();
+
+        let (found_meta, payload) = read_indexed(&paths, &index, wanted, None).unwrap().unwrap();
+        assert_eq!((found_meta.capture_id, payload.as_slice()), (wanted, &b"wanted"[..]));
+        assert!(read_indexed(&paths, &index, Uuid::now_v7(), None).unwrap().is_none(), "an unknown id opens nothing");
+        // The scan a reader without the index does opens every pack, the damaged one included.
+        assert!(read_by_scanning(&paths, Uuid::now_v7(), None).is_err());
+    }
+
+    #[test]
+    fn a_record_of_an_open_pack_is_read_at_its_place_even_after_the_pack_moved_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = SpoolPaths::new(dir.path());
+        std::fs::create_dir_all(&paths.packs).unwrap();
+        let index = SpoolIndex::default();
+        let capture_id = Uuid::now_v7();
+        let pack_id = Uuid::now_v7();
+        let mut writer = PackWriter::create(&paths.pack_path(pack_id, PackState::Open), pack_id, 1).unwrap();
+        let entry = writer.append(&meta(capture_id), bytes::Bytes::from_static(b"still open")).unwrap();
+        writer.sync().unwrap();
+        index.add_open(pack_id, &entry);
+        assert_eq!(read_indexed(&paths, &index, capture_id, None).unwrap().unwrap().1, b"still open");
+        writer.finish().unwrap();
+        paths.mark_sealed(pack_id).unwrap();
+        assert_eq!(read_indexed(&paths, &index, capture_id, Some(pack_id)).unwrap().unwrap().1, b"still open");
+    }
 }

@@ -349,7 +349,8 @@ mod tests {
             version: 1,
         };
         let page = Page { captures: (0..10).map(capture).collect(), next_cursor: None, watermark: 7 };
-        let cut = page.clone().cut_to_bytes(3500);
+        let row_bytes = serde_json::to_vec(&page.captures[0]).unwrap().len() + 1;
+        let cut = page.clone().cut_to_bytes(row_bytes * 3 + row_bytes / 2);
         assert_eq!(cut.captures.len(), 3);
         let cursor = Cursor::decode(cut.next_cursor.as_deref().unwrap()).unwrap();
         assert_eq!((cursor.watermark, cursor.captured_at_ns), (7, 2));

@@ -62,7 +62,8 @@ async fn append_stream(config: &Config, max: Option<u64>, producers: usize) -> a
         Ok(spool) => spool,
         Err(exit_code) => return Ok(exit_code),
     };
-    let (writer, thread) = spawn_writer(spool.paths().clone(), WriterSettings::from_config(&config.spool));
+    let (writer, thread) =
+        spawn_writer(spool.paths().clone(), WriterSettings::from_config(&config.spool), spool.index());
     let next = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let stdout = std::sync::Arc::new(std::sync::Mutex::new(std::io::stdout()));
     let mut tasks = Vec::new();

@@ -13,13 +13,13 @@ use capstore::bucket::Bucket;
 use capstore::catalog::query::ListQuery;
 use capstore::config::Config;
 use capstore::exit_code;
-use capstore::reader::Reader;
+use capstore::reader::{LocalSpool, Reader};
 use capstore::spool::SpoolPaths;
 
 async fn reader(config: &Config) -> anyhow::Result<Reader> {
     let catalog = capstore::catalog::connect_reader(config).await?;
     let bucket = Arc::new(Bucket::from_config(config)?);
-    Ok(Reader::new(catalog, bucket, Some(SpoolPaths::new(&config.spool.dir))))
+    Ok(Reader::new(catalog, bucket, Some(LocalSpool { paths: SpoolPaths::new(&config.spool.dir), index_opt: None })))
 }
 
 #[derive(Args)]

@@ -131,6 +131,7 @@ impl Pipeline {
         }
         for descriptor in batch {
             let (paths, pack_id) = (self.paths.clone(), descriptor.summary.pack_id);
+            self.spool_index.forget(pack_id);
             if let Err(error) = off_runtime(move || paths.remove_published(pack_id)).await {
                 // Still owed locally; the replay guard makes the next round a no-op for it.
                 tracing::warn!(%pack_id, %error, "published pack could not be removed from the spool");

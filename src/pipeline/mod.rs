@@ -156,6 +156,8 @@ pub struct Pipeline {
     pub inbox_unlinks: Option<Arc<crate::spool::inbox::UnlinkLog>>,
     /// Where published packs are announced (the daemon shares it with its HTTP API).
     pub published: Arc<PublishedPacks>,
+    /// The spool's index of local captures: packs that leave the spool are forgotten there.
+    pub spool_index: Arc<crate::spool::index::SpoolIndex>,
     /// Publish failures per pack for reasons of the pack's own (the server rejected its rows).
     index_attempts: Mutex<HashMap<Uuid, u32>>,
 }
@@ -177,12 +179,16 @@ impl Pipeline {
             counters: Arc::default(),
             inbox_unlinks: None,
             published: Arc::default(),
+            spool_index: Arc::default(),
             index_attempts: Mutex::default(),
         }
     }
 
     /// Move a pack file to quarantine with one ERROR line: an operator must look at it.
     async fn quarantine_pack(&self, path: &Path, reason: &str) {
+        if let Some(pack_id) = crate::spool::layout::pack_id_of_path(path) {
+            self.spool_index.forget(pack_id);
+        }
         let (paths, file, why) = (self.paths.clone(), path.to_path_buf(), reason.to_string());
         match off_runtime(move || paths.quarantine("packs", &file, &why)).await {
             Ok(moved) => {

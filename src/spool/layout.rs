@@ -172,6 +172,11 @@ pub fn list_packs(paths: &SpoolPaths) -> io::Result<Vec<PackListing>> {
     Ok(packs)
 }
 
+/// The pack id a pack file's name carries.
+pub fn pack_id_of_path(path: &Path) -> Option<Uuid> {
+    parse_pack_file_name(path).map(|(pack_id, _)| pack_id)
+}
+
 fn parse_pack_file_name(path: &Path) -> Option<(Uuid, PackState)> {
     let name = path.file_name()?.to_str()?;
     let (stem, extension) = name.rsplit_once('.')?;

@@ -27,6 +27,7 @@
 
 pub mod envelope;
 pub mod inbox;
+pub mod index;
 pub mod layout;
 pub mod lock;
 pub mod recovery;
@@ -44,6 +45,7 @@ use crate::config::SpoolConfig;
 use crate::durable;
 use inbox::beneath::InboxRoot;
 use inbox::ledger::InboxLedger;
+use index::SpoolIndex;
 pub use layout::{list_packs, PackListing, PackState, SpoolPaths};
 pub use lock::{LockError, SpoolLock};
 pub use recovery::RecoveryReport;
@@ -72,6 +74,7 @@ pub struct Spool {
     spool_id: Uuid,
     inbox: Arc<InboxRoot>,
     inbox_ledger: Arc<InboxLedger>,
+    index: Arc<SpoolIndex>,
     _lock: SpoolLock,
 }
 
@@ -90,9 +93,15 @@ impl Spool {
         let lock = SpoolLock::acquire(&paths.root)?;
         let spool_id = read_or_create_spool_id(&paths.root)?;
         let inbox_ledger = Arc::new(InboxLedger::load(&paths.root).map_err(io_error)?);
-        let report = recovery::recover(&paths, &inbox_ledger).map_err(io_error)?;
+        let index = Arc::new(SpoolIndex::default());
+        let report = recovery::recover(&paths, &inbox_ledger, &index).map_err(io_error)?;
         let inbox = Arc::new(InboxRoot::open(&paths.inbox).map_err(io_error)?);
-        Ok((Spool { paths, spool_id, inbox, inbox_ledger, _lock: lock }, report))
+        Ok((Spool { paths, spool_id, inbox, inbox_ledger, index, _lock: lock }, report))
+    }
+
+    /// Which local pack holds which capture (see [`index`]), filled by recovery; hand it to the writer.
+    pub fn index(&self) -> Arc<SpoolIndex> {
+        self.index.clone()
     }
 
     /// The inbox, opened as a directory descriptor (see [`inbox::beneath`]).

@@ -21,6 +21,7 @@ use std::path::Path;
 use serde::Serialize;
 
 use super::inbox::ledger::InboxLedger;
+use super::index::SpoolIndex;
 use super::{inbox, list_packs, PackState, SpoolPaths};
 use crate::pack::{self, PackFile, PackWriter};
 
@@ -41,7 +42,7 @@ impl RecoveryReport {
     }
 }
 
-pub fn recover(paths: &SpoolPaths, inbox_ledger: &InboxLedger) -> io::Result<RecoveryReport> {
+pub fn recover(paths: &SpoolPaths, inbox_ledger: &InboxLedger, index: &SpoolIndex) -> io::Result<RecoveryReport> {
     let mut report = RecoveryReport::default();
     report.temp_files_removed += paths.remove_leftover_temp_files(&paths.packs)?;
     report.temp_files_removed += paths.remove_leftover_temp_files(&paths.root)?;
@@ -49,9 +50,14 @@ pub fn recover(paths: &SpoolPaths, inbox_ledger: &InboxLedger) -> io::Result<Rec
     let mut source_keys = HashSet::new();
     for listing in list_packs(paths)? {
         match listing.state {
-            PackState::Open => recover_open_pack(paths, listing.pack_id, &listing.path, &mut report, &mut source_keys)?,
+            PackState::Open => {
+                recover_open_pack(paths, index, listing.pack_id, &listing.path, &mut report, &mut source_keys)?
+            }
             PackState::Sealed | PackState::Uploaded => match PackFile::open(&listing.path) {
-                Ok(pack_file) => collect_source_keys(pack_file.entries(), &mut source_keys),
+                Ok(pack_file) => {
+                    collect_source_keys(pack_file.entries(), &mut source_keys);
+                    index.add_sealed(listing.pack_id, pack_file.entries());
+                }
                 Err(error) => {
                     let reason = format!("unreadable {} pack: {error}", listing.state.extension());
                     quarantine_pack(paths, &listing.path, &reason, &mut report)?;
@@ -77,6 +83,7 @@ pub fn recover(paths: &SpoolPaths, inbox_ledger: &InboxLedger) -> io::Result<Rec
 
 fn recover_open_pack(
     paths: &SpoolPaths,
+    index: &SpoolIndex,
     pack_id: uuid::Uuid,
     path: &Path,
     report: &mut RecoveryReport,
@@ -95,6 +102,7 @@ fn recover_open_pack(
             let summary = writer.finish().map_err(pack_io_error)?;
             paths.mark_sealed(pack_id)?;
             collect_source_keys(&recovered.entries, source_keys);
+            index.add_sealed(pack_id, &recovered.entries);
             report.open_packs_sealed += 1;
             report.records_recovered += recovered.records_kept;
             report.bytes_cut += recovered.bytes_cut;

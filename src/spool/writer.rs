@@ -32,6 +32,7 @@ use serde::Serialize;
 use tokio::sync::{oneshot, Notify};
 use uuid::Uuid;
 
+use super::index::SpoolIndex;
 use super::{list_packs, PackState, SpoolPaths};
 use crate::config::SpoolConfig;
 use crate::durable;
@@ -177,17 +178,24 @@ impl WriterThread {
     }
 }
 
-pub fn spawn_writer(paths: SpoolPaths, settings: WriterSettings) -> (SpoolWriter, WriterThread) {
+/// Starts the writer thread (and its syncer and sealer) on the spool at `paths`; `index` learns every record it
+/// appends and every pack it seals.
+pub fn spawn_writer(
+    paths: SpoolPaths,
+    settings: WriterSettings,
+    index: Arc<SpoolIndex>,
+) -> (SpoolWriter, WriterThread) {
     let (requests_tx, requests_rx) = flume::bounded(QUEUE_CAPACITY);
     let (sync_tx, sync_rx) = flume::bounded(SYNC_QUEUE_CAPACITY);
     let stats = Arc::new(WriterStats::default());
     let syncer_stats = stats.clone();
     let syncer_paths = paths.clone();
+    let syncer_index = index.clone();
     let syncer = std::thread::Builder::new()
         .name("spool-syncer".into())
-        .spawn(move || run_syncer(sync_rx, &syncer_paths, &syncer_stats))
+        .spawn(move || run_syncer(sync_rx, &syncer_paths, &syncer_stats, &syncer_index))
         .expect("spawning the spool syncer thread");
-    let mut state = WriterState::new(paths, settings, stats.clone(), sync_tx);
+    let mut state = WriterState::new(paths, settings, stats.clone(), sync_tx, index);
     let thread = std::thread::Builder::new()
         .name("spool-writer".into())
         .spawn(move || {
@@ -242,6 +250,7 @@ struct OpenPack {
 
 struct WriterState {
     paths: SpoolPaths,
+    index: Arc<SpoolIndex>,
     settings: WriterSettings,
     stats: Arc<WriterStats>,
     sync_tx: flume::Sender<SyncJob>,
@@ -267,9 +276,11 @@ impl WriterState {
         settings: WriterSettings,
         stats: Arc<WriterStats>,
         sync_tx: flume::Sender<SyncJob>,
+        index: Arc<SpoolIndex>,
     ) -> WriterState {
         WriterState {
             paths,
+            index,
             settings,
             stats,
             sync_tx,
@@ -403,7 +414,7 @@ impl WriterState {
         let written = open.writer.len_bytes() - before;
         let pack_id = open.writer.pack_id();
         match appended {
-            Ok(_) => {}
+            Ok(entry) => self.index.add_open(pack_id, &entry),
             Err(error @ (PackError::Io(_) | PackError::Poisoned { .. })) => {
                 self.reset_after_io_error();
                 return Err(AppendError::Io(error.to_string()));
@@ -494,6 +505,7 @@ impl WriterState {
                     Some(pack) => {
                         let pack_id = pack.writer.pack_id();
                         drop(pack.writer);
+                        self.index.forget(pack_id);
                         self.paths.remove_unsealed(pack_id).map_err(|e| AppendError::Io(e.to_string()))
                     }
                     None => Ok(()),
@@ -519,7 +531,9 @@ impl WriterState {
         };
         drop(open.writer);
         match PackWriter::recover(&open.path) {
-            Ok((writer, _)) => {
+            Ok((writer, recovered)) => {
+                // Records cut by the recovery must not be found any more.
+                self.index.replace_open(writer.pack_id(), &recovered.entries);
                 self.open_pack = Some(OpenPack { writer, path: open.path, first_append_at: open.first_append_at })
             }
             Err(error) => tracing::error!(
@@ -550,12 +564,12 @@ fn refuse_orphaned(acks: Vec<(AckReply, Ack)>) {
 /// thread of their own: a seal waits for the pack's hash, and the next pack's batches must not wait behind it (their
 /// producers would stall, and with them the next pack's writing and hashing). Ends, after the sealer has finished,
 /// when the writer drops its sender.
-fn run_syncer(jobs_rx: flume::Receiver<SyncJob>, paths: &SpoolPaths, stats: &WriterStats) {
+fn run_syncer(jobs_rx: flume::Receiver<SyncJob>, paths: &SpoolPaths, stats: &WriterStats, index: &SpoolIndex) {
     let (seals_tx, seals_rx) = flume::bounded::<SealJob>(SEALS_IN_FLIGHT);
     std::thread::scope(|scope| {
         std::thread::Builder::new()
             .name("spool-sealer".into())
-            .spawn_scoped(scope, || run_sealer(seals_rx, paths, stats))
+            .spawn_scoped(scope, || run_sealer(seals_rx, paths, stats, index))
             .expect("spawning the spool sealer thread");
         let mut waiting: Vec<(AckReply, Ack)> = Vec::new();
         while let Ok(first) = jobs_rx.recv() {
@@ -604,9 +618,12 @@ struct SealJob {
 }
 
 /// The sealer thread: seals packs in the order the writer left them, answering each seal's acknowledgements after it.
-fn run_sealer(seals_rx: flume::Receiver<SealJob>, paths: &SpoolPaths, stats: &WriterStats) {
+fn run_sealer(seals_rx: flume::Receiver<SealJob>, paths: &SpoolPaths, stats: &WriterStats, index: &SpoolIndex) {
     for SealJob { pack, reason, acks, reply } in seals_rx.iter() {
         let sealed = seal_pack(*pack, paths, stats);
+        if let Ok(summary) = &sealed {
+            index.mark_sealed(summary.pack_id);
+        }
         if let Err(error) = &sealed {
             tracing::error!(%error, reason, "sealing a pack failed; it will be recovered at next start");
         } else if !acks.is_empty() {
@@ -706,7 +723,7 @@ mod tests {
     #[tokio::test]
     async fn concurrent_appends_share_fsyncs_and_all_land_in_the_pack() {
         let (_dir, paths) = new_spool();
-        let (writer, thread) = spawn_writer(paths.clone(), settings());
+        let (writer, thread) = spawn_writer(paths.clone(), settings(), Arc::default());
         let mut tasks = Vec::new();
         for i in 0..200u32 {
             let writer = writer.clone();
@@ -739,7 +756,7 @@ mod tests {
         let (_dir, paths) = new_spool();
         let gate = seal_gate::close(&paths.root);
         let limits = WriterSettings { pack_max_records: 2, ..settings() };
-        let (writer, thread) = spawn_writer(paths.clone(), limits);
+        let (writer, thread) = spawn_writer(paths.clone(), limits, Arc::default());
         writer.append(meta("s"), vec![1; 10]).await.unwrap();
         // The second record fills the pack: its acknowledgement waits for the seal, which the gate holds back.
         let filling = tokio::spawn({
@@ -769,7 +786,7 @@ mod tests {
     async fn packs_seal_on_record_and_byte_limits() {
         let (_dir, paths) = new_spool();
         let limits = WriterSettings { pack_max_records: 3, ..settings() };
-        let (writer, thread) = spawn_writer(paths.clone(), limits);
+        let (writer, thread) = spawn_writer(paths.clone(), limits, Arc::default());
         for _ in 0..7 {
             writer.append(meta("s"), vec![7; 10]).await.unwrap();
         }
@@ -780,7 +797,7 @@ mod tests {
 
         let (_dir, paths) = new_spool();
         let limits = WriterSettings { pack_max_bytes: 1024 * 1024, ..settings() };
-        let (writer, thread) = spawn_writer(paths.clone(), limits);
+        let (writer, thread) = spawn_writer(paths.clone(), limits, Arc::default());
         for _ in 0..5 {
             writer.append(meta("s"), vec![1; 250 * 1024]).await.unwrap();
         }
@@ -794,7 +811,7 @@ mod tests {
     #[tokio::test]
     async fn a_seal_is_answered_once_the_pack_is_sealed_on_disk_with_every_acknowledged_record() {
         let (_dir, paths) = new_spool();
-        let (writer, thread) = spawn_writer(paths.clone(), settings());
+        let (writer, thread) = spawn_writer(paths.clone(), settings(), Arc::default());
         let mut acked = Vec::new();
         for size in [10usize, 20 * 1024, 200 * 1024 - 100] {
             let meta = meta("s");
@@ -820,7 +837,7 @@ mod tests {
     async fn a_pack_seals_when_it_is_old_enough() {
         let (_dir, paths) = new_spool();
         let limits = WriterSettings { pack_max_age: Duration::from_millis(100), ..settings() };
-        let (writer, thread) = spawn_writer(paths.clone(), limits);
+        let (writer, thread) = spawn_writer(paths.clone(), limits, Arc::default());
         writer.append(meta("s"), b"x".to_vec()).await.unwrap();
         let deadline = Instant::now() + Duration::from_secs(10);
         while sealed_packs(&paths).is_empty() {
@@ -835,7 +852,7 @@ mod tests {
     async fn a_pack_seals_by_age_under_a_steady_stream_of_appends() {
         let (_dir, paths) = new_spool();
         let limits = WriterSettings { pack_max_age: Duration::from_millis(200), ..settings() };
-        let (writer, thread) = spawn_writer(paths.clone(), limits);
+        let (writer, thread) = spawn_writer(paths.clone(), limits, Arc::default());
         let started = Instant::now();
         // Appends every 20 ms never leave the writer idle until the deadline; the pack must seal all the same.
         while writer.stats().snapshot().packs_sealed == 0 {
@@ -850,7 +867,7 @@ mod tests {
     #[tokio::test]
     async fn appends_that_break_the_capture_rules_are_refused_naming_the_rule() {
         let (_dir, paths) = new_spool();
-        let (writer, thread) = spawn_writer(paths.clone(), settings());
+        let (writer, thread) = spawn_writer(paths.clone(), settings(), Arc::default());
         let mut bad_stream = meta("s");
         bad_stream.stream = "cam/.hidden".into();
         let mut too_many_labels = meta("s");
@@ -874,7 +891,7 @@ mod tests {
     async fn oversized_captures_and_quota_are_refused_and_resume() {
         let (_dir, paths) = new_spool();
         let limits = WriterSettings { max_bytes: 64 * 1024, ..settings() };
-        let (writer, thread) = spawn_writer(paths.clone(), limits);
+        let (writer, thread) = spawn_writer(paths.clone(), limits, Arc::default());
         let error = writer.append(meta("s"), vec![0; 300 * 1024]).await.unwrap_err();
         assert!(matches!(error, AppendError::TooLarge { .. }), "{error}");
         writer.append(meta("s"), vec![0; 40 * 1024]).await.unwrap();

@@ -113,7 +113,7 @@ async fn run_spool(dir: &Path, capture_bytes: u64, captures: u64, producers: usi
         max_bytes: 0,
         min_free_bytes: 0,
     };
-    let (writer, thread) = spawn_writer(paths, settings);
+    let (writer, thread) = spawn_writer(paths, settings, Arc::default());
     // Incompressible, non-constant payload so checksums do real work. Every producer hands over the same immutable
     // buffer (a reference count, not a copy), as dd writes the same buffer again and again: the run measures the
     // spool's own work (checksums, the copy into the page cache, fsyncs), not the producers' allocations.
