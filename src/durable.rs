@@ -9,6 +9,33 @@ use std::path::{Path, PathBuf};
 /// Suffix of temporary files; recovery removes any left behind by a crash.
 pub const TEMP_SUFFIX: &str = ".tmp";
 
+/// Mode of every file capstore creates: its owner reads and writes, its group (say, a readers' group) reads, others
+/// get nothing: captures are not world-readable.
+pub const FILE_MODE: u32 = 0o640;
+/// Mode of every directory capstore creates.
+pub const DIR_MODE: u32 = 0o750;
+/// Mode of the inbox: producers of the spool's group drop files there.
+pub const INBOX_DIR_MODE: u32 = 0o770;
+
+/// Options for a new file with [`FILE_MODE`] (the process umask may take more away).
+pub fn new_file_options() -> OpenOptions {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut options = OpenOptions::new();
+    options.mode(FILE_MODE);
+    options
+}
+
+/// `create_dir_all` with [`DIR_MODE`] for every directory it creates.
+pub fn create_dirs(path: &Path) -> io::Result<()> {
+    create_dirs_with_mode(path, DIR_MODE)
+}
+
+/// `create_dir_all` with `mode` for every directory it creates.
+pub fn create_dirs_with_mode(path: &Path, mode: u32) -> io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    fs::DirBuilder::new().recursive(true).mode(mode).create(path)
+}
+
 /// Make a directory entry change (create, rename, unlink) durable.
 pub fn fsync_dir(dir: &Path) -> io::Result<()> {
     File::open(dir)?.sync_all()
@@ -35,7 +62,7 @@ pub fn rename_durable(from: &Path, to: &Path) -> io::Result<()> {
 /// Write `contents` to `path` atomically: temp file, fsync, rename, fsync the directory.
 pub fn write_file_durable(path: &Path, contents: &[u8]) -> io::Result<()> {
     let temp = temp_path_for(path);
-    let mut file = OpenOptions::new().write(true).create(true).truncate(true).open(&temp)?;
+    let mut file = new_file_options().write(true).create(true).truncate(true).open(&temp)?;
     file.write_all(contents)?;
     file.sync_all()?;
     drop(file);

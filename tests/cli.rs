@@ -399,3 +399,39 @@ fn an_unlistable_inbox_directory_is_warned_about_once_and_stops_neither_ingest_n
     }
     assert_eq!(all_captures(&spool_dir).len(), 2);
 }
+
+#[test]
+fn spool_files_and_directories_are_not_readable_by_other_users() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let spool_dir = dir.path().join("spool");
+    let daemon = start_daemon(&spool_dir, &[]);
+    let stream = spool_dir.join("inbox").join("s");
+    std::fs::create_dir_all(&stream).unwrap();
+    std::fs::write(stream.join(".c"), b"a capture").unwrap();
+    std::fs::rename(stream.join(".c"), stream.join("c")).unwrap();
+    wait_until("ingested and sealed", || {
+        !stream.join("c").exists()
+            && list_packs(&SpoolPaths::new(&spool_dir)).unwrap().iter().any(|p| p.state == PackState::Sealed)
+    });
+    wait_until("status written", || spool_dir.join("status.json").exists());
+    stop_daemon(daemon);
+    let mut checked = 0;
+    let mut pending = vec![spool_dir.clone()];
+    while let Some(path) = pending.pop() {
+        let metadata = std::fs::symlink_metadata(&path).unwrap();
+        let mode = metadata.permissions().mode() & 0o777;
+        // The producer made inbox/s itself; everything else is the daemon's.
+        if path != stream {
+            assert_eq!(mode & 0o007, 0, "{} is mode {mode:o}: open to other users", path.display());
+            if metadata.is_file() {
+                assert_eq!(mode & 0o022, 0, "{} is mode {mode:o}: writable by others than its owner", path.display());
+            }
+            checked += 1;
+        }
+        if metadata.is_dir() {
+            pending.extend(std::fs::read_dir(&path).unwrap().map(|entry| entry.unwrap().path()));
+        }
+    }
+    assert!(checked >= 8, "spool root, inbox, packs, quarantine, a pack, LOCK, SPOOL_ID, status.json: {checked}");
+}

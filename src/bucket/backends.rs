@@ -39,7 +39,7 @@ pub(super) fn open_store(config: &Config) -> Result<OpenedStore, BucketError> {
                 return Err(permanent(format!("bucket.url {url:?} must name an absolute path (file:///...)")));
             }
             reject_cloud_only_keys(config, "file")?;
-            std::fs::create_dir_all(root).map_err(|error| {
+            crate::durable::create_dirs(root).map_err(|error| {
                 permanent(format!("bucket.url: cannot create directory {}: {error}", root.display()))
             })?;
             let local = object_store::local::LocalFileSystem::new_with_prefix(root)

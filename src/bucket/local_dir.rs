@@ -19,7 +19,7 @@
 //! Reads, listing and deletes still go through `LocalFileSystem`, whose key -> path mapping
 //! ([`LocalFileSystem::path_to_filesystem`]) this module uses too.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::ErrorKind;
 use std::path::{Path as FsPath, PathBuf};
 
@@ -84,7 +84,7 @@ fn create_staged(target: &FsPath) -> std::io::Result<(File, PathBuf)> {
         let mut staged_path = target.as_os_str().to_owned();
         staged_path.push(format!("#{suffix}"));
         let staged_path = PathBuf::from(staged_path);
-        match OpenOptions::new().write(true).create_new(true).open(&staged_path) {
+        match crate::durable::new_file_options().write(true).create_new(true).open(&staged_path) {
             Ok(file) => return Ok((file, staged_path)),
             Err(error) if error.kind() == ErrorKind::AlreadyExists => continue,
             Err(error) => return Err(error),
@@ -104,7 +104,7 @@ fn create_dirs_durably(directory: &FsPath) -> std::io::Result<()> {
     if missing.is_empty() {
         return Ok(());
     }
-    std::fs::create_dir_all(directory)?;
+    crate::durable::create_dirs(directory)?;
     for created in missing {
         if let Some(parent) = created.parent() {
             fsync_dir(parent)?;

@@ -114,7 +114,7 @@ impl SyncPoint {
 impl PackWriter {
     /// Creates a new pack file (`create_new`: an existing file is an error) and buffers its header.
     pub fn create(path: &Path, pack_id: Uuid, created_at_ns: u64) -> Result<Self, PackError> {
-        let file = OpenOptions::new().write(true).create_new(true).open(path)?;
+        let file = crate::durable::new_file_options().write(true).create_new(true).open(path)?;
         let header = PackHeader { major: FORMAT_MAJOR, minor: FORMAT_MINOR, pack_id, created_at_ns };
         let mut pending = BytesMut::with_capacity(WRITE_BUFFER_FLUSH_BYTES);
         pending.extend_from_slice(&encode_header(&header));

@@ -64,7 +64,11 @@ impl SpoolCounts {
 pub fn write_status(spool_root: &Path, snapshot: &serde_json::Value) -> std::io::Result<()> {
     let path = spool_root.join(STATUS_FILE);
     let temp = crate::durable::temp_path_for(&path);
-    std::fs::write(&temp, serde_json::to_vec_pretty(snapshot).map_err(std::io::Error::other)?)?;
+    let contents = serde_json::to_vec_pretty(snapshot).map_err(std::io::Error::other)?;
+    std::io::Write::write_all(
+        &mut crate::durable::new_file_options().write(true).create_new(true).open(&temp)?,
+        &contents,
+    )?;
     #[allow(
         clippy::disallowed_methods,
         reason = "status.json is a view, rewritten every second: a lost rename costs nothing"

@@ -75,7 +75,7 @@ pub fn put_file(
 ) -> io::Result<PathBuf> {
     capture::validate_stream(stream).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
     let dir = inbox.join(stream);
-    fs::create_dir_all(&dir)?;
+    durable::create_dirs_with_mode(&dir, durable::INBOX_DIR_MODE)?;
     let target = dir.join(format!("{capture_id}.{ENVELOPE_EXTENSION}"));
     if target.exists() {
         return Err(io::Error::new(
@@ -85,7 +85,7 @@ pub fn put_file(
     }
     let temp = durable::temp_path_for(&target);
     let result = (|| {
-        let mut file = fs::OpenOptions::new().write(true).create_new(true).open(&temp)?;
+        let mut file = durable::new_file_options().write(true).create_new(true).open(&temp)?;
         file.write_all(&encode_envelope_header(header))?;
         io::copy(source, &mut file)?;
         file.sync_all()?;

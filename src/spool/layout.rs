@@ -94,17 +94,19 @@ impl SpoolPaths {
     /// [`super::inbox`]).
     pub fn quarantine_slot(&self, subdir: &str, name: &str, reason: &str) -> io::Result<PathBuf> {
         let target_dir = self.quarantine.join(subdir);
-        fs::create_dir_all(&target_dir)?;
+        durable::create_dirs(&target_dir)?;
         // A time prefix keeps quarantined files unique and sorted by when they arrived.
         let target = target_dir.join(format!("{}-{name}", crate::util::now_ns()));
         durable::write_file_durable(&reason_path(&target), reason.as_bytes())?;
         Ok(target)
     }
 
+    /// The spool's directories, where missing: 0750, the inbox 0770 (producers of the spool's group write there).
     pub(super) fn create_dirs(&self) -> io::Result<()> {
-        for dir in [&self.root, &self.inbox, &self.packs, &self.quarantine] {
-            fs::create_dir_all(dir)?;
+        for dir in [&self.root, &self.packs, &self.quarantine] {
+            durable::create_dirs(dir)?;
         }
+        durable::create_dirs_with_mode(&self.inbox, durable::INBOX_DIR_MODE)?;
         durable::fsync_dir(&self.root)
     }
 }

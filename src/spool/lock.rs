@@ -7,7 +7,7 @@
 //!
 //! The holder text is informational only (it is written after the flock is taken); the flock alone decides ownership.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
@@ -33,8 +33,13 @@ impl SpoolLock {
     pub fn acquire(spool_dir: &Path) -> Result<SpoolLock, LockError> {
         let io_error = |source| LockError::Io { dir: spool_dir.to_path_buf(), source };
         let path = spool_dir.join(LOCK_FILE);
-        let file =
-            OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(io_error)?;
+        let file = crate::durable::new_file_options()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(io_error)?;
         let mut flock = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
             Ok(flock) => flock,
             Err((mut file, errno)) if errno == nix::errno::Errno::EWOULDBLOCK => {

@@ -12,7 +12,6 @@
 //! dropped at the next start). The ledger only grows with files that cannot be removed, so it stays small.
 
 use std::collections::HashSet;
-use std::fs::OpenOptions;
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -58,7 +57,7 @@ impl InboxLedger {
         if keys.contains(source_key) {
             return Ok(false);
         }
-        let mut file = OpenOptions::new().create(true).append(true).open(&self.path)?;
+        let mut file = durable::new_file_options().create(true).append(true).open(&self.path)?;
         file.write_all(format!("{source_key}\n").as_bytes())?;
         file.sync_all()?;
         // The first append creates the file: its directory entry must be durable too.
