@@ -51,6 +51,8 @@ const DEPENDENCY_RETRY: RetryPolicy = RetryPolicy::unbounded(Duration::from_mill
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
     #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    #[error(transparent)]
     Spool(#[from] SpoolError),
     #[error("bucket: {0}")]
     Bucket(#[from] crate::bucket::BucketError),
@@ -66,6 +68,7 @@ impl DaemonError {
     pub fn exit_code(&self) -> i32 {
         match self {
             DaemonError::Spool(SpoolError::Locked(_)) => exit_code::SPOOL_OWNED,
+            DaemonError::Config(_) => exit_code::CONFIG_OR_USAGE,
             DaemonError::Bucket(error) if error.kind == crate::bucket::BucketErrorKind::Permanent => {
                 exit_code::CONFIG_OR_USAGE
             }
@@ -99,6 +102,8 @@ async fn run_until(
     mut shutdown_rx: watch::Receiver<bool>,
     writer_tx: Option<tokio::sync::oneshot::Sender<SpoolWriter>>,
 ) -> Result<i32, DaemonError> {
+    // Every way in (the binary, the library) gets the same checks: nothing runs on a configuration that breaks a rule.
+    config.validate()?;
     let mut running = Running::start(Arc::new(config), writer_tx).await?;
     let ended = running.publish_until_stopped(&mut shutdown_rx).await;
     running.shutdown().await;
@@ -247,7 +252,7 @@ impl Running {
         self.board.set_pipeline_counters(pipeline.counters.clone());
         tracing::info!(
             catalog = %config.catalog_name,
-            bucket = %config.bucket.url,
+            bucket = %crate::config::units::redact_url(&config.bucket.url),
             spool = %paths.root.display(),
             clickhouse_version = %client.server_version(),
             lease_state = ?lease.state(),

@@ -269,3 +269,32 @@ async fn s3_outage_is_transient_and_the_upload_succeeds_after_restart() {
     assert_reads_back(&bucket, &outcome.key, &pack).await;
     assert!(outage_elapsed < Duration::from_secs(30), "{outage_elapsed:?}");
 }
+
+#[tokio::test]
+async fn a_pack_is_verified_whole_before_reconcile_trusts_it() {
+    let scratch = tempfile::tempdir().unwrap();
+    let mut config = base_config(&unique_catalog_name("verify"));
+    config.bucket.url = "memory://".into();
+    let bucket = Bucket::from_config(&config).unwrap();
+    let pack_id = Uuid::now_v7();
+    let pack_path = scratch.path().join("pack.sealed");
+    let pack = write_pack(&pack_path, pack_id, small_captures());
+    let key = bucket.upload_pack(&pack_path, &pack.summary).await.unwrap().key;
+    let remote = bucket.read_pack_index(&key).await.unwrap();
+    bucket.verify_pack(&remote, pack_id).await.unwrap();
+
+    // The same bytes under another pack's name: the header gives it away.
+    let error = bucket.verify_pack(&remote, Uuid::now_v7()).await.unwrap_err();
+    assert_eq!(error.kind, BucketErrorKind::InvalidPack, "{error}");
+    assert!(error.message.contains("header"), "{error}");
+
+    // One payload byte changed, the CRCs of the footer and trailer intact: only the SHA-256 notices.
+    let mut bytes = std::fs::read(&pack_path).unwrap();
+    bytes[pack.entries[3].payload_offset as usize] ^= 0x40;
+    let tampered_key = object_store::path::Path::from(format!("{}/tampered.cpk", bucket.catalog_prefix()));
+    bucket.store().put(&tampered_key, bytes.into()).await.unwrap();
+    let tampered = bucket.read_pack_index(tampered_key.as_ref()).await.unwrap();
+    let error = bucket.verify_pack(&tampered, pack_id).await.unwrap_err();
+    assert_eq!(error.kind, BucketErrorKind::InvalidPack, "{error}");
+    assert!(error.message.contains("SHA-256"), "{error}");
+}

@@ -90,8 +90,8 @@ use tokio::sync::Semaphore;
 
 use crate::config::Config;
 use crate::pack::{
-    check_trailer_fits, decode_footer, decode_record, decode_trailer, CaptureMeta, IndexEntry, PackSummary, Trailer,
-    FOOTER_HEADER_LEN, HEADER_LEN, PACK_EXTENSION, TRAILER_LEN,
+    check_trailer_fits, decode_footer, decode_header, decode_record, decode_trailer, CaptureMeta, IndexEntry,
+    PackSummary, Trailer, FOOTER_HEADER_LEN, HEADER_LEN, PACK_EXTENSION, TRAILER_LEN,
 };
 use crate::retry::RetryPolicy;
 use error::permanent;
@@ -102,6 +102,8 @@ pub const MULTIPART_PARTS_IN_FLIGHT: usize = 2;
 pub const METADATA_SHA256: &str = "capstore-sha256";
 /// Object metadata key holding the pack's record count.
 pub const METADATA_RECORDS: &str = "capstore-records";
+/// The largest footer read from a bucket (a pack of 100,000 captures with modest labels has a 30 MiB one).
+pub const MAX_REMOTE_FOOTER_BYTES: u64 = 256 << 20;
 
 /// A pack's index as read from the bucket with two range reads.
 #[derive(Debug, Clone)]
@@ -249,10 +251,61 @@ impl Bucket {
         let trailer_bytes = self.read_range(key, size - TRAILER_LEN as u64..size).await?;
         let trailer = decode_trailer(&trailer_bytes).map_err(|error| BucketError::invalid_pack(key, error))?;
         check_trailer_fits(&trailer, size).map_err(|error| BucketError::invalid_pack(key, error))?;
+        if trailer.footer_len > MAX_REMOTE_FOOTER_BYTES {
+            // A footer is read whole into memory: bound what a crafted object can cost.
+            return Err(BucketError::new(
+                BucketErrorKind::InvalidPack,
+                format!(
+                    "{key} is not a valid pack: its footer is {} bytes, over the {MAX_REMOTE_FOOTER_BYTES} read from a bucket",
+                    trailer.footer_len
+                ),
+            ));
+        }
         let footer_range = trailer.footer_offset..trailer.footer_offset + trailer.footer_len;
         let footer_bytes = self.read_range(key, footer_range).await?;
         let entries = decode_footer(&footer_bytes, &trailer).map_err(|error| BucketError::invalid_pack(key, error))?;
         Ok(RemotePack { key: key.to_string(), size, trailer, entries })
+    }
+
+    /// The whole-pack checks reconcile makes before it publishes a pack it did not write: the header names the pack
+    /// id the key does, and the SHA-256 of every byte before the trailer (streamed, a chunk at a time) is the one the
+    /// trailer records. Either failing is [`BucketErrorKind::InvalidPack`].
+    pub async fn verify_pack(&self, remote: &RemotePack, expected_pack_id: uuid::Uuid) -> Result<(), BucketError> {
+        use futures::StreamExt;
+        use sha2::{Digest, Sha256};
+        let key = &remote.key;
+        let header_bytes = self.read_range(key, 0..HEADER_LEN as u64).await?;
+        let header = decode_header(&header_bytes).map_err(|error| BucketError::invalid_pack(key, error))?;
+        if header.pack_id != expected_pack_id {
+            return Err(BucketError::new(
+                BucketErrorKind::InvalidPack,
+                format!(
+                    "{key} is not a valid pack: its header says pack {}, its name {expected_pack_id}",
+                    header.pack_id
+                ),
+            ));
+        }
+        let hashed_len = remote.trailer.footer_offset + remote.trailer.footer_len;
+        let path = parse_key(key)?;
+        let options = object_store::GetOptions { range: Some((0..hashed_len).into()), ..Default::default() };
+        let result = self
+            .store
+            .get_opts(&path, options)
+            .await
+            .map_err(|error| BucketError::from_store(format_args!("read {key}"), error))?;
+        let mut chunks = result.into_stream();
+        let mut hasher = Sha256::new();
+        while let Some(chunk) = chunks.next().await {
+            hasher.update(chunk.map_err(|error| BucketError::from_store(format_args!("read {key}"), error))?);
+        }
+        let computed: [u8; 32] = hasher.finalize().into();
+        if computed != remote.trailer.sha256 {
+            return Err(BucketError::new(
+                BucketErrorKind::InvalidPack,
+                format!("{key} is not a valid pack: its SHA-256 differs from the one its trailer records"),
+            ));
+        }
+        Ok(())
     }
 
     /// Reads one capture with one range read; its CRC and metadata are checked against `entry`.

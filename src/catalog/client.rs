@@ -344,7 +344,8 @@ impl CatalogClient {
         if server_version.is_modern() {
             client = client.with_compression(Compression::Lz4).with_validation(true);
         }
-        tracing::info!(url = %config.url, server_version = %server_version, "catalog connected");
+        let url = crate::config::units::redact_url(&config.url);
+        tracing::info!(%url, server_version = %server_version, "catalog connected");
         Ok(CatalogClient {
             client,
             database: config.database.clone(),
@@ -497,7 +498,7 @@ fn build_http_client(config: &CatalogConfig, request_timeout: Duration) -> Resul
     let is_https = config.url.starts_with("https://");
     if !is_https {
         if config.ca_file.is_some() {
-            tracing::warn!(url = %config.url, "catalog.ca_file is ignored for a plain http url");
+            tracing::warn!(url = %crate::config::units::redact_url(&config.url), "catalog.ca_file is ignored for a plain http url");
         }
         return Ok(clickhouse::Client::with_http_client(builder.build(connector)));
     }

@@ -116,12 +116,16 @@ pub fn ls(config: &Config, args: LsArgs) -> anyhow::Result<i32> {
                     });
                     writeln!(out, "{line}")?;
                 } else {
-                    let labels: Vec<String> = capture.labels_map().iter().map(|(k, v)| format!("{k}={v}")).collect();
+                    let labels: Vec<String> = capture
+                        .labels_map()
+                        .iter()
+                        .map(|(key, value)| format!("{}={}", printable(key), printable(value)))
+                        .collect();
                     writeln!(
                         out,
                         "{:<36}  {:<24}  {:<20}  {:>10}  {:>7}  {}",
                         capture.capture_id,
-                        capture.stream,
+                        printable(&capture.stream),
                         capstore::util::ns_to_rfc3339(capture.captured_at_ns),
                         capture.payload_len,
                         capture.version,
@@ -181,4 +185,19 @@ pub fn tail(config: &Config, args: TailArgs) -> anyhow::Result<i32> {
             }
         }
     })
+}
+
+/// `text` with control characters escaped (`\u{1b}`, `\n`), so a label value cannot drive the terminal it is
+/// printed on (escape sequences that move the cursor, retitle the window, or hide lines).
+fn printable(text: &str) -> String {
+    text.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn control_characters_are_escaped_for_the_terminal() {
+        assert_eq!(super::printable("plain ü"), "plain ü");
+        assert_eq!(super::printable("\u{1b}]0;pwned\u{7}x\ny"), "\\u{1b}]0;pwned\\u{7}x\\ny");
+    }
 }

@@ -372,6 +372,14 @@ impl Config {
     pub fn to_redacted_toml(&self) -> String {
         let mut shown = self.clone();
         shown.lease.start_wait = Some(HumanDuration(self.start_wait()));
+        shown.catalog.url = units::redact_url(&self.catalog.url);
+        shown.bucket.url = units::redact_url(&self.bucket.url);
+        shown.bucket.endpoint = self.bucket.endpoint.as_deref().map(units::redact_url);
+        for (name, value) in shown.bucket.options.iter_mut() {
+            if units::is_secret_option(name) {
+                *value = "<redacted>".into();
+            }
+        }
         toml::to_string_pretty(&shown).unwrap_or_else(|e| format!("# cannot render configuration: {e}\n"))
     }
 }
@@ -567,6 +575,28 @@ mod tests {
         let world_readable = with_token("0123456789abcdef-long-enough", 0o644).unwrap_err();
         assert!(world_readable.to_string().contains("readable by every user"), "{world_readable}");
         assert_eq!(problem_keys(world_readable), vec!["http.token_file"]);
+    }
+
+    #[test]
+    fn secret_options_and_url_passwords_are_redacted_when_printed() {
+        let config = load(
+            "[catalog]\nurl = \"https://capstore:pa55word@ch.example:8443/\"\n[bucket]\nurl = \"gs://b\"\n\
+             endpoint = \"http://minio:miniosecret@10.0.0.9:9000\"\n\
+             [bucket.options]\ngoogle_service_account_key = \"{private json}\"\naws_access_key_id = \"AKIAPUBLIC\"\n\
+             azure_storage_sas_token = \"sv=2020&sig=abc\"\n",
+            &[],
+        )
+        .unwrap();
+        let shown = config.to_redacted_toml();
+        for secret in ["pa55word", "miniosecret", "private json", "sig=abc"] {
+            assert!(!shown.contains(secret), "{secret} shown:\n{shown}");
+        }
+        assert!(
+            shown.contains("https://capstore:<redacted>@ch.example:8443/") && shown.contains("AKIAPUBLIC"),
+            "{shown}"
+        );
+        assert_eq!(units::redact_url("http://127.0.0.1:8123"), "http://127.0.0.1:8123");
+        assert_eq!(units::redact_url("s3://bucket/path"), "s3://bucket/path");
     }
 
     #[test]

@@ -126,3 +126,27 @@ impl<'de> Deserialize<'de> for HumanDuration {
         text.parse().map_err(serde::de::Error::custom)
     }
 }
+
+/// `url` with the password of its userinfo replaced (`https://user:<redacted>@host/`), for printing and logging.
+/// Anything that does not parse as `scheme://[userinfo@]rest` is returned as is.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else { return url.to_string() };
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, path) = rest.split_at(authority_end);
+    match authority.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            let user = userinfo.split_once(':').map_or(userinfo, |(user, _)| user);
+            format!("{scheme}://{user}:<redacted>@{host}{path}")
+        }
+        None => url.to_string(),
+    }
+}
+
+/// Whether an object-store option carries a secret (its value is never printed): any name mentioning a secret, key,
+/// token, password, credential or signature, except the public access key id.
+pub fn is_secret_option(name: &str) -> bool {
+    let name = name.to_ascii_lowercase();
+    let public = name.ends_with("access_key_id") || name.ends_with("key_id");
+    let secret_words = ["secret", "key", "token", "password", "credential", "sas", "signature"];
+    !public && secret_words.iter().any(|word| name.contains(word))
+}

@@ -1,8 +1,10 @@
 //! Reconcile: packs under this catalog's bucket prefix that the catalog lacks are published from their footers.
 //!
 //! This is how a lost spool (or a crash between upload and publish with the spool gone) is repaired: the bucket holds
-//! self-describing packs, so two range reads (trailer, footer) give everything a publish needs. Objects that are not
-//! valid packs are reported (WARN, with the reason) and skipped, never indexed. Packs still present in the local spool
+//! self-describing packs, so two range reads (trailer, footer) give everything a publish needs. A pack found this way
+//! is checked as a stranger's: its footer is bounded, its header must name the pack id its key does, its SHA-256 must
+//! match, and every capture must follow the capture rules. Objects that are not valid packs are reported (WARN, with
+//! the reason) and skipped, never indexed. Packs still present in the local spool
 //! are left to the uploader and indexer.
 
 use std::collections::HashSet;
@@ -12,6 +14,7 @@ use serde::Serialize;
 use uuid::Uuid;
 
 use super::{Pipeline, RoundError};
+use crate::bucket::BucketError;
 use crate::catalog::publish::{PackDescriptor, PublishOutcome};
 use crate::pack::{PackSummary, PACK_EXTENSION};
 use crate::spool::list_packs;
@@ -52,7 +55,7 @@ impl Pipeline {
                     report.already_published += 1;
                     continue;
                 }
-                let remote = match self.bucket.read_pack_index(key).await {
+                let remote = match self.read_verified(key, *pack_id).await {
                     Ok(remote) => remote,
                     Err(error) if error.kind == crate::bucket::BucketErrorKind::InvalidPack => {
                         tracing::warn!(%key, %error, "object under the catalog prefix is not a valid pack; skipped");
@@ -83,6 +86,26 @@ impl Pipeline {
         }
         progress(total, total);
         Ok(report)
+    }
+}
+
+impl Pipeline {
+    /// A pack of the bucket read and checked as if a stranger wrote it: trailer and footer (bounded), the header's
+    /// pack id against the key, the SHA-256 of the whole pack, and every capture against the rules every way in
+    /// applies.
+    async fn read_verified(&self, key: &str, pack_id: Uuid) -> Result<crate::bucket::RemotePack, BucketError> {
+        let remote = self.bucket.read_pack_index(key).await?;
+        self.bucket.verify_pack(&remote, pack_id).await?;
+        for entry in &remote.entries {
+            if let Err(problem) = crate::capture::validate_meta(&entry.meta) {
+                return Err(BucketError {
+                    kind: crate::bucket::BucketErrorKind::InvalidPack,
+                    message: format!("{key} is not a valid pack: capture {}: {problem}", entry.meta.capture_id),
+                    source: None,
+                });
+            }
+        }
+        Ok(remote)
     }
 }
 

@@ -146,7 +146,7 @@ impl StatusBoard {
             "catalog": self.config.catalog_name,
             "spool": self.paths.root.display().to_string(),
             "spool_id": self.spool_id,
-            "bucket": self.config.bucket.url,
+            "bucket": crate::config::units::redact_url(&self.config.bucket.url),
             "clickhouse_version": self.clickhouse_version.get(),
             "pid": std::process::id(),
             "updated_at": crate::util::now_rfc3339(),
