@@ -24,8 +24,8 @@
 //! `http.allowed_hosts` gets 403, which defeats DNS rebinding (on loopback, where no token guards the API). Allowed
 //! origins get CORS headers.
 //!
-//! Limits (`serve.rs`): at most `http.max_connections` open connections (more are closed at once), headers within
-//! 10 s and bodies within `http.body_timeout`, request bodies in memory within `http.max_inflight_bytes`, at most
+//! Limits (`serve.rs`): at most `http.max_connections` open connections (more are closed at once), headers and bodies
+//! each within `http.body_timeout`, request bodies in memory within `http.max_inflight_bytes`, at most
 //! `http.max_concurrent_reads` reads at once. Every `wait=published` waiter listens to one announcement of published
 //! packs ([`crate::pipeline::PublishedPacks`]); none polls the catalog.
 //!
@@ -60,8 +60,6 @@ use crate::spool::writer::SpoolWriter;
 
 /// Requests still running this long after the stop are cut off.
 const STOP_GRACE: Duration = Duration::from_secs(5);
-/// A request's headers must arrive within this.
-const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, thiserror::Error)]
 pub enum HttpError {
@@ -144,7 +142,8 @@ impl HttpServer {
             stop_rx: stop_rx.clone(),
         });
         let router = router(state.clone(), config);
-        let limits = serve::Limits { max_connections: config.max_connections as usize, header_timeout: HEADER_TIMEOUT };
+        let limits =
+            serve::Limits { max_connections: config.max_connections as usize, header_timeout: config.body_timeout.0 };
         let task = tokio::spawn(serve::serve(listener, router, limits, stop_rx));
         tracing::info!(listen = %local_addr, auth = state.guard.requires_token(), "http serving");
         Ok(HttpServer { state, local_addr, stop_tx, task })

@@ -34,10 +34,13 @@ pub struct FaultProxy {
     mode_tx: Arc<watch::Sender<Mode>>,
     /// Request bytes that make a connection swallow its replies (see `blackhole_replies_matching`).
     reply_filter: ReplyFilter,
+    /// Patterns whose request chunks are counted (see `count_requests_containing`).
+    counters: Counters,
     runtime: Option<tokio::runtime::Runtime>,
 }
 
 type ReplyFilter = Arc<std::sync::Mutex<Option<Vec<u8>>>>;
+type Counters = Arc<std::sync::Mutex<Vec<(Vec<u8>, Arc<std::sync::atomic::AtomicU64>)>>>;
 
 impl FaultProxy {
     /// Listen on `127.0.0.1:0` and forward to `upstream`, starting in `pass` mode.
@@ -56,6 +59,8 @@ impl FaultProxy {
         let accept_mode_tx = Arc::clone(&mode_tx);
         let reply_filter: ReplyFilter = Arc::default();
         let accept_reply_filter = Arc::clone(&reply_filter);
+        let counters: Counters = Arc::default();
+        let accept_counters = Arc::clone(&counters);
         runtime.spawn(async move {
             let listener = TcpListener::from_std(std_listener).expect("proxy listener");
             loop {
@@ -63,10 +68,15 @@ impl FaultProxy {
                     continue;
                 };
                 let mode_rx = accept_mode_tx.subscribe();
-                tokio::spawn(serve_connection(client, upstream, mode_rx, Arc::clone(&accept_reply_filter)));
+                let matcher = Matcher {
+                    filter: Arc::clone(&accept_reply_filter),
+                    swallow: Arc::default(),
+                    counters: Arc::clone(&accept_counters),
+                };
+                tokio::spawn(serve_connection(client, upstream, mode_rx, matcher));
             }
         });
-        FaultProxy { addr, upstream, mode_tx, reply_filter, runtime: Some(runtime) }
+        FaultProxy { addr, upstream, mode_tx, reply_filter, counters, runtime: Some(runtime) }
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -100,6 +110,13 @@ impl FaultProxy {
         self.set_mode(Mode::Pass);
     }
 
+    /// From now on, count the requests (chunks sent to the service) that contain `pattern`.
+    pub fn count_requests_containing(&self, pattern: &str) -> Arc<std::sync::atomic::AtomicU64> {
+        let counter = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        self.counters.lock().unwrap().push((pattern.as_bytes().to_vec(), Arc::clone(&counter)));
+        counter
+    }
+
     pub fn cut(&self) {
         self.set_mode(Mode::Cut);
     }
@@ -126,12 +143,7 @@ impl Drop for FaultProxy {
     }
 }
 
-async fn serve_connection(
-    client: TcpStream,
-    upstream: SocketAddr,
-    mode_rx: watch::Receiver<Mode>,
-    reply_filter: ReplyFilter,
-) {
+async fn serve_connection(client: TcpStream, upstream: SocketAddr, mode_rx: watch::Receiver<Mode>, matcher: Matcher) {
     let _ = client.set_nodelay(true);
     let initial_mode = *mode_rx.borrow();
     let server_opt = match initial_mode {
@@ -149,8 +161,6 @@ async fn serve_connection(
     let _ = server.set_nodelay(true);
     let (client_read, client_write) = client.into_split();
     let (server_read, server_write) = server.into_split();
-    let swallow = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let matcher = Matcher { filter: reply_filter, swallow };
     let requests = pump(client_read, server_write, mode_rx.clone(), Direction::Requests, matcher.clone());
     let replies = pump(server_read, client_write, mode_rx.clone(), Direction::Replies, matcher);
     let mut cut_rx = mode_rx;
@@ -187,11 +197,12 @@ enum Direction {
     Replies,
 }
 
-/// Per-connection state of `blackhole_replies_matching`.
+/// Per-connection state of `blackhole_replies_matching`, and the request counters.
 #[derive(Clone)]
 struct Matcher {
     filter: ReplyFilter,
     swallow: Arc<std::sync::atomic::AtomicBool>,
+    counters: Counters,
 }
 
 impl Matcher {
@@ -201,6 +212,11 @@ impl Matcher {
 
     /// Look for the pattern in a request chunk (with the tail of the previous chunk, in case it was split).
     fn inspect(&self, carry: &mut Vec<u8>, chunk: &[u8]) {
+        for (pattern, counter) in self.counters.lock().unwrap().iter() {
+            if chunk.windows(pattern.len()).any(|window| window == pattern.as_slice()) {
+                counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
         let Some(pattern) = self.filter.lock().unwrap().clone() else { return };
         carry.extend_from_slice(chunk);
         if carry.windows(pattern.len()).any(|window| window == pattern.as_slice()) {
