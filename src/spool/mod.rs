@@ -21,7 +21,8 @@
 //! - pack ids are UUIDv7, so sorting names sorts packs oldest first.
 //!
 //! Files: this one opens a spool ([`Spool::open`]: directories, lock, spool id, recovery); [`layout`] names the paths
-//! and states and is the only code that renames or deletes a spool file; [`writer`] is the group-commit writer;
+//! and states and is the only code that renames or deletes a spool file; [`index`] knows which pack holds which
+//! capture; [`writer`] is the group-commit writer;
 //! [`recovery`] repairs what a crash left; [`inbox`] ingests producers' files and [`envelope`] is their format and
 //! `capstore put`; [`lock`] is the owner lock.
 
