@@ -347,8 +347,12 @@ impl WriterState {
                 Request::Close => keep_running = false,
             }
         }
-        self.hand_to_syncer();
-        self.seal_if_due();
+        // A batch that fills the pack (or finds it old enough) rides on the seal's fsync instead of one of its own, so
+        // its acknowledgements come once the pack is sealed.
+        match self.due_seal_reason() {
+            Some(reason) => self.seal(reason, None),
+            None => self.hand_to_syncer(),
+        }
         keep_running
     }
 
@@ -476,16 +480,19 @@ impl WriterState {
         Ok(())
     }
 
-    /// Seals the open pack when it is full or old enough. The age is checked here as well as by the receive
-    /// deadline, because under a steady stream of appends the deadline never passes without a request arriving.
-    fn seal_if_due(&mut self) {
-        let Some(open) = self.open_pack.as_ref() else { return };
+    /// Why the open pack should be sealed now, if it should: it is full or old enough. The age is checked here as well
+    /// as by the receive deadline, because under a steady stream of appends the deadline never passes without a request
+    /// arriving.
+    fn due_seal_reason(&self) -> Option<&'static str> {
+        let open = self.open_pack.as_ref()?;
         if open.writer.len_bytes() >= self.settings.pack_max_bytes
             || open.writer.record_count() >= self.settings.pack_max_records
         {
-            self.seal("full", None);
+            Some("full")
         } else if open.first_append_at.elapsed() >= self.settings.pack_max_age {
-            self.seal("pack_max_age", None);
+            Some("pack_max_age")
+        } else {
+            None
         }
     }
 
