@@ -34,7 +34,7 @@ fn capture(index: u64, payload: Vec<u8>) -> (CaptureMeta, Vec<u8>) {
         stream: format!("cam/{}", index % 3),
         captured_at_ns: FIRST_CAPTURED_AT_NS + index * 1_000_000,
         labels,
-        content_type: (index % 2 == 0).then(|| "application/octet-stream".to_string()),
+        content_type: index.is_multiple_of(2).then(|| "application/octet-stream".to_string()),
         source_name: None,
     };
     (meta, payload)

@@ -18,7 +18,7 @@ use capstore::catalog::{CatalogClient, Tables};
 use capstore::config::Config;
 use capstore::reader::Reader;
 use capstore::spool::{list_packs, SpoolPaths};
-use common::clickhouse::shared_server;
+use common::clickhouse::ClickHouseServer;
 use common::daemon::{expected_payload, Daemon, DaemonEnv};
 use common::proxy::FaultProxy;
 use rand::Rng;
@@ -26,16 +26,14 @@ use uuid::Uuid;
 
 const TTL: Duration = Duration::from_secs(3);
 
-/// The S3 outage test stops the shared S3 server: S3 tests of this file take turns.
-static S3_TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-enum BucketKind {
+enum BucketKind<'a> {
     File,
-    S3,
+    S3(&'a common::s3::S3Server),
 }
 
 /// One daemon's world: its spool, bucket, catalog database and name, and (optionally) a fault proxy to ClickHouse.
 struct World {
+    server: &'static ClickHouseServer,
     dir: tempfile::TempDir,
     env: DaemonEnv,
     proxy: Option<FaultProxy>,
@@ -43,19 +41,17 @@ struct World {
 }
 
 impl World {
-    fn new(bucket: BucketKind, with_proxy: bool) -> World {
-        let server = shared_server();
+    fn new(server: &'static ClickHouseServer, bucket: BucketKind<'_>, with_proxy: bool) -> World {
         let dir = tempfile::tempdir().unwrap();
         let proxy = with_proxy.then(|| FaultProxy::start(server.http_addr));
         let catalog_url = proxy.as_ref().map_or_else(|| server.url(), |proxy| proxy.url());
-        let mut env = DaemonEnv::live("e2e", dir.path())
+        let mut env = DaemonEnv::live_on(server, "e2e", dir.path())
             .set("CAPSTORE_CATALOG_URL", catalog_url)
             .set("CAPSTORE_SPOOL_PACK_MAX_BYTES", "2MiB")
             .set("CAPSTORE_SPOOL_INBOX_RESCAN_INTERVAL", "250ms")
             .set("CAPSTORE_UPLOAD_PART_SIZE", "5MiB")
             .set("CAPSTORE_SHUTDOWN_GRACE", "20s");
-        if let BucketKind::S3 = bucket {
-            let s3 = common::s3::shared_s3();
+        if let BucketKind::S3(s3) = bucket {
             env = env
                 .set("CAPSTORE_BUCKET_URL", format!("s3://{}", s3.bucket))
                 .set("CAPSTORE_BUCKET_ENDPOINT", s3.endpoint())
@@ -69,7 +65,7 @@ impl World {
         let mut config = env.config();
         // The test process reaches ClickHouse directly, never through the proxy it cuts.
         config.catalog.url = server.url();
-        World { dir, env, proxy, config }
+        World { server, dir, env, proxy, config }
     }
 
     fn spool_dir(&self) -> PathBuf {
@@ -116,7 +112,8 @@ impl World {
     }
 
     fn committed_versions(&self) -> Vec<u64> {
-        let text = shared_server()
+        let text = self
+            .server
             .query(&format!(
                 "SELECT version FROM {}.cs_publishes WHERE catalog = '{}' ORDER BY version FORMAT TSV",
                 self.config.catalog.database, self.config.catalog_name
@@ -228,10 +225,14 @@ fn mixed_sizes() -> Vec<usize> {
     sizes
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_thousand_mixed_captures_through_s3_are_listed_once_and_read_back_identical() {
-    let _turn = S3_TURN.lock().await;
-    let world = World::new(BucketKind::S3, false);
+for_each_version!(
+    two_thousand_mixed_captures_through_s3_are_listed_once_and_read_back_identical,
+    flavor = "multi_thread"
+);
+async fn two_thousand_mixed_captures_through_s3_are_listed_once_and_read_back_identical(
+    server: &'static ClickHouseServer,
+) {
+    let world = World::new(server, BucketKind::S3(common::s3::shared_s3()), false);
     let mut producer = Producer::new(world.inbox_stream(), mixed_sizes());
     let mut daemon = world.start(&[]);
     daemon.wait_for_log_async("capstore running", Duration::from_secs(30)).await;
@@ -242,9 +243,9 @@ async fn two_thousand_mixed_captures_through_s3_are_listed_once_and_read_back_id
     world.assert_complete(&producer).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn crash_matrix_sigkill_at_random_and_named_points_then_one_clean_run() {
-    let world = World::new(BucketKind::File, false);
+for_each_version!(crash_matrix_sigkill_at_random_and_named_points_then_one_clean_run, flavor = "multi_thread");
+async fn crash_matrix_sigkill_at_random_and_named_points_then_one_clean_run(server: &'static ClickHouseServer) {
+    let world = World::new(server, BucketKind::File, false);
     let mut producer = Producer::new(world.inbox_stream(), vec![0, 10, 1000, 20_000, 300_000]);
     let mut rng = rand::rng();
     for round in 0..30 {
@@ -283,9 +284,14 @@ async fn crash_matrix_sigkill_at_random_and_named_points_then_one_clean_run() {
     world.assert_complete(&producer).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_clickhouse_cut_of_three_ttls_never_stops_ingest_and_uploads_nothing_without_the_lease() {
-    let world = World::new(BucketKind::File, true);
+for_each_version!(
+    a_clickhouse_cut_of_three_ttls_never_stops_ingest_and_uploads_nothing_without_the_lease,
+    flavor = "multi_thread"
+);
+async fn a_clickhouse_cut_of_three_ttls_never_stops_ingest_and_uploads_nothing_without_the_lease(
+    server: &'static ClickHouseServer,
+) {
+    let world = World::new(server, BucketKind::File, true);
     let proxy = world.proxy.as_ref().unwrap();
     let mut producer = Producer::new(world.inbox_stream(), vec![100, 5000, 50_000]);
     let mut daemon = world.start(&[]);
@@ -317,11 +323,11 @@ async fn a_clickhouse_cut_of_three_ttls_never_stops_ingest_and_uploads_nothing_w
     world.assert_complete(&producer).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_s3_outage_under_load_retries_and_drains_after() {
-    let _turn = S3_TURN.lock().await;
-    let world = World::new(BucketKind::S3, false);
-    let s3 = common::s3::shared_s3();
+for_each_version!(an_s3_outage_under_load_retries_and_drains_after, flavor = "multi_thread");
+async fn an_s3_outage_under_load_retries_and_drains_after(server: &'static ClickHouseServer) {
+    // A server of its own: the outage must not reach the other tests.
+    let s3 = common::s3::private_s3();
+    let world = World::new(server, BucketKind::S3(&s3), false);
     let mut producer = Producer::new(world.inbox_stream(), vec![100, 5000, 200_000]);
     let mut daemon = world.start(&[]);
     daemon.wait_for_log_async("capstore running", Duration::from_secs(30)).await;
@@ -341,9 +347,9 @@ async fn an_s3_outage_under_load_retries_and_drains_after() {
     world.assert_complete(&producer).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lost_spool_is_repaired_by_reconcile_and_invalid_objects_are_skipped() {
-    let world = World::new(BucketKind::File, false);
+for_each_version!(a_lost_spool_is_repaired_by_reconcile_and_invalid_objects_are_skipped, flavor = "multi_thread");
+async fn a_lost_spool_is_repaired_by_reconcile_and_invalid_objects_are_skipped(server: &'static ClickHouseServer) {
+    let world = World::new(server, BucketKind::File, false);
     let mut producer = Producer::new(world.inbox_stream(), vec![100, 7000]);
     producer.drop_many(20);
     let mut daemon = world.start(&[("CAPSTORE_FAILPOINTS", "after_upload_before_rename")]);
@@ -376,9 +382,9 @@ async fn a_lost_spool_is_repaired_by_reconcile_and_invalid_objects_are_skipped()
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigterm_under_load_exits_cleanly_and_frees_the_lease() {
-    let world = World::new(BucketKind::File, false);
+for_each_version!(sigterm_under_load_exits_cleanly_and_frees_the_lease, flavor = "multi_thread");
+async fn sigterm_under_load_exits_cleanly_and_frees_the_lease(server: &'static ClickHouseServer) {
+    let world = World::new(server, BucketKind::File, false);
     let mut producer = Producer::new(world.inbox_stream(), vec![100, 5000, 100_000]);
     let mut daemon = world.start(&[]);
     daemon.wait_for_log_async("capstore running", Duration::from_secs(30)).await;

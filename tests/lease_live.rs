@@ -18,7 +18,7 @@ use capstore::catalog::query::{CatalogReader, ListQuery};
 use capstore::catalog::{CatalogClient, ErrorKind, Tables};
 use capstore::config::{Config, HumanDuration};
 use capstore::pack::{IndexEntry, PackSummary};
-use common::clickhouse::shared_server;
+use common::clickhouse::ClickHouseServer;
 use common::daemon::DaemonEnv;
 use common::proxy::FaultProxy;
 use tokio::sync::watch;
@@ -41,20 +41,20 @@ fn config_for(url: &str, database: &str, catalog: &str) -> Config {
 
 /// A catalog database of its own, reached directly or through a fault proxy.
 struct Catalog {
+    server: &'static ClickHouseServer,
     config: Config,
     client: CatalogClient,
     tables: Tables,
     proxy: Option<FaultProxy>,
 }
 
-async fn catalog(with_proxy: bool) -> Catalog {
-    let server = shared_server();
+async fn catalog(server: &'static ClickHouseServer, with_proxy: bool) -> Catalog {
     let database = server.fresh_database("lease");
     let proxy = with_proxy.then(|| FaultProxy::start(server.http_addr));
     let url = proxy.as_ref().map_or_else(|| server.url(), |proxy| proxy.url());
     let config = config_for(&url, &database, &format!("cat-{}", rand::random::<u32>()));
     let (client, tables) = capstore::catalog::connect(&config).await.expect("catalog schema");
-    Catalog { config, client, tables, proxy }
+    Catalog { server, config, client, tables, proxy }
 }
 
 impl Catalog {
@@ -76,7 +76,8 @@ impl Catalog {
 
     /// Rows of `publishes` for this catalog, read over a direct connection (not through the proxy).
     fn committed_versions(&self) -> Vec<u64> {
-        let text = shared_server()
+        let text = self
+            .server
             .query(&format!(
                 "SELECT version FROM {} WHERE catalog = '{}' ORDER BY version FORMAT TSV",
                 self.tables.publishes, self.config.catalog_name
@@ -145,9 +146,9 @@ async fn wait_for_state(handle: &capstore::catalog::lease::LeaseHandle, wanted: 
     assert!(waited.is_ok(), "lease never reached {wanted:?}; status {:?}", handle.status());
 }
 
-#[tokio::test]
-async fn claim_renew_release_refusal_and_takeover() {
-    let catalog = catalog(false).await;
+for_each_version!(claim_renew_release_refusal_and_takeover);
+async fn claim_renew_release_refusal_and_takeover(server: &'static ClickHouseServer) {
+    let catalog = catalog(server, false).await;
     let store = catalog.store(&catalog.config.catalog_name);
     let (alice, bob, carol) = (identity("alice"), identity("bob"), identity("carol"));
     let (alice_id, bob_id, carol_id) = ("lease-a".to_string(), "lease-b".to_string(), "lease-c".to_string());
@@ -194,9 +195,9 @@ async fn claim_renew_release_refusal_and_takeover() {
     assert!(started.elapsed() >= Duration::from_millis(1500), "carol must wait for bob's expiry");
 }
 
-#[tokio::test]
-async fn concurrent_claimers_never_overlap() {
-    let catalog = catalog(false).await;
+for_each_version!(concurrent_claimers_never_overlap);
+async fn concurrent_claimers_never_overlap(server: &'static ClickHouseServer) {
+    let catalog = catalog(server, false).await;
     let mut rounds_with_holder = 0;
     let mut contested_after_hold = 0;
     for round in 0..50 {
@@ -241,9 +242,11 @@ async fn concurrent_claimers_never_overlap() {
     );
 }
 
-#[tokio::test]
-async fn a_paused_holder_lands_nothing_after_a_takeover_and_an_empty_table_fails_the_fence() {
-    let catalog = catalog(false).await;
+for_each_version!(a_paused_holder_lands_nothing_after_a_takeover_and_an_empty_table_fails_the_fence);
+async fn a_paused_holder_lands_nothing_after_a_takeover_and_an_empty_table_fails_the_fence(
+    server: &'static ClickHouseServer,
+) {
+    let catalog = catalog(server, false).await;
     let paused = catalog.keeper(identity("paused"));
     let (_shutdown_tx, mut shutdown_rx) = watch::channel(false);
     paused.acquire_at_start(Duration::ZERO, &mut shutdown_rx).await.unwrap();
@@ -277,9 +280,9 @@ async fn a_paused_holder_lands_nothing_after_a_takeover_and_an_empty_table_fails
     assert!(matches!(result, Err(PublishError::NotCommitted)), "{result:?}");
 }
 
-#[tokio::test]
-async fn publish_and_read_back_with_dedup_labels_pagination_and_tailing() {
-    let catalog = catalog(false).await;
+for_each_version!(publish_and_read_back_with_dedup_labels_pagination_and_tailing);
+async fn publish_and_read_back_with_dedup_labels_pagination_and_tailing(server: &'static ClickHouseServer) {
+    let catalog = catalog(server, false).await;
     let keeper = catalog.keeper(identity("writer"));
     let (shutdown_tx, mut shutdown_rx) = watch::channel(false);
     keeper.acquire_at_start(Duration::ZERO, &mut shutdown_rx).await.unwrap();
@@ -357,9 +360,9 @@ async fn publish_and_read_back_with_dedup_labels_pagination_and_tailing() {
     assert!(!head.is_live(), "a clean shutdown tombstones the lease: {head:?}");
 }
 
-#[tokio::test]
-async fn a_cut_spanning_a_renewal_and_a_publish_quarantines_then_recovers() {
-    let catalog = catalog(true).await;
+for_each_version!(a_cut_spanning_a_renewal_and_a_publish_quarantines_then_recovers);
+async fn a_cut_spanning_a_renewal_and_a_publish_quarantines_then_recovers(server: &'static ClickHouseServer) {
+    let catalog = catalog(server, true).await;
     let proxy = catalog.proxy.as_ref().unwrap();
     let keeper = catalog.keeper(identity("cut"));
     let (_shutdown_tx, mut shutdown_rx) = watch::channel(false);
@@ -452,10 +455,10 @@ async fn run_rival(store: LeaseStore, renew_for: Duration, release_at_end: bool)
     rival.holder()
 }
 
-#[tokio::test]
-async fn a_rival_that_stops_within_two_ttls_does_not_latch() {
+for_each_version!(a_rival_that_stops_within_two_ttls_does_not_latch);
+async fn a_rival_that_stops_within_two_ttls_does_not_latch(server: &'static ClickHouseServer) {
     let (logs, _guard) = capture_logs();
-    let catalog = catalog(false).await;
+    let catalog = catalog(server, false).await;
     let rival = tokio::spawn(run_rival(catalog.store(&catalog.config.catalog_name), TTL, true));
     tokio::time::sleep(Duration::from_millis(300)).await;
     let keeper = catalog.keeper(identity("patient"));
@@ -470,10 +473,10 @@ async fn a_rival_that_stops_within_two_ttls_does_not_latch() {
     assert!(!logs.contains("ERROR"), "no latch, no ERROR line: {logs}");
 }
 
-#[tokio::test]
-async fn a_rival_that_keeps_renewing_latches_after_two_ttls_with_one_error_line() {
+for_each_version!(a_rival_that_keeps_renewing_latches_after_two_ttls_with_one_error_line);
+async fn a_rival_that_keeps_renewing_latches_after_two_ttls_with_one_error_line(server: &'static ClickHouseServer) {
     let (logs, _guard) = capture_logs();
-    let catalog = catalog(false).await;
+    let catalog = catalog(server, false).await;
     let rival_started = Instant::now();
     let rival = tokio::spawn(run_rival(catalog.store(&catalog.config.catalog_name), TTL * 4, false));
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -534,9 +537,9 @@ fn sigkill(child: &mut Child) {
     child.wait().unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn start_wait_for_a_killed_holder_and_same_spool_takeover() {
-    let catalog = catalog(false).await;
+for_each_version!(start_wait_for_a_killed_holder_and_same_spool_takeover, flavor = "multi_thread");
+async fn start_wait_for_a_killed_holder_and_same_spool_takeover(server: &'static ClickHouseServer) {
+    let catalog = catalog(server, false).await;
     let dir = tempfile::tempdir().unwrap();
     let spool_a = dir.path().join("spool-a");
     let store = catalog.store(&catalog.config.catalog_name);
@@ -574,11 +577,11 @@ async fn start_wait_for_a_killed_holder_and_same_spool_takeover() {
     // from the table, not taken from what it printed.)
     sigkill(&mut live.child);
     let mut restarted = spawn_holder(&catalog.config, &spool_a, "0s");
-    let number = |sql: String| -> u64 { shared_server().query(&sql).unwrap().trim().parse().unwrap() };
+    let number = |sql: String| -> u64 { catalog.server.query(&sql).unwrap().trim().parse().unwrap() };
     let lease_table = &catalog.tables.lease;
     let catalog_name = &catalog.config.catalog_name;
     let predecessor_term = restarted.term - 1;
-    let predecessor_holder = shared_server()
+    let predecessor_holder = catalog.server
         .query(&format!(
             "SELECT any(holder) FROM {lease_table} WHERE catalog = '{catalog_name}' AND term = {predecessor_term} FORMAT TSV"
         ))
@@ -592,7 +595,7 @@ async fn start_wait_for_a_killed_holder_and_same_spool_takeover() {
         restarted.term
     ));
     assert!(written_at < predecessor_expiry, "the takeover did not wait for the old lease to expire");
-    let old_lease_id: String = shared_server()
+    let old_lease_id: String = catalog.server
         .query(&format!(
             "SELECT any(lease_id) FROM {lease_table} WHERE catalog = '{catalog_name}' AND term = {predecessor_term} FORMAT TSV"
         ))
@@ -620,9 +623,11 @@ async fn start_wait_for_a_killed_holder_and_same_spool_takeover() {
     sigkill(&mut restarted.child);
 }
 
-#[tokio::test]
-async fn a_publish_whose_reply_is_lost_is_decided_by_read_back_with_gapless_versions() {
-    let catalog = catalog(true).await;
+for_each_version!(a_publish_whose_reply_is_lost_is_decided_by_read_back_with_gapless_versions);
+async fn a_publish_whose_reply_is_lost_is_decided_by_read_back_with_gapless_versions(
+    server: &'static ClickHouseServer,
+) {
+    let catalog = catalog(server, true).await;
     let proxy = catalog.proxy.as_ref().unwrap();
     let keeper = catalog.keeper(identity("blackholed"));
     let (_shutdown_tx, mut shutdown_rx) = watch::channel(false);
@@ -662,9 +667,9 @@ async fn a_publish_whose_reply_is_lost_is_decided_by_read_back_with_gapless_vers
     assert_eq!(catalog.committed_versions(), vec![1, 2], "no version used twice, none skipped");
 }
 
-#[tokio::test]
-async fn a_black_holed_clickhouse_ends_every_lease_request_at_its_timeout() {
-    let catalog = catalog(true).await;
+for_each_version!(a_black_holed_clickhouse_ends_every_lease_request_at_its_timeout);
+async fn a_black_holed_clickhouse_ends_every_lease_request_at_its_timeout(server: &'static ClickHouseServer) {
+    let catalog = catalog(server, true).await;
     let proxy = catalog.proxy.as_ref().unwrap();
     let store = catalog.store(&catalog.config.catalog_name);
     let who = identity("stuck");
@@ -693,11 +698,12 @@ async fn a_black_holed_clickhouse_ends_every_lease_request_at_its_timeout() {
     proxy.pass();
 }
 
-#[tokio::test]
-async fn schema_is_idempotent_and_a_newer_schema_is_refused() {
-    let catalog = catalog(false).await;
+for_each_version!(schema_is_idempotent_and_a_newer_schema_is_refused);
+async fn schema_is_idempotent_and_a_newer_schema_is_refused(server: &'static ClickHouseServer) {
+    let catalog = catalog(server, false).await;
     capstore::catalog::schema::ensure_schema(&catalog.client, &catalog.tables).await.unwrap();
-    shared_server()
+    catalog
+        .server
         .query(&format!(
             "INSERT INTO {} (component, version, written_at_ms) VALUES ('catalog', 99, 0)",
             catalog.tables.schema

@@ -159,7 +159,7 @@ fn apply(bytes: &mut [u8], layout: &PackLayout, damage: &Damage) -> bool {
     };
     match damage.region {
         // Header: pack_id (16 bytes: first half), created_at_ns.
-        0 => write(if damage.field % 2 == 0 { 12 } else { 28 }, 8),
+        0 => write(if damage.field.is_multiple_of(2) { 12 } else { 28 }, 8),
         // Trailer: footer_offset, footer_len, record_count.
         1 => write(trailer_at + [8, 16, 24][damage.field % 3], 8),
         // Footer: entry count, or one entry's length prefix / offsets / lengths / meta_len.

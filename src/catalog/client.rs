@@ -21,7 +21,7 @@
 //! # Server versions
 //!
 //! [`CatalogClient::connect`] runs `SELECT version()` and picks settings from the answer. Servers older than
-//! [`MODERN_MAJOR`] (tests run 18.16; production runs 23-25) get:
+//! [`MODERN_MAJOR`] (the tests run 18.16, 26.7 and 26.9; production runs 23-26) get:
 //! - no HTTP compression: `compress=1` returns an empty 200 reply on 18.16;
 //! - no `RowBinaryWithNamesAndTypes` schema validation: the format does not exist there, so rows travel as plain
 //!   `RowBinary` and a struct that does not match its table shows up as a decode error, not a schema message;
@@ -327,7 +327,7 @@ impl CatalogClient {
             .with_product_info("capstore", env!("CARGO_PKG_VERSION"))
             .with_compression(Compression::None)
             .with_validation(false)
-            .with_option("wait_end_of_query", "1");
+            .with_setting("wait_end_of_query", "1");
         if let Some(password) = &config.password {
             client = client.with_password(password.expose());
         }
@@ -388,9 +388,9 @@ impl CatalogClient {
         self.execute_query(self.verbatim(sql)).await
     }
 
-    /// A query whose text is sent as written: the crate's template syntax turns `??` back into `?`.
+    /// A query whose text is sent as written, with no client-side `?` binding.
     fn verbatim(&self, sql: &str) -> clickhouse::query::Query {
-        self.client.query(&sql.replace('?', "??"))
+        self.client.query_raw(sql)
     }
 
     /// [`CatalogClient::execute`] for a statement built with [`CatalogClient::query`] and `.bind()`.
@@ -415,8 +415,8 @@ impl CatalogClient {
         debug_assert!(max_execution_time.subsec_nanos() == 0, "max_execution_time is sent in whole seconds");
         let whole_seconds = max_execution_time.as_secs_f64().ceil().max(1.0) as u64;
         let query = query
-            .with_option("max_execution_time", whole_seconds.to_string())
-            .with_option("timeout_overflow_mode", "throw");
+            .with_setting("max_execution_time", whole_seconds.to_string())
+            .with_setting("timeout_overflow_mode", "throw");
         run_with_timeout(self.request_timeout, "execute deciding", query.execute()).await
     }
 
@@ -458,7 +458,7 @@ impl CatalogClient {
             return Ok(());
         }
         let insert_all = async {
-            let mut insert = self.client.insert_unescaped::<T>(table).await?.with_option("wait_end_of_query", "1");
+            let mut insert = self.client.insert_unescaped::<T>(table).await?.with_setting("wait_end_of_query", "1");
             for row in rows {
                 insert.write(row).await?;
             }

@@ -57,7 +57,7 @@ impl fmt::Display for ByteSize {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // Exact binary units when they divide evenly, so the printed config reads back to the same value.
         for (unit, factor) in [("GiB", GIB), ("MiB", MIB), ("KiB", KIB)] {
-            if self.0 >= factor && self.0 % factor == 0 {
+            if self.0 >= factor && self.0.is_multiple_of(factor) {
                 return write!(f, "{}{unit}", self.0 / factor);
             }
         }

@@ -21,8 +21,8 @@ fn sample_meta(index: u8) -> CaptureMeta {
         stream: format!("cam/{index}"),
         captured_at_ns: 1_000 + index as u64,
         labels,
-        content_type: if index % 2 == 0 { Some("image/png".into()) } else { None },
-        source_name: if index % 3 == 0 { Some(format!("file-{index}")) } else { None },
+        content_type: if index.is_multiple_of(2) { Some("image/png".into()) } else { None },
+        source_name: if index.is_multiple_of(3) { Some(format!("file-{index}")) } else { None },
     }
 }
 

@@ -1,23 +1,70 @@
-//! One private ClickHouse server per test process, on free loopback ports, data in a scratch directory.
+//! Private ClickHouse servers, one per tested version per test process, on free loopback ports, data in a scratch
+//! directory.
+//!
+//! - [`Version::V18_16`]: Debian's `clickhouse-server` (18.16.1), a child process of its own.
+//! - [`Version::V26_7`], [`Version::V26_9`]: chDB (PyPI `chdb-core`), which embeds clickhouse-local and since 26.7 can
+//!   serve HTTP from inside its Python process (see TESTING.md). The server lives until that process's stdin closes;
+//!   the harness keeps the pipe open for the life of the test process.
+//!
+//! [`for_each_version!`](crate::for_each_version) turns one async test body into one test per version.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
-const READY_TIMEOUT: Duration = Duration::from_secs(30);
+const READY_TIMEOUT: Duration = Duration::from_secs(60);
 const INSTALL_HINT: &str = "clickhouse-server is not on PATH: install it with \
      `apt-get install -y clickhouse-server clickhouse-client` (run `apt-get update` first if that fails)";
 
+/// A ClickHouse release the live tests run against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Version {
+    /// Debian's clickhouse-server: no compression, no RowBinaryWithNamesAndTypes, whole-second clock.
+    V18_16,
+    /// chDB 26.7.3: a current server that answers compressed requests with LZ4.
+    V26_7,
+    /// chDB 26.9.0: answers with ZSTD unless the client negotiates.
+    V26_9,
+}
+
+impl Version {
+    pub const ALL: [Version; 3] = [Version::V18_16, Version::V26_7, Version::V26_9];
+
+    /// What `SELECT version()` answers.
+    pub fn expected_server_version(self) -> &'static str {
+        match self {
+            Version::V18_16 => "18.16.1",
+            Version::V26_7 => "26.7.2.1",
+            Version::V26_9 => "26.9.2.1",
+        }
+    }
+
+    /// The `chdb-core` release on PyPI, for the chDB-served versions.
+    fn chdb_release(self) -> Option<&'static str> {
+        match self {
+            Version::V18_16 => None,
+            Version::V26_7 => Some("26.7.3"),
+            Version::V26_9 => Some("26.9.0"),
+        }
+    }
+
+    pub fn is_modern(self) -> bool {
+        self != Version::V18_16
+    }
+}
+
 pub struct ClickHouseServer {
+    pub version: Version,
     pub http_addr: SocketAddr,
-    pub tcp_port: u16,
     pub dir: PathBuf,
     /// Kept so the child is never reaped by accident; it dies with the process (see the harness doc).
     child: Mutex<Child>,
+    /// A chDB server answers until its stdin closes: held open for the life of the process.
+    _stdin: Option<ChildStdin>,
     next_database: AtomicU64,
 }
 
@@ -41,16 +88,50 @@ impl ClickHouseServer {
         )
     }
 
-    /// Run one statement over plain HTTP, independent of the code under test (a direct connection).
+    /// Run one statement over plain HTTP, independent of the code under test (a direct connection). Results come
+    /// as TabSeparated on every version.
     pub fn query(&self, sql: &str) -> Result<String, String> {
         http_post(self.http_addr, sql)
     }
 }
 
-/// The server shared by every test of this process, started on first use.
+/// The server of `version` shared by every test of this process, started on first use.
+pub fn server(version: Version) -> &'static ClickHouseServer {
+    static SERVERS: [OnceLock<ClickHouseServer>; 3] = [OnceLock::new(), OnceLock::new(), OnceLock::new()];
+    let slot = Version::ALL.iter().position(|v| *v == version).expect("every version has a slot");
+    SERVERS[slot].get_or_init(|| start_server(version))
+}
+
+/// The 18.16 server, for tests that are not about server versions.
 pub fn shared_server() -> &'static ClickHouseServer {
-    static SERVER: OnceLock<ClickHouseServer> = OnceLock::new();
-    SERVER.get_or_init(start_server)
+    server(Version::V18_16)
+}
+
+/// One `#[tokio::test]` per ClickHouse version for an async test function `name(server: &'static
+/// ClickHouseServer)`: `for_each_version!(name)` makes `name::v18_16`, `name::v26_7` and `name::v26_9` (a module and a
+/// function may share a name). `flavor = "multi_thread"` picks the runtime.
+#[macro_export]
+macro_rules! for_each_version {
+    ($name:ident) => {
+        $crate::for_each_version!($name, flavor = "current_thread");
+    };
+    ($name:ident, flavor = $flavor:literal) => {
+        mod $name {
+            use super::common::clickhouse::{server, Version};
+            #[tokio::test(flavor = $flavor)]
+            async fn v18_16() {
+                super::$name(server(Version::V18_16)).await
+            }
+            #[tokio::test(flavor = $flavor)]
+            async fn v26_7() {
+                super::$name(server(Version::V26_7)).await
+            }
+            #[tokio::test(flavor = $flavor)]
+            async fn v26_9() {
+                super::$name(server(Version::V26_9)).await
+            }
+        }
+    };
 }
 
 fn find_server_binary() -> PathBuf {
@@ -65,17 +146,140 @@ fn find_server_binary() -> PathBuf {
         .unwrap_or_else(|| panic!("{INSTALL_HINT}"))
 }
 
-fn start_server() -> ClickHouseServer {
-    let binary = find_server_binary();
+fn start_server(version: Version) -> ClickHouseServer {
     let mut failures = Vec::new();
     // A port can be taken between choosing and binding it: try a few times with fresh ports.
     for _attempt in 0..3 {
-        match try_start(&binary) {
-            Ok(server) => return server,
+        let started = match version.chdb_release() {
+            None => try_start(&find_server_binary()),
+            Some(release) => try_start_chdb(version, &find_chdb_python(release)),
+        };
+        match started {
+            Ok(server) => {
+                let answered = server.query("SELECT version()").map(|text| text.trim().to_string());
+                assert_eq!(
+                    answered.as_deref(),
+                    Ok(version.expected_server_version()),
+                    "the {version:?} test server reports another version: pin the install (see TESTING.md)"
+                );
+                return server;
+            }
             Err(failure) => failures.push(failure),
         }
     }
-    panic!("clickhouse-server did not start:\n{}", failures.join("\n\n"));
+    panic!("ClickHouse {version:?} did not start:\n{}", failures.join("\n\n"));
+}
+
+/// The Python of the venv that holds `chdb-core==<release>`: `$CAPSTORE_CHDB_<release>` (dots as underscores) or
+/// `$HOME/.cache/capstore-chdb-<release>/bin/python`, where `.ci/run` installs it.
+fn find_chdb_python(release: &str) -> PathBuf {
+    let variable = format!("CAPSTORE_CHDB_{}", release.replace('.', "_"));
+    let python = match std::env::var_os(&variable) {
+        Some(path) => PathBuf::from(path),
+        None => {
+            let home = std::env::var_os("HOME").unwrap_or_else(|| "/root".into());
+            PathBuf::from(home).join(format!(".cache/capstore-chdb-{release}/bin/python"))
+        }
+    };
+    let has_chdb = python.is_file()
+        && Command::new(&python)
+            .args(["-c", "import chdb._chdb"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|status| status.success());
+    if !has_chdb {
+        let venv = python.parent().and_then(Path::parent).unwrap_or(Path::new("VENV")).display().to_string();
+        panic!(
+            "ClickHouse {release} (chDB) is not installed at {}: run .ci/run, or `python3 -m venv {venv} && \
+             {venv}/bin/pip install --no-deps chdb-core=={release}` (or set {variable} to such a venv's python)",
+            python.display()
+        );
+    }
+    python
+}
+
+/// chDB serving HTTP from inside its Python process: `SYSTEM START LISTEN HTTP`, the port written to a file, then a
+/// read of stdin that returns only when the pipe closes (see TESTING.md).
+fn try_start_chdb(version: Version, python: &Path) -> Result<ClickHouseServer, String> {
+    let dir = super::scratch_dir("chdb");
+    let http_port = super::free_port(false);
+    std::fs::write(dir.join("config.xml"), chdb_config(&dir, http_port)).unwrap();
+    let port_file = dir.join("http_port");
+    let script = format!(
+        "import chdb._chdb as c\n\
+         c.query(\"SYSTEM START LISTEN HTTP; SELECT getServerPort('http_port') INTO OUTFILE '{}' TRUNCATE FORMAT TSV; \
+         SELECT count() FROM file('/dev/stdin', 'LineAsString')\", 'CSV')\n",
+        port_file.display()
+    );
+    let stderr_file = std::fs::File::create(dir.join("stderr.log")).unwrap();
+    let mut command = Command::new(python);
+    command
+        .args(["-c", &script])
+        .current_dir(&dir)
+        .stdin(Stdio::piped())
+        .stdout(stderr_file.try_clone().unwrap())
+        .stderr(stderr_file);
+    let mut child =
+        super::spawn_tied_to_process(command).map_err(|error| format!("cannot run {}: {error}", python.display()))?;
+    let stdin = child.stdin.take();
+    let http_addr: SocketAddr = ([127, 0, 0, 1], http_port).into();
+    wait_ready(&mut child, http_addr, &dir, || {
+        std::fs::read_to_string(&port_file).is_ok_and(|p| !p.trim().is_empty())
+    })?;
+    Ok(ClickHouseServer {
+        version,
+        http_addr,
+        dir,
+        child: Mutex::new(child),
+        _stdin: stdin,
+        next_database: AtomicU64::new(0),
+    })
+}
+
+fn chdb_config(dir: &Path, http_port: u16) -> String {
+    let dir = dir.display();
+    format!(
+        r#"<?xml version="1.0"?>
+<clickhouse>
+    <http_port>{http_port}</http_port>
+    <listen_host>127.0.0.1</listen_host>
+    <path>{dir}/data/</path>
+    <tmp_path>{dir}/tmp/</tmp_path>
+    <max_concurrent_queries>100</max_concurrent_queries>
+</clickhouse>
+"#
+    )
+}
+
+/// Poll `SELECT 1` until it answers `1` (and `extra_ready` holds), the child exits, or [`READY_TIMEOUT`] passes.
+fn wait_ready(
+    child: &mut Child,
+    http_addr: SocketAddr,
+    dir: &Path,
+    mut extra_ready: impl FnMut() -> bool,
+) -> Result<(), String> {
+    let deadline = std::time::Instant::now() + READY_TIMEOUT;
+    let tails = || {
+        format!(
+            "{}\n{}",
+            super::log_tail(&dir.join("stderr.log"), 30),
+            super::log_tail(&dir.join("server.err.log"), 30)
+        )
+    };
+    loop {
+        if extra_ready() && http_get(http_addr, "/?query=SELECT%201").is_ok_and(|body| body.trim() == "1") {
+            return Ok(());
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            return Err(format!("the server exited with {status}\n{}", tails()));
+        }
+        if std::time::Instant::now() >= deadline {
+            super::terminate(child, Duration::from_secs(2));
+            return Err(format!("the server is not answering on {http_addr} after {READY_TIMEOUT:?}\n{}", tails()));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 fn try_start(binary: &Path) -> Result<ClickHouseServer, String> {
@@ -95,30 +299,15 @@ fn try_start(binary: &Path) -> Result<ClickHouseServer, String> {
     let mut child =
         super::spawn_tied_to_process(command).map_err(|error| format!("cannot run {}: {error}", binary.display()))?;
     let http_addr: SocketAddr = ([127, 0, 0, 1], http_port).into();
-    let deadline = std::time::Instant::now() + READY_TIMEOUT;
-    loop {
-        if let Ok(body) = http_get(http_addr, "/?query=SELECT%201") {
-            if body.trim() == "1" {
-                break;
-            }
-        }
-        let tails = || {
-            format!(
-                "{}\n{}",
-                super::log_tail(&dir.join("stderr.log"), 30),
-                super::log_tail(&dir.join("server.err.log"), 30)
-            )
-        };
-        if let Ok(Some(status)) = child.try_wait() {
-            return Err(format!("clickhouse-server exited with {status}\n{}", tails()));
-        }
-        if std::time::Instant::now() >= deadline {
-            super::terminate(&mut child, Duration::from_secs(2));
-            return Err(format!("clickhouse-server not answering on {http_addr} after {READY_TIMEOUT:?}\n{}", tails()));
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    Ok(ClickHouseServer { http_addr, tcp_port, dir, child: Mutex::new(child), next_database: AtomicU64::new(0) })
+    wait_ready(&mut child, http_addr, &dir, || true)?;
+    Ok(ClickHouseServer {
+        version: Version::V18_16,
+        http_addr,
+        dir,
+        child: Mutex::new(child),
+        _stdin: None,
+        next_database: AtomicU64::new(0),
+    })
 }
 
 fn server_config(dir: &Path, http_port: u16, tcp_port: u16) -> String {
@@ -155,7 +344,7 @@ fn http_get(addr: SocketAddr, path_and_query: &str) -> Result<String, String> {
 fn http_post(addr: SocketAddr, sql: &str) -> Result<String, String> {
     http_request(
         addr,
-        &format!("POST /?wait_end_of_query=1 HTTP/1.0\r\nHost: {addr}\r\nContent-Length: {}\r\n\r\n{sql}", sql.len()),
+        &format!("POST /?wait_end_of_query=1&default_format=TabSeparated HTTP/1.0\r\nHost: {addr}\r\nContent-Length: {}\r\n\r\n{sql}", sql.len()),
     )
 }
 

@@ -41,7 +41,11 @@ impl DaemonEnv {
     /// file:// bucket under `dir`, with short lease timings (TTL 3 s, publish timeout 1 s) so that a whole fault
     /// scenario fits in seconds.
     pub fn live(kind: &str, dir: &Path) -> DaemonEnv {
-        let server = super::clickhouse::shared_server();
+        DaemonEnv::live_on(super::clickhouse::shared_server(), kind, dir)
+    }
+
+    /// [`DaemonEnv::live`] on the ClickHouse `server`.
+    pub fn live_on(server: &super::clickhouse::ClickHouseServer, kind: &str, dir: &Path) -> DaemonEnv {
         DaemonEnv::from_pairs([
             ("CAPSTORE_CATALOG_NAME", format!("{kind}-{}", rand::random::<u32>())),
             ("CAPSTORE_CATALOG_URL", server.url()),

@@ -1,4 +1,5 @@
-//! One SeaweedFS S3 server (`weed mini`) per test process, with one bucket and one access key pair.
+//! One SeaweedFS S3 server (`weed mini`) per test process, with one bucket and one access key pair, and private ones
+//! for tests that cause an outage.
 //!
 //! `stop()` and `start()` simulate an outage: SIGTERM the server, later restart it on the same ports and data
 //! directory, so objects written before the outage are there after it.
@@ -151,7 +152,19 @@ impl S3Server {
 /// The server shared by every test of this process, started on first use.
 pub fn shared_s3() -> &'static S3Server {
     static SERVER: OnceLock<S3Server> = OnceLock::new();
-    SERVER.get_or_init(start_server)
+    SERVER.get_or_init(private_s3)
+}
+
+/// A server of the caller's own, stopped when dropped: for a test that stops it (an outage) while other tests of the
+/// process use the shared one.
+pub fn private_s3() -> S3Server {
+    start_server()
+}
+
+impl Drop for S3Server {
+    fn drop(&mut self) {
+        self.stop();
+    }
 }
 
 fn find_weed() -> PathBuf {
