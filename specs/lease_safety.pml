@@ -29,7 +29,7 @@
  *   REL_NEXT      control: release tombstone at head+1 instead of own term
  *   NO_QUAR       control: no quarantine after an unknown outcome
  *   SKEW_BUG      control: real skew 2 > declared skew 1
- *   NO_VCHECK     the publish statement without "max(version) < V"
+ *   NO_VCHECK     the publish statement without its version check
  *   STALE_WM      the watermark is cached, refreshed only by own commits
  *                 (with NO_VCHECK: control for I4)
  *   LOST_LITERAL  "a publisher that loses the lease lands nothing until it claims
@@ -355,7 +355,10 @@ inline pub_send(i, s) {
   pok[s] = 0; plid[s] = CUR(i); pc[s] = DEL; porph[s] = 0; pus[s] = 0
 }
 
-/* fence_condition AND max(version) < V, read when the SELECT runs */
+/* fence_condition AND max(version) = V - 1, read when the SELECT runs.  The
+   code reads only the publishes at or above V - 1; their max is V - 1 exactly
+   when pd == 2.  (A V is never above max + 1, so this is also the first wave's
+   "max(version) < V": the stronger form costs O(1) and changes no verdict.) */
 inline pub_eval(s) {
   TRACE(printf("pub_eval slot %d\n", s));
   headinfo();

@@ -713,3 +713,165 @@ async fn schema_is_idempotent_and_a_newer_schema_is_refused(server: &'static Cli
     let text = error.to_string();
     assert!(text.contains("99") && text.contains("newer"), "{text}");
 }
+
+/// The tables of a schema 1 catalog, as the first wave created them (no index tables, no views).
+fn schema_1_ddl(tables: &Tables) -> Vec<String> {
+    vec![
+        format!("CREATE DATABASE IF NOT EXISTS {}", tables.database),
+        format!(
+            "CREATE TABLE {} (catalog String, stream String, captured_at_ns UInt64, capture_id String, \
+             pack_id String, object_key String, record_offset UInt64, record_len UInt64, payload_offset UInt64, \
+             payload_len UInt64, crc32c UInt32, label_keys Array(String), label_values Array(String), \
+             content_type String, version UInt64, publish_id String) \
+             ENGINE = ReplacingMergeTree(version) ORDER BY (catalog, stream, captured_at_ns, capture_id)",
+            tables.captures
+        ),
+        format!(
+            "CREATE TABLE {} (catalog String, pack_id String, object_key String, bytes UInt64, sha256 String, \
+             records UInt64, first_captured_at_ns UInt64, last_captured_at_ns UInt64, version UInt64, \
+             publish_id String) ENGINE = ReplacingMergeTree(version) ORDER BY (catalog, pack_id)",
+            tables.packs
+        ),
+        format!(
+            "CREATE TABLE {} (catalog String, version UInt64, publish_id String, holder String, lease_term UInt64, \
+             packs UInt64, captures UInt64, published_at_ms UInt64) ENGINE = MergeTree() \
+             ORDER BY (catalog, version, publish_id)",
+            tables.publishes
+        ),
+        format!(
+            "CREATE TABLE {} (catalog String, term UInt64, lease_id String, holder String, written_at_ms UInt64, \
+             expires_at_ms UInt64, kind String) ENGINE = MergeTree() ORDER BY (catalog, term, lease_id)",
+            tables.lease
+        ),
+        format!(
+            "CREATE TABLE {} (component String, version UInt32, written_at_ms UInt64) ENGINE = MergeTree() \
+             ORDER BY component",
+            tables.schema
+        ),
+        format!("INSERT INTO {} VALUES ('catalog', 1, 0)", tables.schema),
+    ]
+}
+
+/// What a schema 1 publisher writes for one capture at `version`: its row, then (when `commit`) the publishes row.
+fn schema_1_publish(tables: &Tables, catalog: &str, id: Uuid, version: u64, commit: bool) -> Vec<String> {
+    let publish_id = Uuid::now_v7();
+    let mut statements = vec![format!(
+        "INSERT INTO {} (catalog, stream, captured_at_ns, capture_id, pack_id, object_key, record_offset, \
+         record_len, payload_offset, payload_len, crc32c, label_keys, label_values, content_type, version, \
+         publish_id) VALUES ('{catalog}', 'old/stream', {at}, '{id}', '{pack}', 'k/{pack}.cpk', 40, 100, 100, 40, 7, \
+         ['site'], ['berlin'], '', {version}, '{publish_id}')",
+        tables.captures,
+        at = 1_000 + version,
+        pack = Uuid::now_v7(),
+    )];
+    if commit {
+        statements.push(format!(
+            "INSERT INTO {} VALUES ('{catalog}', {version}, '{publish_id}', 'old', 1, 1, 1, 0)",
+            tables.publishes
+        ));
+    }
+    statements
+}
+
+for_each_version!(a_schema_1_catalog_is_upgraded_and_its_captures_are_found_by_id_and_by_version);
+async fn a_schema_1_catalog_is_upgraded_and_its_captures_are_found_by_id_and_by_version(
+    server: &'static ClickHouseServer,
+) {
+    let database = server.fresh_database("upgrade");
+    let config = config_for(&server.url(), &database, "old-catalog");
+    let tables = Tables::from_config(&config.catalog);
+    let (before, orphan, while_running) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
+    let mut statements = schema_1_ddl(&tables);
+    statements.extend(schema_1_publish(&tables, "old-catalog", before, 1, true));
+    statements.extend(schema_1_publish(&tables, "old-catalog", orphan, 2, false));
+    for statement in &statements {
+        server.query(statement).unwrap_or_else(|error| panic!("{statement}: {error}"));
+    }
+
+    let (client, tables) = capstore::catalog::connect(&config).await.expect("the upgrade");
+    let stamps = server.query(&format!("SELECT max(version) FROM {} FORMAT TSV", tables.schema)).unwrap();
+    assert_eq!(stamps.trim(), capstore::catalog::schema::SCHEMA_VERSION.to_string());
+    let reader = CatalogReader::new(client.clone(), tables.clone(), "old-catalog");
+    assert_eq!(reader.watermark().await.unwrap(), 1, "the watermark table was filled from the old publishes");
+    let found = reader.get(before, None).await.unwrap().expect("a capture published before the upgrade");
+    assert_eq!((found.stream.as_str(), found.captured_at_ns, found.version), ("old/stream", 1_001, 1));
+    assert_eq!(found.labels_map().get("site").map(String::as_str), Some("berlin"));
+    assert!(reader.get(orphan, None).await.unwrap().is_none(), "an orphan row is indexed but never visible");
+    let of_version: Vec<String> =
+        reader.captures_of_version(1).await.unwrap().into_iter().map(|c| c.capture_id).collect();
+    assert_eq!(of_version, vec![before.to_string()]);
+
+    // A schema 1 daemon that was already running goes on writing into `captures` and `publishes` only: the views
+    // index its rows (version 2 here; the orphan's uncommitted version 2 stays invisible beside it).
+    for statement in schema_1_publish(&tables, "old-catalog", while_running, 2, true) {
+        server.query(&statement).unwrap();
+    }
+    assert_eq!(reader.watermark().await.unwrap(), 2);
+    assert_eq!(reader.get(while_running, None).await.unwrap().expect("indexed by the views").version, 2);
+    assert!(reader.get(orphan, None).await.unwrap().is_none());
+    assert_eq!(reader.captures_of_version(2).await.unwrap().len(), 1);
+    // Pinned reads: at watermark 1 the later capture does not exist yet.
+    assert!(reader.get(while_running, Some(1)).await.unwrap().is_none());
+    assert_eq!(reader.get(before, Some(1)).await.unwrap().unwrap().version, 1);
+
+    // A second start (or a second daemon upgrading at the same time) copies nothing it would show twice.
+    capstore::catalog::schema::ensure_schema(&client, &tables).await.unwrap();
+    assert_eq!(reader.captures_of_version(1).await.unwrap().len(), 1);
+}
+
+for_each_version!(the_watermark_is_exact_whether_its_lower_bound_lags_or_runs_ahead);
+async fn the_watermark_is_exact_whether_its_lower_bound_lags_or_runs_ahead(server: &'static ClickHouseServer) {
+    let catalog = catalog(server, false).await;
+    let name = &catalog.config.catalog_name;
+    for version in 1..=3 {
+        server
+            .query(&format!(
+                "INSERT INTO {} VALUES ('{name}', {version}, '{}', 'h', 1, 1, 1, 0)",
+                catalog.tables.publishes,
+                Uuid::now_v7()
+            ))
+            .unwrap();
+    }
+    let reader = catalog.reader();
+    assert_eq!(reader.watermark().await.unwrap(), 3);
+    let bound = |sql: &str| server.query(&format!("{sql} FORMAT TSV")).unwrap().trim().to_string();
+    let bound_sql = format!("SELECT maxMerge(version) FROM {} WHERE catalog = '{name}'", catalog.tables.watermark);
+    assert_eq!(bound(&bound_sql), "3", "the view keeps the lower bound current");
+
+    server.query(&format!("TRUNCATE TABLE {}", catalog.tables.watermark)).unwrap();
+    assert_eq!(reader.watermark().await.unwrap(), 3, "a lagging bound only widens the range read");
+    server.query(&format!("INSERT INTO {} SELECT '{name}', maxState(toUInt64(99))", catalog.tables.watermark)).unwrap();
+    assert_eq!(bound(&bound_sql), "99");
+    assert_eq!(reader.watermark().await.unwrap(), 3, "a bound beyond the publishes falls back to reading them all");
+}
+
+for_each_version!(a_read_over_read_max_memory_fails_naming_the_key_and_the_server_stays_up);
+async fn a_read_over_read_max_memory_fails_naming_the_key_and_the_server_stays_up(server: &'static ClickHouseServer) {
+    let database = server.fresh_database("memory");
+    let mut config = config_for(&server.url(), &database, "big");
+    config.catalog.read_max_memory = capstore::config::ByteSize(16 * 1024 * 1024);
+    config.validate().unwrap();
+    let (client, tables) = capstore::catalog::connect(&config).await.unwrap();
+    // 300,000 committed captures in one version, written on the server.
+    let publish_id = Uuid::now_v7();
+    server
+        .query(&format!(
+            "INSERT INTO {} (catalog, stream, captured_at_ns, capture_id, version, publish_id, label_keys, label_values) \
+             SELECT 'big', concat('s/', toString(number % 10)), number, toString(generateUUIDv4()), 1, '{publish_id}', \
+             ['site'], [concat('site-', toString(number))] FROM numbers(300000)",
+            tables.captures
+        ))
+        .unwrap();
+    server
+        .query(&format!("INSERT INTO {} VALUES ('big', 1, '{publish_id}', 'h', 1, 1, 300000, 0)", tables.publishes))
+        .unwrap();
+    let reader = CatalogReader::new(client, tables, "big");
+    let error = reader.list(&ListQuery { limit: 10, ..Default::default() }).await.unwrap_err();
+    assert!(error.to_string().contains("catalog.read_max_memory"), "{error}");
+    // Reads that stay within the limit go on working.
+    assert_eq!(reader.watermark().await.unwrap(), 1);
+    let small = ListQuery { stream: Some("s/1".into()), until_ns: Some(100), limit: 100, ..Default::default() };
+    let page = reader.list(&small).await.unwrap();
+    let times: Vec<u64> = page.captures.iter().map(|c| c.captured_at_ns).collect();
+    assert_eq!(times, (0..10).map(|n| n * 10 + 1).collect::<Vec<u64>>());
+}

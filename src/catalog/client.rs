@@ -291,6 +291,7 @@ pub struct CatalogClient {
     client: clickhouse::Client,
     database: String,
     request_timeout: Duration,
+    read_max_memory: u64,
     server_version: Arc<ServerVersion>,
 }
 
@@ -303,6 +304,9 @@ impl fmt::Debug for CatalogClient {
             .finish_non_exhaustive()
     }
 }
+
+/// ClickHouse's error code for a query over its `max_memory_usage`.
+const MEMORY_LIMIT_EXCEEDED: u32 = 241;
 
 /// How long the pool keeps an idle connection: below the 3 s keep-alive of older servers, so the client never sends
 /// a request on a connection the server is about to close.
@@ -350,6 +354,7 @@ impl CatalogClient {
             client,
             database: config.database.clone(),
             request_timeout,
+            read_max_memory: config.read_max_memory.0,
             server_version: Arc::new(server_version),
         })
     }
@@ -386,6 +391,12 @@ impl CatalogClient {
     /// Run DDL or a statement whose outcome decides nothing. `sql` is sent verbatim.
     pub async fn execute(&self, sql: &str) -> Result<(), CatalogError> {
         self.execute_query(self.verbatim(sql)).await
+    }
+
+    /// [`CatalogClient::execute`] for a long server-side statement (a schema upgrade's copy) that may take longer than
+    /// `catalog.request_timeout`.
+    pub async fn execute_with_timeout(&self, sql: &str, timeout: Duration) -> Result<(), CatalogError> {
+        run_with_timeout(timeout, "execute", self.verbatim(sql).execute()).await
     }
 
     /// A query whose text is sent as written, with no client-side `?` binding.
@@ -430,11 +441,28 @@ impl CatalogClient {
 
     /// [`CatalogClient::fetch_all`] for a statement built with [`CatalogClient::query`] and `.bind()`;
     /// `?fields` expands to the row type's column names.
+    ///
+    /// Every read is bounded on the server as well: it stops after `catalog.request_timeout` (when this client gives
+    /// up; servers from 20.x on also cancel a read whose client has gone) and at `catalog.read_max_memory`, so a read
+    /// that grows with the catalog fails with an error naming the limit instead of running on or starving the server.
     pub async fn fetch_all_query<T>(&self, query: clickhouse::query::Query) -> Result<Vec<T>, CatalogError>
     where
         T: RowOwned + RowRead,
     {
-        run_with_timeout(self.request_timeout, "fetch", query.fetch_all::<T>()).await
+        let whole_seconds = self.request_timeout.as_secs_f64().ceil().max(1.0) as u64;
+        let mut query = query
+            .with_setting("max_execution_time", whole_seconds.to_string())
+            .with_setting("timeout_overflow_mode", "throw")
+            .with_setting("max_memory_usage", self.read_max_memory.to_string());
+        if self.server_version.major >= 20 {
+            query = query.with_setting("cancel_http_readonly_queries_on_client_close", "1");
+        }
+        run_with_timeout(self.request_timeout, "fetch", query.fetch_all::<T>()).await.map_err(|mut error| {
+            if error.server_code == Some(MEMORY_LIMIT_EXCEEDED) {
+                error.message = format!("{} (the limit is catalog.read_max_memory)", error.message);
+            }
+            error
+        })
     }
 
     /// Insert `rows` in one INSERT statement. `table` is SQL text (`database.table`) from validated configuration,

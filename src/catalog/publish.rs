@@ -5,14 +5,16 @@
 //!    reported as such and not published again.
 //! 3. Descriptor rows (`captures`, `packs`) carrying `(V, publish_id)`; invisible until step 4 lands, harmless orphans if
 //!    it never does (`capstore gc` removes them).
-//! 4. The `publishes` row: `INSERT ... SELECT ... FROM system.one WHERE <fence> AND max(version) < V`, with
-//!    `max_execution_time = publish_timeout` and `wait_end_of_query = 1`.
+//! 4. The `publishes` row: `INSERT ... SELECT ... FROM system.one WHERE <fence> AND max(version) = V - 1`, with
+//!    `max_execution_time = publish_timeout` and `wait_end_of_query = 1`. The version check reads only the
+//!    publishes at or above V - 1 (a primary-key range, O(1) however long the history): their maximum is V - 1
+//!    exactly when V - 1 is committed and nothing above it is, so versions stay gapless by construction.
 //! 5. Read back `(V, publish_id)`: present means committed; absent means the fence or the version check refused it
 //!    (the lease is re-checked); an unknown outcome at 4 or 5 quarantines the lease and leaves the batch *unresolved*:
 //!    before anything else is published, the unresolved publish_id is read back again (and the replay guard sees it).
 //!
 //! Invariants: versions per catalog are gapless and strictly increasing (I4: V is allocated only under the lease, and
-//! the statement itself refuses unless `max(version) < V`); no publishing statement lands without the fence (I3).
+//! the statement itself refuses unless `max(version) = V - 1`); no publishing statement lands without the fence (I3).
 
 use std::collections::HashSet;
 use std::sync::Mutex;
@@ -126,12 +128,13 @@ impl Publisher {
         CatalogReader::new(self.client.clone(), self.tables.clone(), &self.catalog).watermark().await
     }
 
-    /// The committed version of `publish_id`, if it landed.
-    pub async fn read_back(&self, publish_id: Uuid) -> Result<Option<u64>, CatalogError> {
+    /// Whether `publish_id`, sent at `version`, landed (a primary-key lookup: a publish lands at its own version
+    /// or not at all).
+    pub async fn read_back(&self, version: u64, publish_id: Uuid) -> Result<Option<u64>, CatalogError> {
         let rows: Vec<VersionRow> = self
             .client
             .fetch_all(&format!(
-                "SELECT version FROM {} WHERE catalog = {} AND publish_id = {}",
+                "SELECT version FROM {} WHERE catalog = {} AND version = {version} AND publish_id = {}",
                 self.tables.publishes,
                 self.catalog_literal(),
                 sql_string_literal(&publish_id.to_string())
@@ -151,7 +154,8 @@ impl Publisher {
             .client
             .fetch_all(&format!(
                 "SELECT DISTINCT pack_id FROM {packs} WHERE catalog = {catalog} AND pack_id IN ({list}) AND \
-                 (version, publish_id) IN (SELECT version, publish_id FROM {publishes} WHERE catalog = {catalog})",
+                 (version, publish_id) IN (SELECT version, publish_id FROM {publishes} WHERE catalog = {catalog} AND \
+                 version IN (SELECT version FROM {packs} WHERE catalog = {catalog} AND pack_id IN ({list})))",
                 packs = self.tables.packs,
                 publishes = self.tables.publishes,
                 list = list.join(", "),
@@ -164,7 +168,7 @@ impl Publisher {
     pub async fn resolve_unresolved(&self) -> Result<Option<u64>, CatalogError> {
         let pending = self.unresolved.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let Some(pending) = pending else { return Ok(None) };
-        let committed = self.read_back(pending.publish_id).await?;
+        let committed = self.read_back(pending.version, pending.publish_id).await?;
         match committed {
             Some(version) => {
                 tracing::info!(version, publish_id = %pending.publish_id, "earlier publish of unknown outcome had committed")
@@ -210,7 +214,7 @@ impl Publisher {
             "INSERT INTO {publishes} (catalog, version, publish_id, holder, lease_term, packs, captures, published_at_ms) \
              SELECT {catalog}, {version}, {publish_id}, {holder}, {term}, {pack_count}, {capture_count}, {now} \
              FROM system.one WHERE {fence} AND \
-             (SELECT max(version) FROM {publishes} WHERE catalog = {catalog}) < {version}",
+             (SELECT max(version) FROM {publishes} WHERE catalog = {catalog} AND version >= {previous}) = {previous}",
             publishes = self.tables.publishes,
             catalog = self.catalog_literal(),
             publish_id = sql_string_literal(&publish_id.to_string()),
@@ -219,6 +223,7 @@ impl Publisher {
             pack_count = fresh.len(),
             now = server_now_ms_expr(&self.client),
             fence = permit.fence,
+            previous = version - 1,
         );
         let statement_cap = self.lease.timings().statement_cap();
         let unknown = |error: CatalogError| {
@@ -231,7 +236,7 @@ impl Publisher {
             Err(error) if error.kind == ErrorKind::DefinitelyFailed => return Err(PublishError::Catalog(error)),
             Err(error) => return Err(unknown(error)),
         }
-        match self.read_back(publish_id).await {
+        match self.read_back(version, publish_id).await {
             Ok(Some(committed)) => {
                 debug_assert_eq!(committed, version);
                 tracing::info!(version, %publish_id, packs = fresh.len(), captures = capture_count, "published");

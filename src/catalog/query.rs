@@ -7,6 +7,14 @@
 //!
 //! Listing pages through `(captured_at_ns, capture_id)` order with an opaque cursor that also pins W, so a listing
 //! taken across many pages is one consistent snapshot.
+//!
+//! What each read costs (N = captures of the catalog, P = its publishes):
+//! - the watermark: `max(version)` over the publishes at or above the `watermark` table's lower bound, O(1);
+//! - `get`: the versions holding the id from `by_id`, which of them committed (`publishes` at those versions), the row
+//!   from `by_version`: three primary-key lookups, O(versions of the id);
+//! - `captures_of_version`: `by_version` at one version, O(captures of that version);
+//! - `list`: visibility against the publishes up to W and the latest version per id over the matching rows:
+//!   O(P + matching rows) per page, bounded by `catalog.read_max_memory` and the request timeout.
 
 use std::collections::BTreeMap;
 
@@ -124,6 +132,22 @@ struct VersionRow {
     version: u64,
 }
 
+#[derive(clickhouse::Row, serde::Deserialize)]
+struct BoundedMax {
+    max_version: u64,
+    rows: u64,
+}
+
+#[derive(clickhouse::Row, serde::Deserialize)]
+struct CommittedVersion {
+    version: u64,
+    publish_id: String,
+}
+
+/// The columns of [`CaptureLocation`], read from `by_version` (whose rows are whole).
+const LOCATION_COLUMNS: &str = "capture_id, stream, captured_at_ns, pack_id, object_key, record_offset, record_len, \
+     payload_offset, payload_len, crc32c, label_keys, label_values, content_type, version";
+
 /// Position after the last row of a page, with the pinned watermark: `<W>.<captured_at_ns>.<capture_id>`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Cursor {
@@ -185,13 +209,31 @@ impl CatalogReader {
         sql_string_literal(&self.catalog)
     }
 
+    /// The highest committed version (0 before the first publish).
+    ///
+    /// `publishes` is read from the `watermark` table's version on, a lower bound (its view runs after the row's own
+    /// insert, so it is never ahead of a committed row, and it may lag only where a view's insert failed). Should it
+    /// ever name a version `publishes` lacks, the whole catalog is read instead: the answer never depends on it.
     pub async fn watermark(&self) -> Result<u64, CatalogError> {
+        let catalog = self.catalog_literal();
+        let rows: Vec<BoundedMax> = self
+            .client
+            .fetch_all(&format!(
+                "SELECT max(version) AS max_version, count() AS rows FROM {publishes} WHERE catalog = {catalog} AND \
+                 version >= (SELECT maxMerge(version) FROM {watermark} WHERE catalog = {catalog})",
+                publishes = self.tables.publishes,
+                watermark = self.tables.watermark,
+            ))
+            .await?;
+        // (Aliases are global in ClickHouse: `max(version) AS version` would capture the WHERE clause.)
+        if let Some(BoundedMax { max_version, rows: 1.. }) = rows.first() {
+            return Ok(*max_version);
+        }
         let rows: Vec<VersionRow> = self
             .client
             .fetch_all(&format!(
-                "SELECT max(version) AS version FROM {} WHERE catalog = {}",
-                self.tables.publishes,
-                self.catalog_literal()
+                "SELECT max(version) AS version FROM {} WHERE catalog = {catalog}",
+                self.tables.publishes
             ))
             .await?;
         Ok(rows.first().map_or(0, |row| row.version))
@@ -211,18 +253,38 @@ impl CatalogReader {
         capture_id: Uuid,
         watermark_opt: Option<u64>,
     ) -> Result<Option<CaptureLocation>, CatalogError> {
-        let watermark = match watermark_opt {
-            Some(watermark) => watermark,
-            None => self.watermark().await?,
+        let catalog = self.catalog_literal();
+        let id = sql_string_literal(&capture_id.to_string());
+        // Which committed publishes hold the id: its versions from `by_id`, checked against `publishes` at exactly
+        // those versions (a primary-key lookup each, never a scan of the catalog's history).
+        let committed: Vec<CommittedVersion> = self
+            .client
+            .fetch_all(&format!(
+                "SELECT version, publish_id FROM {publishes} WHERE catalog = {catalog} AND \
+                 version IN (SELECT version FROM {by_id} WHERE catalog = {catalog} AND capture_id = {id}) AND \
+                 (version, publish_id) IN (SELECT version, publish_id FROM {by_id} WHERE catalog = {catalog} AND \
+                 capture_id = {id}) ORDER BY version DESC",
+                publishes = self.tables.publishes,
+                by_id = self.tables.by_id,
+            ))
+            .await?;
+        let watermark = match (watermark_opt, committed.first()) {
+            (_, None) => return Ok(None),
+            (Some(watermark), Some(_)) => watermark,
+            // The newest committed version holding the id is at or below the watermark of this instant.
+            (None, Some(latest)) => latest.version,
         };
-        let conditions = format!(
-            "catalog = {} AND capture_id = {} AND {}",
-            self.catalog_literal(),
-            sql_string_literal(&capture_id.to_string()),
-            self.visible(watermark)
-        );
-        let sql = locations_sql(&self.tables.captures, &conditions, "", "");
-        let mut rows: Vec<CaptureLocation> = self.client.fetch_all(&sql).await?;
+        let Some(latest) = committed.iter().find(|row| row.version <= watermark) else { return Ok(None) };
+        let mut rows: Vec<CaptureLocation> = self
+            .client
+            .fetch_all(&format!(
+                "SELECT {LOCATION_COLUMNS} FROM {by_version} WHERE catalog = {catalog} AND version = {version} AND \
+                 publish_id = {publish_id} AND capture_id = {id} LIMIT 1",
+                by_version = self.tables.by_version,
+                version = latest.version,
+                publish_id = sql_string_literal(&latest.publish_id),
+            ))
+            .await?;
         Ok(rows.pop())
     }
 
@@ -284,11 +346,16 @@ impl CatalogReader {
         self.client.fetch_all(&sql).await
     }
 
-    /// The captures published at exactly `version`.
+    /// The captures published at exactly `version`, in (captured_at_ns, capture_id) order.
     pub async fn captures_of_version(&self, version: u64) -> Result<Vec<CaptureLocation>, CatalogError> {
-        let conditions =
-            format!("catalog = {} AND version = {version} AND {}", self.catalog_literal(), self.visible(version));
-        let sql = locations_sql(&self.tables.captures, &conditions, "", "");
+        let sql = format!(
+            "SELECT {LOCATION_COLUMNS} FROM {by_version} WHERE catalog = {catalog} AND version = {version} AND \
+             publish_id IN (SELECT publish_id FROM {publishes} WHERE catalog = {catalog} AND version = {version}) \
+             ORDER BY captured_at_ns, capture_id LIMIT 1 BY capture_id",
+            by_version = self.tables.by_version,
+            publishes = self.tables.publishes,
+            catalog = self.catalog_literal(),
+        );
         self.client.fetch_all(&sql).await
     }
 
@@ -312,7 +379,7 @@ impl CatalogReader {
     /// Remove orphan descriptor rows (never committed) below the watermark. Returns the watermark used.
     pub async fn gc_orphans(&self) -> Result<u64, CatalogError> {
         let watermark = self.watermark().await?;
-        for table in [&self.tables.captures, &self.tables.packs] {
+        for table in [&self.tables.captures, &self.tables.by_version, &self.tables.by_id, &self.tables.packs] {
             self.client
                 .execute(&format!(
                     "ALTER TABLE {table} DELETE WHERE catalog = {catalog} AND version <= {watermark} AND \

@@ -8,31 +8,45 @@
 //!
 //! | table | engine | why |
 //! | --- | --- | --- |
-//! | `captures` | ReplacingMergeTree(version) | one row per capture; a retried capture_id keeps its latest version |
+//! | `captures` | ReplacingMergeTree(version) | one row per capture, ordered for listing a stream by time |
+//! | `by_version` | ReplacingMergeTree | the same rows ordered by (version, publish_id, capture_id): tail, get |
+//! | `by_id` | ReplacingMergeTree | (capture_id, version, publish_id): which versions hold an id, for get |
 //! | `packs` | ReplacingMergeTree(version) | pack inventory and the replay guard |
-//! | `publishes` | MergeTree | the watermark: a row is visible only if its (version, publish_id) is here |
+//! | `publishes` | MergeTree | the commit log: a row is visible only if its (version, publish_id) is here |
+//! | `watermark` | AggregatingMergeTree | max(version) per catalog: a lower bound that keeps the watermark O(1) |
 //! | `lease` | MergeTree | the publisher lease; plain MergeTree so merges never change what a decision reads |
 //! | `schema` | MergeTree | the schema version stamp |
+//!
+//! `by_version`, `by_id` and `watermark` are filled by materialized views on the INSERTs into `captures` and
+//! `publishes` (the server writes them inside the same INSERT), so every writer indexes what it writes, including a
+//! capstore of schema 1 that is still running while another upgrades the tables. They answer *where to look*; what
+//! is visible is still decided by `publishes` alone, so an index row of a publish that never committed is harmless,
+//! and a stale `watermark` only widens the range of `publishes` that is read.
 //!
 //! With `catalog.cluster` set, every statement gets `ON CLUSTER <cluster>` and the engines become their Replicated
 //! forms with the conventional `{shard}`/`{replica}` macros.
 //!
 //! Versioning: [`SCHEMA_VERSION`] is written once into `schema`. A catalog stamped with a newer version than this build
 //! knows is refused (an older capstore must not write into tables it does not understand); an older stamp is upgraded
-//! by the additive statements of newer versions (none yet).
+//! by the additive statements of newer versions. 1 -> 2 adds the index tables and their views, then copies the rows
+//! written before the views existed (server-side `INSERT ... SELECT`; a row copied twice, by a crash before the stamp
+//! or two daemons upgrading at once, is a duplicate every read already collapses), then stamps 2.
 
 use super::client::{sql_string_literal, CatalogClient, CatalogError, ErrorKind};
 use crate::config::CatalogConfig;
 
-pub const SCHEMA_VERSION: u32 = 1;
+pub const SCHEMA_VERSION: u32 = 2;
 
 /// Fully qualified table names of one catalog configuration, plus the DDL flavour.
 #[derive(Debug, Clone)]
 pub struct Tables {
     pub database: String,
     pub captures: String,
+    pub by_version: String,
+    pub by_id: String,
     pub packs: String,
     pub publishes: String,
+    pub watermark: String,
     pub lease: String,
     pub schema: String,
     cluster: Option<String>,
@@ -50,8 +64,11 @@ impl Tables {
         Tables {
             database: database.to_string(),
             captures: table("captures"),
+            by_version: table("by_version"),
+            by_id: table("by_id"),
             packs: table("packs"),
             publishes: table("publishes"),
+            watermark: table("watermark"),
             lease: table("lease"),
             schema: table("schema"),
             cluster: cluster.map(str::to_string),
@@ -80,22 +97,38 @@ impl Tables {
         }
     }
 
-    /// Every DDL statement, in order.
+    /// Every DDL statement, in order (each `IF NOT EXISTS`: a start runs them all).
     pub fn ddl(&self) -> Vec<String> {
         let on_cluster = self.on_cluster();
+        let view = |target: &str, select: &str| {
+            format!(
+                "CREATE MATERIALIZED VIEW IF NOT EXISTS {target}_view{on_cluster} TO {target} AS {select}",
+                target = target
+            )
+        };
         vec![
             format!("CREATE DATABASE IF NOT EXISTS {}{on_cluster}", self.database),
             format!(
-                "CREATE TABLE IF NOT EXISTS {}{on_cluster} (\
-                 catalog String, stream String, captured_at_ns UInt64, capture_id String, \
-                 pack_id String, object_key String, record_offset UInt64, record_len UInt64, \
-                 payload_offset UInt64, payload_len UInt64, crc32c UInt32, \
-                 label_keys Array(String), label_values Array(String), content_type String, \
-                 version UInt64, publish_id String\
-                 ) ENGINE = {} ORDER BY (catalog, stream, captured_at_ns, capture_id)",
+                "CREATE TABLE IF NOT EXISTS {}{on_cluster} ({CAPTURE_COLUMNS_DDL}) ENGINE = {} \
+                 ORDER BY (catalog, stream, captured_at_ns, capture_id)",
                 self.captures,
                 self.engine(&self.captures, "ReplacingMergeTree", "version")
             ),
+            format!(
+                "CREATE TABLE IF NOT EXISTS {}{on_cluster} ({CAPTURE_COLUMNS_DDL}) ENGINE = {} \
+                 ORDER BY (catalog, version, publish_id, capture_id)",
+                self.by_version,
+                self.engine(&self.by_version, "ReplacingMergeTree", "")
+            ),
+            view(&self.by_version, &format!("SELECT {CAPTURE_COLUMNS} FROM {}", self.captures)),
+            format!(
+                "CREATE TABLE IF NOT EXISTS {}{on_cluster} (\
+                 catalog String, capture_id String, version UInt64, publish_id String\
+                 ) ENGINE = {} ORDER BY (catalog, capture_id, version, publish_id)",
+                self.by_id,
+                self.engine(&self.by_id, "ReplacingMergeTree", "")
+            ),
+            view(&self.by_id, &format!("SELECT {BY_ID_COLUMNS} FROM {}", self.captures)),
             format!(
                 "CREATE TABLE IF NOT EXISTS {}{on_cluster} (\
                  catalog String, pack_id String, object_key String, bytes UInt64, sha256 String, records UInt64, \
@@ -114,6 +147,14 @@ impl Tables {
             ),
             format!(
                 "CREATE TABLE IF NOT EXISTS {}{on_cluster} (\
+                 catalog String, version AggregateFunction(max, UInt64)\
+                 ) ENGINE = {} ORDER BY catalog",
+                self.watermark,
+                self.engine(&self.watermark, "AggregatingMergeTree", "")
+            ),
+            view(&self.watermark, &self.watermark_select()),
+            format!(
+                "CREATE TABLE IF NOT EXISTS {}{on_cluster} (\
                  catalog String, term UInt64, lease_id String, holder String, \
                  written_at_ms UInt64, expires_at_ms UInt64, kind String\
                  ) ENGINE = {} ORDER BY (catalog, term, lease_id)",
@@ -129,7 +170,37 @@ impl Tables {
             ),
         ]
     }
+
+    fn watermark_select(&self) -> String {
+        format!("SELECT catalog, maxState(version) AS version FROM {} GROUP BY catalog", self.publishes)
+    }
+
+    /// The copies that fill the schema 2 tables with the rows written before their views existed. With
+    /// `catalog.cluster` they run once per shard's replica set: the target tables replicate what one replica copies.
+    fn backfill_to_2(&self) -> Vec<String> {
+        vec![
+            format!(
+                "INSERT INTO {} ({CAPTURE_COLUMNS}) SELECT {CAPTURE_COLUMNS} FROM {}",
+                self.by_version, self.captures
+            ),
+            format!("INSERT INTO {} ({BY_ID_COLUMNS}) SELECT {BY_ID_COLUMNS} FROM {}", self.by_id, self.captures),
+            format!("INSERT INTO {} (catalog, version) {}", self.watermark, self.watermark_select()),
+        ]
+    }
 }
+
+/// The columns of `captures` and `by_version`, in order.
+const CAPTURE_COLUMNS_DDL: &str = "catalog String, stream String, captured_at_ns UInt64, capture_id String, \
+     pack_id String, object_key String, record_offset UInt64, record_len UInt64, \
+     payload_offset UInt64, payload_len UInt64, crc32c UInt32, \
+     label_keys Array(String), label_values Array(String), content_type String, \
+     version UInt64, publish_id String";
+const CAPTURE_COLUMNS: &str = "catalog, stream, captured_at_ns, capture_id, pack_id, object_key, record_offset, \
+     record_len, payload_offset, payload_len, crc32c, label_keys, label_values, content_type, version, publish_id";
+const BY_ID_COLUMNS: &str = "catalog, capture_id, version, publish_id";
+
+/// How long one backfill statement of an upgrade may run: it copies every row of the catalog tables on the server.
+const BACKFILL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3600);
 
 #[derive(Debug, thiserror::Error)]
 pub enum SchemaError {
@@ -158,6 +229,13 @@ pub async fn ensure_schema(client: &CatalogClient, tables: &Tables) -> Result<u3
     let found = stamps.first().map_or(0, |stamp| stamp.version);
     if found > SCHEMA_VERSION {
         return Err(SchemaError::TooNew { database: tables.database.clone(), found });
+    }
+    if found < 2 {
+        // Cheap when the tables were created just now (stamp 0): only a schema 1 catalog has rows to copy.
+        tracing::info!(database = %tables.database, "upgrading the catalog schema from 1 to 2: indexing every capture by version and by id");
+        for statement in tables.backfill_to_2() {
+            client.execute_with_timeout(&statement, BACKFILL_TIMEOUT).await?;
+        }
     }
     if found < SCHEMA_VERSION {
         client

@@ -108,6 +108,9 @@ pub struct CatalogConfig {
     /// PEM file with the CA that signs the server's certificate (https only).
     pub ca_file: Option<PathBuf>,
     pub request_timeout: HumanDuration,
+    /// The most memory the server may use for one read (ClickHouse `max_memory_usage`); a read over it fails with a
+    /// clear error instead of starving the server. Reads are also stopped on the server after `request_timeout`.
+    pub read_max_memory: ByteSize,
     pub reconcile_on_start: bool,
     /// ClickHouse cluster name: DDL gets `ON CLUSTER` and Replicated engines.
     pub cluster: Option<String>,
@@ -235,6 +238,7 @@ impl Default for CatalogConfig {
             password_file: None,
             ca_file: None,
             request_timeout: HumanDuration::secs(10),
+            read_max_memory: ByteSize(GIB),
             reconcile_on_start: true,
             cluster: None,
             max_index_attempts: 5,

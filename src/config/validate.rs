@@ -94,6 +94,9 @@ impl Config {
         if self.catalog.batch_max_rows == 0 {
             bad("catalog.batch_max_rows", "must be at least 1".into());
         }
+        if self.catalog.read_max_memory.0 < 16 * MIB {
+            bad("catalog.read_max_memory", "must be at least 16MiB".into());
+        }
         if self.catalog.batch_max_bytes.0 < MIB {
             bad("catalog.batch_max_bytes", "must be at least 1MiB".into());
         }

@@ -109,27 +109,29 @@ pub fn shared_server() -> &'static ClickHouseServer {
 
 /// One `#[tokio::test]` per ClickHouse version for an async test function `name(server: &'static
 /// ClickHouseServer)`: `for_each_version!(name)` makes `name::v18_16`, `name::v26_7` and `name::v26_9` (a module and a
-/// function may share a name). `flavor = "multi_thread"` picks the runtime.
+/// function may share a name). `flavor = "multi_thread"` picks the runtime. `versions = [v18_16 => V18_16, ...]` runs
+/// it on some versions only: for long tests whose subject is not the catalog, the oldest and the newest release.
 #[macro_export]
 macro_rules! for_each_version {
     ($name:ident) => {
         $crate::for_each_version!($name, flavor = "current_thread");
     };
     ($name:ident, flavor = $flavor:literal) => {
+        $crate::for_each_version!(
+            $name,
+            flavor = $flavor,
+            versions = [v18_16 => V18_16, v26_7 => V26_7, v26_9 => V26_9]
+        );
+    };
+    ($name:ident, flavor = $flavor:literal, versions = [$($test:ident => $version:ident),+ $(,)?]) => {
         mod $name {
             use super::common::clickhouse::{server, Version};
-            #[tokio::test(flavor = $flavor)]
-            async fn v18_16() {
-                super::$name(server(Version::V18_16)).await
-            }
-            #[tokio::test(flavor = $flavor)]
-            async fn v26_7() {
-                super::$name(server(Version::V26_7)).await
-            }
-            #[tokio::test(flavor = $flavor)]
-            async fn v26_9() {
-                super::$name(server(Version::V26_9)).await
-            }
+            $(
+                #[tokio::test(flavor = $flavor)]
+                async fn $test() {
+                    super::$name(server(Version::$version)).await
+                }
+            )+
         }
     };
 }
