@@ -875,3 +875,59 @@ async fn a_read_over_read_max_memory_fails_naming_the_key_and_the_server_stays_u
     let times: Vec<u64> = page.captures.iter().map(|c| c.captured_at_ns).collect();
     assert_eq!(times, (0..10).map(|n| n * 10 + 1).collect::<Vec<u64>>());
 }
+
+for_each_version!(tail_without_follow_prints_every_committed_capture_once_past_a_thousand_publishes);
+async fn tail_without_follow_prints_every_committed_capture_once_past_a_thousand_publishes(
+    server: &'static ClickHouseServer,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let env = DaemonEnv::live_on(server, "tail", dir.path());
+    let config = env.config();
+    let (_client, tables) = capstore::catalog::connect(&config).await.unwrap();
+    let name = &config.catalog_name;
+    // 1,500 publishes of two captures each, and an orphan row at version 7 (its publish never committed).
+    let capture = "toString(generateUUIDv4())";
+    let publish_id = "UUIDNumToString(toFixedString(concat(reinterpretAsString(cityHash64(v, 1)), \
+                      reinterpretAsString(cityHash64(v, 2))), 16))";
+    server
+        .query(&format!(
+            "INSERT INTO {captures} (catalog, stream, captured_at_ns, capture_id, version, publish_id) \
+             SELECT '{name}', 's', number, {capture}, v, {publish_id} FROM \
+             (SELECT number, intDiv(number, 2) + 1 AS v FROM numbers(3000))",
+            captures = tables.captures
+        ))
+        .unwrap();
+    server
+        .query(&format!(
+            "INSERT INTO {publishes} (catalog, version, publish_id, captures) \
+             SELECT '{name}', v, {publish_id}, 2 FROM (SELECT number + 1 AS v FROM numbers(1500))",
+            publishes = tables.publishes
+        ))
+        .unwrap();
+    server
+        .query(&format!(
+            "INSERT INTO {} (catalog, stream, captured_at_ns, capture_id, version, publish_id) \
+             VALUES ('{name}', 's', 1, 'orphan', 7, 'never-committed')",
+            tables.captures
+        ))
+        .unwrap();
+
+    let tail = |after: &str| {
+        let output = env.command().args(["tail", "--after", after]).output().unwrap();
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        String::from_utf8(output.stdout)
+            .unwrap()
+            .lines()
+            .map(|line| serde_json::from_str::<serde_json::Value>(line).unwrap())
+            .map(|line| (line["version"].as_u64().unwrap(), line["capture_id"].as_str().unwrap().to_string()))
+            .collect::<Vec<(u64, String)>>()
+    };
+    let everything = tail("0");
+    assert_eq!(everything.len(), 3000, "every committed capture, past the first 1,000 publishes");
+    assert!(everything.windows(2).all(|pair| pair[0].0 <= pair[1].0), "in version order");
+    let ids: std::collections::HashSet<&String> = everything.iter().map(|(_, id)| id).collect();
+    assert_eq!(ids.len(), 3000, "each once");
+    assert!(!ids.contains(&"orphan".to_string()));
+    let versions: Vec<u64> = tail("1495").iter().map(|(version, _)| *version).collect();
+    assert_eq!(versions, vec![1496, 1496, 1497, 1497, 1498, 1498, 1499, 1499, 1500, 1500]);
+}

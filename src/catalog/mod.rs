@@ -27,8 +27,11 @@ pub async fn connect(config: &Config) -> Result<(CatalogClient, Tables), schema:
     Ok((client, tables))
 }
 
-/// Connect to the catalog of `config` for reading only: nothing is created or stamped.
-pub async fn connect_reader(config: &Config) -> Result<query::CatalogReader, CatalogError> {
+/// Connect to the catalog of `config` for reading only: nothing is created or stamped, and a catalog at another
+/// schema version is refused with a message saying what to do.
+pub async fn connect_reader(config: &Config) -> Result<query::CatalogReader, schema::SchemaError> {
     let client = CatalogClient::connect(&config.catalog).await?;
-    Ok(query::CatalogReader::new(client, Tables::from_config(&config.catalog), &config.catalog_name))
+    let tables = Tables::from_config(&config.catalog);
+    schema::check_schema(&client, &tables).await?;
+    Ok(query::CatalogReader::new(client, tables, &config.catalog_name))
 }

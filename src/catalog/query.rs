@@ -254,7 +254,8 @@ impl CatalogReader {
         watermark_opt: Option<u64>,
     ) -> Result<Option<CaptureLocation>, CatalogError> {
         let catalog = self.catalog_literal();
-        let id = sql_string_literal(&capture_id.to_string());
+        let id_text = sql_string_literal(&capture_id.to_string());
+        let id = format!("UUIDStringToNum({id_text})");
         // Which committed publishes hold the id: its versions from `by_id`, checked against `publishes` at exactly
         // those versions (a primary-key lookup each, never a scan of the catalog's history).
         let committed: Vec<CommittedVersion> = self
@@ -262,8 +263,8 @@ impl CatalogReader {
             .fetch_all(&format!(
                 "SELECT version, publish_id FROM {publishes} WHERE catalog = {catalog} AND \
                  version IN (SELECT version FROM {by_id} WHERE catalog = {catalog} AND capture_id = {id}) AND \
-                 (version, publish_id) IN (SELECT version, publish_id FROM {by_id} WHERE catalog = {catalog} AND \
-                 capture_id = {id}) ORDER BY version DESC",
+                 (version, publish_id) IN (SELECT version, UUIDNumToString(publish_id) FROM {by_id} \
+                 WHERE catalog = {catalog} AND capture_id = {id}) ORDER BY version DESC",
                 publishes = self.tables.publishes,
                 by_id = self.tables.by_id,
             ))
@@ -279,7 +280,7 @@ impl CatalogReader {
             .client
             .fetch_all(&format!(
                 "SELECT {LOCATION_COLUMNS} FROM {by_version} WHERE catalog = {catalog} AND version = {version} AND \
-                 publish_id = {publish_id} AND capture_id = {id} LIMIT 1",
+                 publish_id = {publish_id} AND capture_id = {id_text} LIMIT 1",
                 by_version = self.tables.by_version,
                 version = latest.version,
                 publish_id = sql_string_literal(&latest.publish_id),
@@ -348,10 +349,22 @@ impl CatalogReader {
 
     /// The captures published at exactly `version`, in (captured_at_ns, capture_id) order.
     pub async fn captures_of_version(&self, version: u64) -> Result<Vec<CaptureLocation>, CatalogError> {
+        self.captures_of_versions(version.saturating_sub(1)..=version).await
+    }
+
+    /// The captures published at the versions of `after..=through` but `after` itself, in (version, captured_at_ns,
+    /// capture_id) order: one primary-key range of `by_version`. Callers size the range by the publishes' capture
+    /// counts, so that a tail catching up on a long history reads it in few queries of bounded size.
+    pub async fn captures_of_versions(
+        &self,
+        versions: std::ops::RangeInclusive<u64>,
+    ) -> Result<Vec<CaptureLocation>, CatalogError> {
+        let (after, through) = (*versions.start(), *versions.end());
         let sql = format!(
-            "SELECT {LOCATION_COLUMNS} FROM {by_version} WHERE catalog = {catalog} AND version = {version} AND \
-             publish_id IN (SELECT publish_id FROM {publishes} WHERE catalog = {catalog} AND version = {version}) \
-             ORDER BY captured_at_ns, capture_id LIMIT 1 BY capture_id",
+            "SELECT {LOCATION_COLUMNS} FROM {by_version} WHERE catalog = {catalog} AND \
+             version > {after} AND version <= {through} AND (version, publish_id) IN (SELECT version, publish_id \
+             FROM {publishes} WHERE catalog = {catalog} AND version > {after} AND version <= {through}) \
+             ORDER BY version, captured_at_ns, capture_id LIMIT 1 BY version, capture_id",
             by_version = self.tables.by_version,
             publishes = self.tables.publishes,
             catalog = self.catalog_literal(),

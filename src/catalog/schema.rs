@@ -10,7 +10,7 @@
 //! | --- | --- | --- |
 //! | `captures` | ReplacingMergeTree(version) | one row per capture, ordered for listing a stream by time |
 //! | `by_version` | ReplacingMergeTree | the same rows ordered by (version, publish_id, capture_id): tail, get |
-//! | `by_id` | ReplacingMergeTree | (capture_id, version, publish_id): which versions hold an id, for get |
+//! | `by_id` | ReplacingMergeTree | (capture_id, version, publish_id) as 16-byte ids: the versions holding an id |
 //! | `packs` | ReplacingMergeTree(version) | pack inventory and the replay guard |
 //! | `publishes` | MergeTree | the commit log: a row is visible only if its (version, publish_id) is here |
 //! | `watermark` | AggregatingMergeTree | max(version) per catalog: a lower bound that keeps the watermark O(1) |
@@ -123,12 +123,12 @@ impl Tables {
             view(&self.by_version, &format!("SELECT {CAPTURE_COLUMNS} FROM {}", self.captures)),
             format!(
                 "CREATE TABLE IF NOT EXISTS {}{on_cluster} (\
-                 catalog String, capture_id String, version UInt64, publish_id String\
+                 catalog String, capture_id FixedString(16), version UInt64, publish_id FixedString(16)\
                  ) ENGINE = {} ORDER BY (catalog, capture_id, version, publish_id)",
                 self.by_id,
                 self.engine(&self.by_id, "ReplacingMergeTree", "")
             ),
-            view(&self.by_id, &format!("SELECT {BY_ID_COLUMNS} FROM {}", self.captures)),
+            view(&self.by_id, &format!("SELECT {BY_ID_SELECT} FROM {}", self.captures)),
             format!(
                 "CREATE TABLE IF NOT EXISTS {}{on_cluster} (\
                  catalog String, pack_id String, object_key String, bytes UInt64, sha256 String, records UInt64, \
@@ -183,7 +183,7 @@ impl Tables {
                 "INSERT INTO {} ({CAPTURE_COLUMNS}) SELECT {CAPTURE_COLUMNS} FROM {}",
                 self.by_version, self.captures
             ),
-            format!("INSERT INTO {} ({BY_ID_COLUMNS}) SELECT {BY_ID_COLUMNS} FROM {}", self.by_id, self.captures),
+            format!("INSERT INTO {} ({BY_ID_COLUMNS}) SELECT {BY_ID_SELECT} FROM {}", self.by_id, self.captures),
             format!("INSERT INTO {} (catalog, version) {}", self.watermark, self.watermark_select()),
         ]
     }
@@ -198,6 +198,10 @@ const CAPTURE_COLUMNS_DDL: &str = "catalog String, stream String, captured_at_ns
 const CAPTURE_COLUMNS: &str = "catalog, stream, captured_at_ns, capture_id, pack_id, object_key, record_offset, \
      record_len, payload_offset, payload_len, crc32c, label_keys, label_values, content_type, version, publish_id";
 const BY_ID_COLUMNS: &str = "catalog, capture_id, version, publish_id";
+/// `by_id` keeps the ids as their 16 bytes: a third of the text's size on disk, and this table is all ids. (Every id
+/// capstore writes is a UUID's text, so the conversion cannot fail.)
+const BY_ID_SELECT: &str =
+    "catalog, UUIDStringToNum(capture_id) AS capture_id, version, UUIDStringToNum(publish_id) AS publish_id";
 
 /// How long one backfill statement of an upgrade may run: it copies every row of the catalog tables on the server.
 const BACKFILL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3600);
@@ -211,6 +215,11 @@ pub enum SchemaError {
          upgrade capstore"
     )]
     TooNew { database: String, found: u32 },
+    #[error(
+        "catalog schema in {database} is version {found}; this capstore reads version {SCHEMA_VERSION}: start the \
+         daemon (capstore run) once, which upgrades it"
+    )]
+    NotUpgraded { database: String, found: u32 },
 }
 
 #[derive(clickhouse::Row, serde::Deserialize)]
@@ -218,15 +227,30 @@ struct SchemaStamp {
     version: u32,
 }
 
+async fn stamped_version(client: &CatalogClient, tables: &Tables) -> Result<u32, CatalogError> {
+    let stamps: Vec<SchemaStamp> = client
+        .fetch_all(&format!("SELECT max(version) AS version FROM {} WHERE component = 'catalog'", tables.schema))
+        .await?;
+    Ok(stamps.first().map_or(0, |stamp| stamp.version))
+}
+
+/// For a read-only connection, which creates and upgrades nothing: the catalog must be stamped with exactly this
+/// build's schema version.
+pub async fn check_schema(client: &CatalogClient, tables: &Tables) -> Result<(), SchemaError> {
+    let found = stamped_version(client, tables).await?;
+    match found {
+        SCHEMA_VERSION => Ok(()),
+        found if found > SCHEMA_VERSION => Err(SchemaError::TooNew { database: tables.database.clone(), found }),
+        found => Err(SchemaError::NotUpgraded { database: tables.database.clone(), found }),
+    }
+}
+
 /// Create what is missing, then check and stamp the schema version. Idempotent; safe to run from every start.
 pub async fn ensure_schema(client: &CatalogClient, tables: &Tables) -> Result<u32, SchemaError> {
     for statement in tables.ddl() {
         client.execute(&statement).await?;
     }
-    let stamps: Vec<SchemaStamp> = client
-        .fetch_all(&format!("SELECT max(version) AS version FROM {} WHERE component = 'catalog'", tables.schema))
-        .await?;
-    let found = stamps.first().map_or(0, |stamp| stamp.version);
+    let found = stamped_version(client, tables).await?;
     if found > SCHEMA_VERSION {
         return Err(SchemaError::TooNew { database: tables.database.clone(), found });
     }
@@ -254,7 +278,7 @@ impl SchemaError {
     pub fn kind(&self) -> ErrorKind {
         match self {
             SchemaError::Catalog(error) => error.kind,
-            SchemaError::TooNew { .. } => ErrorKind::DefinitelyFailed,
+            SchemaError::TooNew { .. } | SchemaError::NotUpgraded { .. } => ErrorKind::DefinitelyFailed,
         }
     }
 }

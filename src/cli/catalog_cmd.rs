@@ -31,9 +31,9 @@ pub enum LeaseCommand {
     },
 }
 
+/// The catalog with its tables created or upgraded (the lease and gc commands write into them).
 async fn connect(config: &Config) -> anyhow::Result<(CatalogClient, Tables, LeaseStore)> {
-    let client = CatalogClient::connect(&config.catalog).await?;
-    let tables = Tables::from_config(&config.catalog);
+    let (client, tables) = capstore::catalog::connect(config).await?;
     let timings = LeaseTimings::from_config(&config.lease, &client);
     let store = LeaseStore::new(client.clone(), &tables, &config.catalog_name, timings);
     Ok((client, tables, store))
