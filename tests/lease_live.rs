@@ -931,3 +931,105 @@ async fn tail_without_follow_prints_every_committed_capture_once_past_a_thousand
     let versions: Vec<u64> = tail("1495").iter().map(|(version, _)| *version).collect();
     assert_eq!(versions, vec![1496, 1496, 1497, 1497, 1498, 1498, 1499, 1499, 1500, 1500]);
 }
+
+for_each_version!(a_capture_re_posted_into_another_stream_is_listed_only_where_its_newest_version_is);
+async fn a_capture_re_posted_into_another_stream_is_listed_only_where_its_newest_version_is(
+    server: &'static ClickHouseServer,
+) {
+    let catalog = catalog(server, false).await;
+    let name = &catalog.config.catalog_name;
+    let (moved, stays) = (Uuid::now_v7(), Uuid::now_v7());
+    // (capture, stream, version, committed): `moved` is re-posted into cam/b at version 2; a re-post of `stays`
+    // at version 3 never committed.
+    let rows =
+        [(moved, "cam/a", 1, true), (stays, "cam/a", 1, true), (moved, "cam/b", 2, true), (stays, "cam/b", 3, false)];
+    let mut publish_ids = BTreeMap::new();
+    for (capture, stream, version, committed) in rows {
+        let publish_id = *publish_ids.entry((version, committed)).or_insert_with(Uuid::now_v7);
+        server
+            .query(&format!(
+                "INSERT INTO {} (catalog, stream, captured_at_ns, capture_id, version, publish_id) \
+                 VALUES ('{name}', '{stream}', {at}, '{capture}', {version}, '{publish_id}')",
+                catalog.tables.captures,
+                at = 100 + version,
+            ))
+            .unwrap();
+    }
+    for ((version, committed), publish_id) in &publish_ids {
+        if *committed {
+            server
+                .query(&format!(
+                    "INSERT INTO {} (catalog, version, publish_id) VALUES ('{name}', {version}, '{publish_id}')",
+                    catalog.tables.publishes
+                ))
+                .unwrap();
+        }
+    }
+    let reader = catalog.reader();
+    let listed = |stream: &'static str| {
+        let reader = reader.clone();
+        async move {
+            let query = ListQuery { stream: Some(stream.into()), limit: 100, ..Default::default() };
+            let page = reader.list(&query).await.unwrap();
+            page.captures.iter().map(|c| (c.capture_id.clone(), c.version)).collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(listed("cam/a").await, vec![(stays.to_string(), 1)], "the moved capture left cam/a");
+    assert_eq!(listed("cam/b").await, vec![(moved.to_string(), 2)], "an uncommitted re-post hides nothing");
+    assert_eq!(reader.get(moved, None).await.unwrap().unwrap().stream, "cam/b");
+    assert_eq!(reader.get(moved, Some(1)).await.unwrap().unwrap().stream, "cam/a", "pinned before the re-post");
+    assert_eq!(reader.get(stays, None).await.unwrap().unwrap().stream, "cam/a");
+    let everything = reader.list(&ListQuery { limit: 100, ..Default::default() }).await.unwrap();
+    assert_eq!(everything.captures.len(), 2, "each capture once without a stream filter too");
+}
+
+for_each_version!(gc_removes_orphan_rows_from_every_table_and_keeps_every_committed_capture_readable);
+async fn gc_removes_orphan_rows_from_every_table_and_keeps_every_committed_capture_readable(
+    server: &'static ClickHouseServer,
+) {
+    let catalog = catalog(server, false).await;
+    let name = &catalog.config.catalog_name;
+    let tables = &catalog.tables;
+    let (committed, orphan) = (Uuid::now_v7(), Uuid::now_v7());
+    let (publish_id, orphan_publish_id) = (Uuid::now_v7(), Uuid::now_v7());
+    for (capture, publish) in [(committed, publish_id), (orphan, orphan_publish_id)] {
+        server
+            .query(&format!(
+                "INSERT INTO {} (catalog, stream, captured_at_ns, capture_id, version, publish_id) \
+                 VALUES ('{name}', 's', 1, '{capture}', 1, '{publish}')",
+                tables.captures
+            ))
+            .unwrap();
+    }
+    server
+        .query(&format!(
+            "INSERT INTO {} (catalog, version, publish_id) VALUES ('{name}', 1, '{publish_id}')",
+            tables.publishes
+        ))
+        .unwrap();
+    let reader = catalog.reader();
+    assert_eq!(reader.gc_orphans().await.unwrap(), 1);
+    // The deletes are mutations, applied in the background: wait for them.
+    let pending = format!(
+        "SELECT count() FROM system.mutations WHERE database = '{}' AND is_done = 0 FORMAT TSV",
+        tables.database
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while server.query(&pending).unwrap().trim() != "0" {
+        assert!(Instant::now() < deadline, "mutations still pending after 60 s");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let rows_of = |table: &str, capture: Uuid| {
+        let id = if table == tables.by_id { format!("UUIDStringToNum('{capture}')") } else { format!("'{capture}'") };
+        server
+            .query(&format!("SELECT count() FROM {table} WHERE capture_id = {id} FORMAT TSV"))
+            .unwrap()
+            .trim()
+            .to_string()
+    };
+    for table in [&tables.captures, &tables.by_version, &tables.by_id] {
+        assert_eq!(rows_of(table, orphan), "0", "orphan left in {table}");
+        assert_eq!(rows_of(table, committed), "1", "committed row deleted from {table}");
+    }
+    assert_eq!(reader.get(committed, None).await.unwrap().expect("still readable after gc").version, 1);
+}

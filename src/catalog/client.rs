@@ -395,8 +395,13 @@ impl CatalogClient {
 
     /// [`CatalogClient::execute`] for a long server-side statement (a schema upgrade's copy) that may take longer than
     /// `catalog.request_timeout`.
+    /// The server stops it at the same time (so a retry after a timeout never runs beside the first attempt).
     pub async fn execute_with_timeout(&self, sql: &str, timeout: Duration) -> Result<(), CatalogError> {
-        run_with_timeout(timeout, "execute", self.verbatim(sql).execute()).await
+        let query = self
+            .verbatim(sql)
+            .with_setting("max_execution_time", timeout.as_secs().max(1).to_string())
+            .with_setting("timeout_overflow_mode", "throw");
+        run_with_timeout(timeout + Duration::from_secs(5), "execute", query.execute()).await
     }
 
     /// A query whose text is sent as written, with no client-side `?` binding.
@@ -455,7 +460,10 @@ impl CatalogClient {
             .with_setting("timeout_overflow_mode", "throw")
             .with_setting("max_memory_usage", self.read_max_memory.to_string());
         if self.server_version.major >= 20 {
-            query = query.with_setting("cancel_http_readonly_queries_on_client_close", "1");
+            // The server cancels on close only a query it knows to be read-only: a POST is not, unless it says so
+            // (readonly = 2 still lets a request carry settings such as these).
+            query =
+                query.with_setting("readonly", "2").with_setting("cancel_http_readonly_queries_on_client_close", "1");
         }
         run_with_timeout(self.request_timeout, "fetch", query.fetch_all::<T>()).await.map_err(|mut error| {
             if error.server_code == Some(MEMORY_LIMIT_EXCEEDED) {

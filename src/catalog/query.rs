@@ -1,17 +1,20 @@
 //! Catalog reads with a pinned watermark, and garbage collection.
 //!
 //! A reader pins W = the highest committed version and sees a capture row only if its `(version, publish_id)` is in
-//! `publishes` at or below W. A capture_id published more than once (a producer retry) is shown once, at its latest
-//! visible version. Reads never use `FINAL` and never rely on merges: duplicates from unmerged parts collapse in the
-//! query (`argMax` by version), so what a read returns depends only on committed rows.
+//! `publishes` at or below W. A capture_id published more than once (a producer retry, or a re-post into another
+//! stream: the newest version replaces the capture) is shown once, at its latest visible version, by every read:
+//! `get`, and `list` (a stream's listing leaves out a capture whose newest version is elsewhere). `tail` is the log
+//! of publishes and shows each version. Reads never use `FINAL` and never rely on merges: duplicates from unmerged
+//! parts or a repeated copy collapse in the query (`argMax` by version, `LIMIT 1 BY`, `max`), so what a read returns
+//! depends only on committed rows.
 //!
 //! Listing pages through `(captured_at_ns, capture_id)` order with an opaque cursor that also pins W, so a listing
 //! taken across many pages is one consistent snapshot.
 //!
 //! What each read costs (N = captures of the catalog, P = its publishes):
 //! - the watermark: `max(version)` over the publishes at or above the `watermark` table's lower bound, O(1);
-//! - `get`: the versions holding the id from `by_id`, which of them committed (`publishes` at those versions), the row
-//!   from `by_version`: three primary-key lookups, O(versions of the id);
+//! - `get`: the committed versions holding the id (`by_id`, and `publishes` at exactly those versions), then the row
+//!   from `by_version`: two queries of primary-key lookups, O(versions of the id);
 //! - `captures_of_version`: `by_version` at one version, O(captures of that version);
 //! - `list`: visibility against the publishes up to W and the latest version per id over the matching rows:
 //!   O(P + matching rows) per page, bounded by `catalog.read_max_memory` and the request timeout.
@@ -136,6 +139,12 @@ struct VersionRow {
 struct BoundedMax {
     max_version: u64,
     rows: u64,
+}
+
+#[derive(clickhouse::Row, serde::Deserialize)]
+struct NewestVersion {
+    id: String,
+    newest: u64,
 }
 
 #[derive(clickhouse::Row, serde::Deserialize)]
@@ -320,9 +329,9 @@ impl CatalogReader {
         };
         let limit = query.limit.clamp(1, 100_000);
         let sql = locations_sql(&self.tables.captures, &conditions.join(" AND "), &having, &format!(" LIMIT {limit}"));
-        let captures: Vec<CaptureLocation> = self.client.fetch_all(&sql).await?;
-        let next_cursor = match captures.last() {
-            Some(last) if captures.len() as u64 == limit => Some(
+        let candidates: Vec<CaptureLocation> = self.client.fetch_all(&sql).await?;
+        let next_cursor = match candidates.last() {
+            Some(last) if candidates.len() as u64 == limit => Some(
                 Cursor {
                     watermark,
                     captured_at_ns: last.captured_at_ns,
@@ -332,7 +341,44 @@ impl CatalogReader {
             ),
             _ => None,
         };
+        // The cursor is the last candidate's, so a page shortened here still goes on where it should.
+        let captures = self.without_superseded(candidates, watermark).await?;
         Ok(Page { captures, next_cursor, watermark })
+    }
+
+    /// `candidates` less the captures whose id has a newer visible version than the candidate's: a capture re-posted
+    /// into another stream (or with other labels or another time) is listed only as its newest version, as `get`
+    /// returns it. One lookup in `by_id` for the page's ids.
+    async fn without_superseded(
+        &self,
+        mut candidates: Vec<CaptureLocation>,
+        watermark: u64,
+    ) -> Result<Vec<CaptureLocation>, CatalogError> {
+        if candidates.is_empty() {
+            return Ok(candidates);
+        }
+        let ids: Vec<String> = candidates
+            .iter()
+            .map(|capture| format!("UUIDStringToNum({})", sql_string_literal(&capture.capture_id)))
+            .collect();
+        let ids = ids.join(", ");
+        let newest: Vec<NewestVersion> = self
+            .client
+            .fetch_all(&format!(
+                "SELECT UUIDNumToString(capture_id) AS id, max(version) AS newest FROM {by_id} \
+                 WHERE catalog = {catalog} AND capture_id IN ({ids}) AND version <= {watermark} AND \
+                 (version, UUIDNumToString(publish_id)) IN (SELECT version, publish_id FROM {publishes} \
+                 WHERE catalog = {catalog} AND version IN (SELECT version FROM {by_id} WHERE catalog = {catalog} AND \
+                 capture_id IN ({ids}) AND version <= {watermark})) GROUP BY capture_id",
+                by_id = self.tables.by_id,
+                publishes = self.tables.publishes,
+                catalog = self.catalog_literal(),
+            ))
+            .await?;
+        let newest: std::collections::HashMap<String, u64> =
+            newest.into_iter().map(|row| (row.id, row.newest)).collect();
+        candidates.retain(|capture| newest.get(&capture.capture_id).is_none_or(|newest| *newest <= capture.version));
+        Ok(candidates)
     }
 
     /// Committed publishes after version `after`, up to the watermark, in version order (for tailing consumers).
@@ -349,17 +395,13 @@ impl CatalogReader {
 
     /// The captures published at exactly `version`, in (captured_at_ns, capture_id) order.
     pub async fn captures_of_version(&self, version: u64) -> Result<Vec<CaptureLocation>, CatalogError> {
-        self.captures_of_versions(version.saturating_sub(1)..=version).await
+        self.captures_of_versions(version.saturating_sub(1), version).await
     }
 
-    /// The captures published at the versions of `after..=through` but `after` itself, in (version, captured_at_ns,
+    /// The captures published at the versions above `after` up to `through`, in (version, captured_at_ns,
     /// capture_id) order: one primary-key range of `by_version`. Callers size the range by the publishes' capture
     /// counts, so that a tail catching up on a long history reads it in few queries of bounded size.
-    pub async fn captures_of_versions(
-        &self,
-        versions: std::ops::RangeInclusive<u64>,
-    ) -> Result<Vec<CaptureLocation>, CatalogError> {
-        let (after, through) = (*versions.start(), *versions.end());
+    pub async fn captures_of_versions(&self, after: u64, through: u64) -> Result<Vec<CaptureLocation>, CatalogError> {
         let sql = format!(
             "SELECT {LOCATION_COLUMNS} FROM {by_version} WHERE catalog = {catalog} AND \
              version > {after} AND version <= {through} AND (version, publish_id) IN (SELECT version, publish_id \
@@ -392,13 +434,20 @@ impl CatalogReader {
     /// Remove orphan descriptor rows (never committed) below the watermark. Returns the watermark used.
     pub async fn gc_orphans(&self) -> Result<u64, CatalogError> {
         let watermark = self.watermark().await?;
-        for table in [&self.tables.captures, &self.tables.by_version, &self.tables.by_id, &self.tables.packs] {
+        let tables = &self.tables;
+        // `by_id` holds publish ids as 16 bytes: compared as text, like everywhere else.
+        for (table, publish_id) in [
+            (&tables.captures, "publish_id"),
+            (&tables.by_version, "publish_id"),
+            (&tables.by_id, "UUIDNumToString(publish_id)"),
+            (&tables.packs, "publish_id"),
+        ] {
             self.client
                 .execute(&format!(
                     "ALTER TABLE {table} DELETE WHERE catalog = {catalog} AND version <= {watermark} AND \
-                     (version, publish_id) NOT IN (SELECT version, publish_id FROM {publishes} WHERE catalog = {catalog})",
+                     (version, {publish_id}) NOT IN (SELECT version, publish_id FROM {publishes} WHERE catalog = {catalog})",
                     catalog = self.catalog_literal(),
-                    publishes = self.tables.publishes,
+                    publishes = tables.publishes,
                 ))
                 .await?;
         }

@@ -175,8 +175,9 @@ impl Tables {
         format!("SELECT catalog, maxState(version) AS version FROM {} GROUP BY catalog", self.publishes)
     }
 
-    /// The copies that fill the schema 2 tables with the rows written before their views existed. With
-    /// `catalog.cluster` they run once per shard's replica set: the target tables replicate what one replica copies.
+    /// The copies that fill the schema 2 tables with the rows written before their views existed. They run on the
+    /// server capstore is connected to; with `catalog.cluster`, the replicated target tables carry the copy to the
+    /// other replicas of that shard.
     fn backfill_to_2(&self) -> Vec<String> {
         vec![
             format!(
@@ -185,6 +186,29 @@ impl Tables {
             ),
             format!("INSERT INTO {} ({BY_ID_COLUMNS}) SELECT {BY_ID_SELECT} FROM {}", self.by_id, self.captures),
             format!("INSERT INTO {} (catalog, version) {}", self.watermark, self.watermark_select()),
+        ]
+    }
+}
+
+impl Tables {
+    /// The copies of rows of `captures` whose publish the index tables lack entirely (a view inserts a whole block or
+    /// nothing, so a publish is indexed completely or not at all).
+    fn catch_up_to_2(&self) -> Vec<String> {
+        vec![
+            format!(
+                "INSERT INTO {by_version} ({CAPTURE_COLUMNS}) SELECT {CAPTURE_COLUMNS} FROM {captures} \
+                 WHERE (catalog, version, publish_id) NOT IN (SELECT DISTINCT catalog, version, publish_id FROM {by_version})",
+                by_version = self.by_version,
+                captures = self.captures
+            ),
+            format!(
+                // The filter in a subquery of its own: the outer SELECT's aliases are named like the columns.
+                "INSERT INTO {by_id} ({BY_ID_COLUMNS}) SELECT {BY_ID_SELECT} FROM (SELECT {CAPTURE_COLUMNS} \
+                 FROM {captures} WHERE (catalog, version, publish_id) NOT IN \
+                 (SELECT DISTINCT catalog, version, UUIDNumToString(publish_id) FROM {by_id}))",
+                by_id = self.by_id,
+                captures = self.captures
+            ),
         ]
     }
 }
@@ -217,7 +241,7 @@ pub enum SchemaError {
     TooNew { database: String, found: u32 },
     #[error(
         "catalog schema in {database} is version {found}; this capstore reads version {SCHEMA_VERSION}: start the \
-         daemon (capstore run) once, which upgrades it"
+         daemon (capstore run) once, which upgrades it (or wait for the upgrade under way to finish)"
     )]
     NotUpgraded { database: String, found: u32 },
 }
@@ -258,6 +282,18 @@ pub async fn ensure_schema(client: &CatalogClient, tables: &Tables) -> Result<u3
         // Cheap when the tables were created just now (stamp 0): only a schema 1 catalog has rows to copy.
         tracing::info!(database = %tables.database, "upgrading the catalog schema from 1 to 2: indexing every capture by version and by id");
         for statement in tables.backfill_to_2() {
+            client.execute_with_timeout(&statement, BACKFILL_TIMEOUT).await?;
+        }
+    }
+    if found == 1 {
+        // A schema 1 writer's INSERT that started before the views existed is indexed by neither them nor the copy
+        // if its part lands after the copy read `captures`. Such an INSERT ends within that writer's request
+        // timeout (taken to be no longer than ours), and only then can its publish commit: after that, copy what
+        // the index tables still lack.
+        let settle = client.request_timeout() * 3;
+        tracing::info!(?settle, "catalog upgrade: waiting for writes in flight, then indexing what they added");
+        tokio::time::sleep(settle).await;
+        for statement in tables.catch_up_to_2() {
             client.execute_with_timeout(&statement, BACKFILL_TIMEOUT).await?;
         }
     }

@@ -162,11 +162,14 @@ pub fn tail(config: &Config, args: TailArgs) -> anyhow::Result<i32> {
         // Without --follow: everything committed when the command started, however many reads that takes.
         let end_opt = if args.follow { None } else { Some(reader.catalog().watermark().await?) };
         loop {
-            let publishes = reader.catalog().publishes_after(after, 1000).await?;
+            let mut publishes = reader.catalog().publishes_after(after, 1000).await?;
+            if let Some(end) = end_opt {
+                publishes.retain(|publish| publish.version <= end);
+            }
             // Consecutive publishes of up to TAIL_CAPTURES_PER_READ captures (one publish at least) per read.
             for chunk in chunks_by_captures(&publishes, TAIL_CAPTURES_PER_READ) {
                 let through = chunk.last().expect("chunks are not empty").version;
-                let captures = reader.catalog().captures_of_versions(after..=through).await?;
+                let captures = reader.catalog().captures_of_versions(after, through).await?;
                 // Buffered: stdout is line-buffered, and a catching-up tail prints millions of lines.
                 let mut out = std::io::BufWriter::with_capacity(1 << 16, std::io::stdout().lock());
                 for capture in captures {
