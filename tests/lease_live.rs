@@ -74,6 +74,27 @@ impl Catalog {
         CatalogReader::new(self.client.clone(), self.tables.clone(), &self.config.catalog_name)
     }
 
+    /// A capture row written straight into `captures` (as a publish's step 3 does), over a direct connection.
+    fn insert_capture_row(&self, capture: Uuid, stream: &str, captured_at_ns: u64, version: u64, publish_id: Uuid) {
+        self.server
+            .query(&format!(
+                "INSERT INTO {} (catalog, stream, captured_at_ns, capture_id, version, publish_id) \
+                 VALUES ('{}', '{stream}', {captured_at_ns}, '{capture}', {version}, '{publish_id}')",
+                self.tables.captures, self.config.catalog_name
+            ))
+            .unwrap();
+    }
+
+    /// The `publishes` row that commits `(version, publish_id)`, over a direct connection.
+    fn commit_row(&self, version: u64, publish_id: Uuid) {
+        self.server
+            .query(&format!(
+                "INSERT INTO {} (catalog, version, publish_id) VALUES ('{}', {version}, '{publish_id}')",
+                self.tables.publishes, self.config.catalog_name
+            ))
+            .unwrap();
+    }
+
     /// Rows of `publishes` for this catalog, read over a direct connection (not through the proxy).
     fn committed_versions(&self) -> Vec<u64> {
         let text = self
@@ -824,13 +845,7 @@ async fn the_watermark_is_exact_whether_its_lower_bound_lags_or_runs_ahead(serve
     let catalog = catalog(server, false).await;
     let name = &catalog.config.catalog_name;
     for version in 1..=3 {
-        server
-            .query(&format!(
-                "INSERT INTO {} VALUES ('{name}', {version}, '{}', 'h', 1, 1, 1, 0)",
-                catalog.tables.publishes,
-                Uuid::now_v7()
-            ))
-            .unwrap();
+        catalog.commit_row(version, Uuid::now_v7());
     }
     let reader = catalog.reader();
     assert_eq!(reader.watermark().await.unwrap(), 3);
@@ -849,31 +864,99 @@ for_each_version!(a_read_over_read_max_memory_fails_naming_the_key_and_the_serve
 async fn a_read_over_read_max_memory_fails_naming_the_key_and_the_server_stays_up(server: &'static ClickHouseServer) {
     let database = server.fresh_database("memory");
     let mut config = config_for(&server.url(), &database, "big");
-    config.catalog.read_max_memory = capstore::config::ByteSize(16 * 1024 * 1024);
+    config.catalog.read_max_memory = capstore::config::ByteSize(64 * 1024 * 1024);
     config.validate().unwrap();
     let (client, tables) = capstore::catalog::connect(&config).await.unwrap();
-    // 300,000 committed captures in one version, written on the server.
+    // 300,000 committed captures in one version at the same instant (no time window can split them), and ten more
+    // at instants of their own; written on the server.
     let publish_id = Uuid::now_v7();
     server
         .query(&format!(
             "INSERT INTO {} (catalog, stream, captured_at_ns, capture_id, version, publish_id, label_keys, label_values) \
-             SELECT 'big', concat('s/', toString(number % 10)), number, toString(generateUUIDv4()), 1, '{publish_id}', \
-             ['site'], [concat('site-', toString(number))] FROM numbers(300000)",
+             SELECT 'big', if(number < 300000, concat('s/', toString(number % 10)), 'small'), \
+             if(number < 300000, 5, number), toString(generateUUIDv4()), 1, '{publish_id}', \
+             ['site'], [concat('site-', toString(number))] FROM numbers(300010)",
             tables.captures
         ))
         .unwrap();
     server
-        .query(&format!("INSERT INTO {} VALUES ('big', 1, '{publish_id}', 'h', 1, 1, 300000, 0)", tables.publishes))
+        .query(&format!("INSERT INTO {} VALUES ('big', 1, '{publish_id}', 'h', 1, 1, 300010, 0)", tables.publishes))
         .unwrap();
     let reader = CatalogReader::new(client, tables, "big");
     let error = reader.list(&ListQuery { limit: 10, ..Default::default() }).await.unwrap_err();
     assert!(error.to_string().contains("catalog.read_max_memory"), "{error}");
     // Reads that stay within the limit go on working.
     assert_eq!(reader.watermark().await.unwrap(), 1);
-    let small = ListQuery { stream: Some("s/1".into()), until_ns: Some(100), limit: 100, ..Default::default() };
+    let small = ListQuery { stream: Some("small".into()), limit: 100, ..Default::default() };
     let page = reader.list(&small).await.unwrap();
     let times: Vec<u64> = page.captures.iter().map(|c| c.captured_at_ns).collect();
-    assert_eq!(times, (0..10).map(|n| n * 10 + 1).collect::<Vec<u64>>());
+    assert_eq!(times, (300_000..300_010).collect::<Vec<u64>>());
+}
+
+/// Every page of a listing, following the cursors.
+async fn list_all(reader: &CatalogReader, mut query: ListQuery) -> Vec<(u64, String)> {
+    let mut seen = Vec::new();
+    loop {
+        let page = reader.list(&query).await.unwrap();
+        seen.extend(page.captures.iter().map(|c| (c.captured_at_ns, c.capture_id.clone())));
+        match page.next_cursor {
+            Some(cursor) => query.cursor = Some(cursor),
+            None => return seen,
+        }
+    }
+}
+
+for_each_version!(listings_page_through_dense_sparse_and_empty_stretches_of_time_in_order_exactly_once);
+async fn listings_page_through_dense_sparse_and_empty_stretches_of_time_in_order_exactly_once(
+    server: &'static ClickHouseServer,
+) {
+    let catalog = catalog(server, false).await;
+    let name = &catalog.config.catalog_name;
+    // Three streams over a long, uneven history: a burst of 2,000 captures within 2 µs, a year of nothing, then one
+    // capture a day for 100 days; 50 of them share one instant (ties broken by id).
+    let publish_id = Uuid::now_v7();
+    server
+        .query(&format!(
+            "INSERT INTO {} (catalog, stream, captured_at_ns, capture_id, version, publish_id) \
+             SELECT '{name}', concat('s/', toString(number % 3)), \
+             multiIf(number < 2000, toUInt64(1000000 + number), number < 2050, toUInt64(40000000000000000), \
+                     toUInt64(40000000000000000 + (number - 2050) * 86400000000000)), \
+             toString(generateUUIDv4()), 1, '{publish_id}' FROM numbers(2150)",
+            catalog.tables.captures
+        ))
+        .unwrap();
+    catalog.commit_row(1, publish_id);
+    let reader = catalog.reader();
+    let mut expected: Vec<(u64, String)> = server
+        .query(&format!(
+            "SELECT captured_at_ns, capture_id FROM {} WHERE catalog = '{name}' FORMAT TSV",
+            catalog.tables.captures
+        ))
+        .unwrap()
+        .lines()
+        .map(|line| {
+            let (at, id) = line.split_once('\t').unwrap();
+            (at.parse().unwrap(), id.to_string())
+        })
+        .collect();
+    expected.sort();
+    for limit in [7, 100, 5000] {
+        let listed = list_all(&reader, ListQuery { limit, ..Default::default() }).await;
+        assert_eq!(listed, expected, "limit {limit}: every capture once, in (captured_at_ns, capture_id) order");
+    }
+    let stream_1: Vec<(u64, String)> =
+        list_all(&reader, ListQuery { stream: Some("s/1".into()), limit: 9, ..Default::default() }).await;
+    assert_eq!(stream_1.len(), expected.len() / 3 + usize::from(expected.len() % 3 > 1));
+    assert!(stream_1.windows(2).all(|pair| pair[0] < pair[1]));
+    let since = 40_000_000_000_000_000;
+    let until = since + 10 * 86_400_000_000_000;
+    let window =
+        list_all(&reader, ListQuery { since_ns: Some(since), until_ns: Some(until), limit: 3, ..Default::default() })
+            .await;
+    let expected_window: Vec<(u64, String)> =
+        expected.iter().filter(|(at, _)| (since..until).contains(at)).cloned().collect();
+    assert_eq!(window, expected_window);
+    assert_eq!(window.len(), 50 + 10, "the 50 at the shared instant and the first ten days");
 }
 
 for_each_version!(tail_without_follow_prints_every_committed_capture_once_past_a_thousand_publishes);
@@ -937,7 +1020,6 @@ async fn a_capture_re_posted_into_another_stream_is_listed_only_where_its_newest
     server: &'static ClickHouseServer,
 ) {
     let catalog = catalog(server, false).await;
-    let name = &catalog.config.catalog_name;
     let (moved, stays) = (Uuid::now_v7(), Uuid::now_v7());
     // (capture, stream, version, committed): `moved` is re-posted into cam/b at version 2; a re-post of `stays`
     // at version 3 never committed.
@@ -946,23 +1028,11 @@ async fn a_capture_re_posted_into_another_stream_is_listed_only_where_its_newest
     let mut publish_ids = BTreeMap::new();
     for (capture, stream, version, committed) in rows {
         let publish_id = *publish_ids.entry((version, committed)).or_insert_with(Uuid::now_v7);
-        server
-            .query(&format!(
-                "INSERT INTO {} (catalog, stream, captured_at_ns, capture_id, version, publish_id) \
-                 VALUES ('{name}', '{stream}', {at}, '{capture}', {version}, '{publish_id}')",
-                catalog.tables.captures,
-                at = 100 + version,
-            ))
-            .unwrap();
+        catalog.insert_capture_row(capture, stream, 100 + version, version, publish_id);
     }
     for ((version, committed), publish_id) in &publish_ids {
         if *committed {
-            server
-                .query(&format!(
-                    "INSERT INTO {} (catalog, version, publish_id) VALUES ('{name}', {version}, '{publish_id}')",
-                    catalog.tables.publishes
-                ))
-                .unwrap();
+            catalog.commit_row(*version, *publish_id);
         }
     }
     let reader = catalog.reader();
@@ -988,25 +1058,13 @@ async fn gc_removes_orphan_rows_from_every_table_and_keeps_every_committed_captu
     server: &'static ClickHouseServer,
 ) {
     let catalog = catalog(server, false).await;
-    let name = &catalog.config.catalog_name;
     let tables = &catalog.tables;
     let (committed, orphan) = (Uuid::now_v7(), Uuid::now_v7());
     let (publish_id, orphan_publish_id) = (Uuid::now_v7(), Uuid::now_v7());
     for (capture, publish) in [(committed, publish_id), (orphan, orphan_publish_id)] {
-        server
-            .query(&format!(
-                "INSERT INTO {} (catalog, stream, captured_at_ns, capture_id, version, publish_id) \
-                 VALUES ('{name}', 's', 1, '{capture}', 1, '{publish}')",
-                tables.captures
-            ))
-            .unwrap();
+        catalog.insert_capture_row(capture, "s", 1, 1, publish);
     }
-    server
-        .query(&format!(
-            "INSERT INTO {} (catalog, version, publish_id) VALUES ('{name}', 1, '{publish_id}')",
-            tables.publishes
-        ))
-        .unwrap();
+    catalog.commit_row(1, publish_id);
     let reader = catalog.reader();
     assert_eq!(reader.gc_orphans().await.unwrap(), 1);
     // The deletes are mutations, applied in the background: wait for them.

@@ -94,6 +94,9 @@ pub struct Page {
     /// Present when more may follow.
     pub next_cursor: Option<String>,
     pub watermark: u64,
+    /// The time window the next page starts with (carried in its cursor).
+    #[serde(skip)]
+    window_ns: u64,
 }
 
 impl Page {
@@ -118,6 +121,7 @@ impl Page {
                 watermark: self.watermark,
                 captured_at_ns: last.captured_at_ns,
                 capture_id: Uuid::parse_str(&last.capture_id).unwrap_or_default(),
+                window_ns: self.window_ns,
             };
             self.next_cursor = Some(cursor.encode());
         }
@@ -142,6 +146,16 @@ struct BoundedMax {
 }
 
 #[derive(clickhouse::Row, serde::Deserialize)]
+struct TimeBounds {
+    first_ns: u64,
+    last_ns: u64,
+    rows: u64,
+}
+
+/// The first page of a listing reads windows of 1/1024 of its time range (then adapts, see [`CatalogReader::list`]).
+const FIRST_PAGE_WINDOWS: u64 = 1024;
+
+#[derive(clickhouse::Row, serde::Deserialize)]
 struct NewestVersion {
     id: String,
     newest: u64,
@@ -153,30 +167,39 @@ struct CommittedVersion {
     publish_id: String,
 }
 
+/// Ids per superseded-version lookup: each appears twice in the statement as about 55 characters.
+const SUPERSEDED_IDS_PER_QUERY: usize = 1000;
+
 /// The columns of [`CaptureLocation`], read from `by_version` (whose rows are whole).
 const LOCATION_COLUMNS: &str = "capture_id, stream, captured_at_ns, pack_id, object_key, record_offset, record_len, \
      payload_offset, payload_len, crc32c, label_keys, label_values, content_type, version";
 
-/// Position after the last row of a page, with the pinned watermark: `<W>.<captured_at_ns>.<capture_id>`.
+/// Position after the last row of a page, with the pinned watermark and the time window the next page starts with:
+/// `<W>.<captured_at_ns>.<capture_id>.<window_ns>` (a cursor of three parts, from an older build, starts afresh).
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Cursor {
     watermark: u64,
     captured_at_ns: u64,
     capture_id: Uuid,
+    window_ns: u64,
 }
 
 impl Cursor {
     fn encode(&self) -> String {
-        format!("{}.{}.{}", self.watermark, self.captured_at_ns, self.capture_id)
+        format!("{}.{}.{}.{}", self.watermark, self.captured_at_ns, self.capture_id, self.window_ns)
     }
 
     fn decode(text: &str) -> Result<Cursor, CatalogError> {
         let bad = || CatalogError::new(ErrorKind::DefinitelyFailed, format!("invalid cursor {text:?}"));
-        let mut parts = text.splitn(3, '.');
+        let mut parts = text.splitn(4, '.');
         let watermark = parts.next().and_then(|p| p.parse().ok()).ok_or_else(bad)?;
         let captured_at_ns = parts.next().and_then(|p| p.parse().ok()).ok_or_else(bad)?;
         let capture_id = parts.next().and_then(|p| Uuid::parse_str(p).ok()).ok_or_else(bad)?;
-        Ok(Cursor { watermark, captured_at_ns, capture_id })
+        let window_ns = match parts.next() {
+            None => 0,
+            Some(part) => part.parse().map_err(|_| bad())?,
+        };
+        Ok(Cursor { watermark, captured_at_ns, capture_id, window_ns })
     }
 }
 
@@ -299,21 +322,34 @@ impl CatalogReader {
     }
 
     /// One page of captures by stream, time range and labels, in (captured_at_ns, capture_id) order.
+    ///
+    /// A page reads time windows of `captures` one after the other, from the cursor on, until it is full: each window
+    /// is a primary-key range (exact with a stream; one range per stream without), and each next window is twice as
+    /// wide, so sparse stretches cost a few empty reads. The next page starts with the window that filled this one,
+    /// halved when one window was enough (so windows settle at about a page), which keeps a page's cost about its
+    /// size however long the catalog's history.
     pub async fn list(&self, query: &ListQuery) -> Result<Page, CatalogError> {
         let cursor = query.cursor.as_deref().map(Cursor::decode).transpose()?;
         let watermark = match &cursor {
             Some(cursor) => cursor.watermark,
             None => self.watermark().await?,
         };
+        let limit = query.limit.clamp(1, 100_000);
+        let empty = Page { captures: Vec::new(), next_cursor: None, watermark, window_ns: 0 };
+        let Some((first_ns, last_ns)) = self.time_bounds(query.stream.as_deref()).await? else { return Ok(empty) };
+        let mut start = first_ns.max(query.since_ns.unwrap_or(0));
+        if let Some(cursor) = &cursor {
+            start = start.max(cursor.captured_at_ns);
+        }
+        let end = last_ns.saturating_add(1).min(query.until_ns.unwrap_or(u64::MAX));
+        let mut window = match &cursor {
+            Some(Cursor { window_ns: 1.., .. }) => cursor.as_ref().map_or(1, |cursor| cursor.window_ns),
+            _ => (end.saturating_sub(start) / FIRST_PAGE_WINDOWS).max(1),
+        };
+
         let mut conditions = vec![format!("catalog = {}", self.catalog_literal()), self.visible(watermark)];
         if let Some(stream) = &query.stream {
             conditions.push(format!("stream = {}", sql_string_literal(stream)));
-        }
-        if let Some(since) = query.since_ns {
-            conditions.push(format!("captured_at_ns >= {since}"));
-        }
-        if let Some(until) = query.until_ns {
-            conditions.push(format!("captured_at_ns < {until}"));
         }
         for (key, value) in &query.labels {
             let (key, value) = (sql_string_literal(key), sql_string_literal(value));
@@ -327,15 +363,33 @@ impl CatalogReader {
             ),
             None => String::new(),
         };
-        let limit = query.limit.clamp(1, 100_000);
-        let sql = locations_sql(&self.tables.captures, &conditions.join(" AND "), &having, &format!(" LIMIT {limit}"));
-        let candidates: Vec<CaptureLocation> = self.client.fetch_all(&sql).await?;
+        let mut candidates: Vec<CaptureLocation> = Vec::new();
+        let mut windows_read = 0;
+        while start < end && (candidates.len() as u64) < limit {
+            let window_end = start.saturating_add(window).min(end);
+            let needed = limit - candidates.len() as u64;
+            let in_window =
+                format!("{} AND captured_at_ns >= {start} AND captured_at_ns < {window_end}", conditions.join(" AND "));
+            let sql = locations_sql(&self.tables.captures, &in_window, &having, &format!(" LIMIT {needed}"));
+            let rows: Vec<CaptureLocation> = self.client.fetch_all(&sql).await?;
+            windows_read += 1;
+            let filled = rows.len() as u64 == needed;
+            candidates.extend(rows);
+            if filled {
+                break;
+            }
+            start = window_end;
+            window = window.saturating_mul(2);
+        }
+        let page_full = candidates.len() as u64 == limit;
+        let next_window = if windows_read == 1 { (window / 2).max(1) } else { window };
         let next_cursor = match candidates.last() {
-            Some(last) if candidates.len() as u64 == limit => Some(
+            Some(last) if page_full => Some(
                 Cursor {
                     watermark,
                     captured_at_ns: last.captured_at_ns,
                     capture_id: Uuid::parse_str(&last.capture_id).unwrap_or_default(),
+                    window_ns: next_window,
                 }
                 .encode(),
             ),
@@ -343,7 +397,23 @@ impl CatalogReader {
         };
         // The cursor is the last candidate's, so a page shortened here still goes on where it should.
         let captures = self.without_superseded(candidates, watermark).await?;
-        Ok(Page { captures, next_cursor, watermark })
+        Ok(Page { captures, next_cursor, watermark, window_ns: next_window })
+    }
+
+    /// The first and the last captured_at_ns of the catalog's rows (of `stream`, when given), from `time_bounds`:
+    /// bounds of every row ever written, committed or not. `None` when there are none.
+    async fn time_bounds(&self, stream: Option<&str>) -> Result<Option<(u64, u64)>, CatalogError> {
+        let stream_condition = stream.map(|s| format!(" AND stream = {}", sql_string_literal(s))).unwrap_or_default();
+        let rows: Vec<TimeBounds> = self
+            .client
+            .fetch_all(&format!(
+                "SELECT minMerge(first_at) AS first_ns, maxMerge(last_at) AS last_ns, count() AS rows FROM {} \
+                 WHERE catalog = {}{stream_condition}",
+                self.tables.time_bounds,
+                self.catalog_literal(),
+            ))
+            .await?;
+        Ok(rows.first().filter(|row| row.rows > 0).map(|row| (row.first_ns, row.last_ns)))
     }
 
     /// `candidates` less the captures whose id has a newer visible version than the candidate's: a capture re-posted
@@ -354,16 +424,29 @@ impl CatalogReader {
         mut candidates: Vec<CaptureLocation>,
         watermark: u64,
     ) -> Result<Vec<CaptureLocation>, CatalogError> {
-        if candidates.is_empty() {
-            return Ok(candidates);
+        let mut newest = std::collections::HashMap::new();
+        // In slices of ids: a statement must stay under the server's max_query_size (256 KiB).
+        for slice in candidates.chunks(SUPERSEDED_IDS_PER_QUERY) {
+            for row in self.newest_versions(slice, watermark).await? {
+                newest.insert(row.id, row.newest);
+            }
         }
-        let ids: Vec<String> = candidates
+        candidates.retain(|capture| newest.get(&capture.capture_id).is_none_or(|newest| *newest <= capture.version));
+        Ok(candidates)
+    }
+
+    /// The newest visible version of each capture of `captures` that has one.
+    async fn newest_versions(
+        &self,
+        captures: &[CaptureLocation],
+        watermark: u64,
+    ) -> Result<Vec<NewestVersion>, CatalogError> {
+        let ids: Vec<String> = captures
             .iter()
             .map(|capture| format!("UUIDStringToNum({})", sql_string_literal(&capture.capture_id)))
             .collect();
         let ids = ids.join(", ");
-        let newest: Vec<NewestVersion> = self
-            .client
+        self.client
             .fetch_all(&format!(
                 "SELECT UUIDNumToString(capture_id) AS id, max(version) AS newest FROM {by_id} \
                  WHERE catalog = {catalog} AND capture_id IN ({ids}) AND version <= {watermark} AND \
@@ -374,11 +457,7 @@ impl CatalogReader {
                 publishes = self.tables.publishes,
                 catalog = self.catalog_literal(),
             ))
-            .await?;
-        let newest: std::collections::HashMap<String, u64> =
-            newest.into_iter().map(|row| (row.id, row.newest)).collect();
-        candidates.retain(|capture| newest.get(&capture.capture_id).is_none_or(|newest| *newest <= capture.version));
-        Ok(candidates)
+            .await
     }
 
     /// Committed publishes after version `after`, up to the watermark, in version order (for tailing consumers).
@@ -477,7 +556,7 @@ mod tests {
             content_type: String::new(),
             version: 1,
         };
-        let page = Page { captures: (0..10).map(capture).collect(), next_cursor: None, watermark: 7 };
+        let page = Page { captures: (0..10).map(capture).collect(), next_cursor: None, watermark: 7, window_ns: 5 };
         let row_bytes = serde_json::to_vec(&page.captures[0]).unwrap().len() + 1;
         let cut = page.clone().cut_to_bytes(row_bytes * 3 + row_bytes / 2);
         assert_eq!(cut.captures.len(), 3);
@@ -489,8 +568,11 @@ mod tests {
 
     #[test]
     fn cursors_round_trip_and_reject_garbage() {
-        let cursor = Cursor { watermark: 7, captured_at_ns: 123, capture_id: Uuid::now_v7() };
+        let cursor = Cursor { watermark: 7, captured_at_ns: 123, capture_id: Uuid::now_v7(), window_ns: 9 };
         assert_eq!(Cursor::decode(&cursor.encode()).unwrap(), cursor);
+        let older = format!("7.123.{}", cursor.capture_id);
+        assert_eq!(Cursor::decode(&older).unwrap().window_ns, 0, "a cursor of an older build starts afresh");
+        assert!(Cursor::decode(&format!("{older}.x")).is_err());
         assert!(Cursor::decode("7.x.y").is_err());
         assert!(Cursor::decode("").is_err());
     }

@@ -11,13 +11,14 @@
 //! | `captures` | ReplacingMergeTree(version) | one row per capture, ordered for listing a stream by time |
 //! | `by_version` | ReplacingMergeTree | the same rows ordered by (version, publish_id, capture_id): tail, get |
 //! | `by_id` | ReplacingMergeTree | (capture_id, version, publish_id) as 16-byte ids: the versions holding an id |
+//! | `time_bounds` | AggregatingMergeTree | first and last captured_at_ns per stream: where a listing's windows start |
 //! | `packs` | ReplacingMergeTree(version) | pack inventory and the replay guard |
 //! | `publishes` | MergeTree | the commit log: a row is visible only if its (version, publish_id) is here |
 //! | `watermark` | AggregatingMergeTree | max(version) per catalog: a lower bound that keeps the watermark O(1) |
 //! | `lease` | MergeTree | the publisher lease; plain MergeTree so merges never change what a decision reads |
 //! | `schema` | MergeTree | the schema version stamp |
 //!
-//! `by_version`, `by_id` and `watermark` are filled by materialized views on the INSERTs into `captures` and
+//! `by_version`, `by_id`, `time_bounds` and `watermark` are filled by materialized views on the INSERTs into `captures` and
 //! `publishes` (the server writes them inside the same INSERT), so every writer indexes what it writes, including a
 //! capstore of schema 1 that is still running while another upgrades the tables. They answer *where to look*; what
 //! is visible is still decided by `publishes` alone, so an index row of a publish that never committed is harmless,
@@ -44,6 +45,7 @@ pub struct Tables {
     pub captures: String,
     pub by_version: String,
     pub by_id: String,
+    pub time_bounds: String,
     pub packs: String,
     pub publishes: String,
     pub watermark: String,
@@ -66,6 +68,7 @@ impl Tables {
             captures: table("captures"),
             by_version: table("by_version"),
             by_id: table("by_id"),
+            time_bounds: table("time_bounds"),
             packs: table("packs"),
             publishes: table("publishes"),
             watermark: table("watermark"),
@@ -131,6 +134,15 @@ impl Tables {
             view(&self.by_id, &format!("SELECT {BY_ID_SELECT} FROM {}", self.captures)),
             format!(
                 "CREATE TABLE IF NOT EXISTS {}{on_cluster} (\
+                 catalog String, stream String, first_at AggregateFunction(min, UInt64), \
+                 last_at AggregateFunction(max, UInt64)\
+                 ) ENGINE = {} ORDER BY (catalog, stream)",
+                self.time_bounds,
+                self.engine(&self.time_bounds, "AggregatingMergeTree", "")
+            ),
+            view(&self.time_bounds, &self.time_bounds_select()),
+            format!(
+                "CREATE TABLE IF NOT EXISTS {}{on_cluster} (\
                  catalog String, pack_id String, object_key String, bytes UInt64, sha256 String, records UInt64, \
                  first_captured_at_ns UInt64, last_captured_at_ns UInt64, version UInt64, publish_id String\
                  ) ENGINE = {} ORDER BY (catalog, pack_id)",
@@ -171,6 +183,14 @@ impl Tables {
         ]
     }
 
+    fn time_bounds_select(&self) -> String {
+        format!(
+            "SELECT catalog, stream, minState(captured_at_ns) AS first_at, maxState(captured_at_ns) AS last_at \
+             FROM {} GROUP BY catalog, stream",
+            self.captures
+        )
+    }
+
     fn watermark_select(&self) -> String {
         format!("SELECT catalog, maxState(version) AS version FROM {} GROUP BY catalog", self.publishes)
     }
@@ -186,7 +206,12 @@ impl Tables {
             ),
             format!("INSERT INTO {} ({BY_ID_COLUMNS}) SELECT {BY_ID_SELECT} FROM {}", self.by_id, self.captures),
             format!("INSERT INTO {} (catalog, version) {}", self.watermark, self.watermark_select()),
+            self.time_bounds_copy(),
         ]
+    }
+
+    fn time_bounds_copy(&self) -> String {
+        format!("INSERT INTO {} (catalog, stream, first_at, last_at) {}", self.time_bounds, self.time_bounds_select())
     }
 }
 
@@ -209,6 +234,8 @@ impl Tables {
                 by_id = self.by_id,
                 captures = self.captures
             ),
+            // Bounds merge by min and max: copying them all again is idempotent.
+            self.time_bounds_copy(),
         ]
     }
 }
