@@ -16,8 +16,10 @@
 //! - `get`: the committed versions holding the id (`by_id`, and `publishes` at exactly those versions), then the row
 //!   from `by_version`: two queries of primary-key lookups, O(versions of the id);
 //! - `captures_of_version`: `by_version` at one version, O(captures of that version);
-//! - `list`: visibility against the publishes up to W and the latest version per id over the matching rows:
-//!   O(P + matching rows) per page, bounded by `catalog.read_max_memory` and the request timeout.
+//! - `list`: time windows of `captures` (see [`CatalogReader::list`]), each a primary-key range, visibility against
+//!   the publishes up to W, and one `by_id` lookup for the page's ids: about O(page + P) per page, with P a hash set
+//!   of (version, publish_id) built per window query. Every read is bounded by `catalog.read_max_memory` and the
+//!   request timeout.
 
 use std::collections::BTreeMap;
 
