@@ -10,7 +10,7 @@
 # start included). "ideal" is one primary-key read answering the same question on a table ordered for it, sent with
 # curl (process start included as well). BEFORE_BIN = AFTER_BIN measures a catalog that is already current.
 #
-# The upgrade includes its settle wait (3 x catalog.request_timeout, 60 s here) and catch-up copy.
+# The upgrade includes its settle wait (3 x catalog.request_timeout: 3 minutes here) and its catch-up copy.
 # `get` has no pack in the bucket to read, so it ends with a bucket error after its catalog lookup: the time is the
 # lookup's. Needs curl. Leaves the database in place (drop it with DROP DATABASE capstore_scale_<ROWS>).
 set -euo pipefail
