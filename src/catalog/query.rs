@@ -17,9 +17,8 @@
 //!   from `by_version`: two queries of primary-key lookups, O(versions of the id);
 //! - `captures_of_version`: `by_version` at one version, O(captures of that version);
 //! - `list`: time windows of `captures` (see [`CatalogReader::list`]), each a primary-key range, visibility against
-//!   the publishes up to W, and one `by_id` lookup for the page's ids: about O(page + P) per page, with P a hash set
-//!   of (version, publish_id) built per window query. Every read is bounded by `catalog.read_max_memory` and the
-//!   request timeout.
+//!   the publishes at the versions of the window's rows, and one `by_id` lookup for the page's ids: about O(page) per
+//!   page. Every read is bounded by `catalog.read_max_memory` and the request timeout.
 
 use std::collections::BTreeMap;
 
@@ -349,7 +348,8 @@ impl CatalogReader {
             _ => (end.saturating_sub(start) / FIRST_PAGE_WINDOWS).max(1),
         };
 
-        let mut conditions = vec![format!("catalog = {}", self.catalog_literal()), self.visible(watermark)];
+        let catalog = self.catalog_literal();
+        let mut conditions = vec![format!("catalog = {catalog}"), format!("version <= {watermark}")];
         if let Some(stream) = &query.stream {
             conditions.push(format!("stream = {}", sql_string_literal(stream)));
         }
@@ -372,7 +372,20 @@ impl CatalogReader {
             let needed = limit - candidates.len() as u64;
             let in_window =
                 format!("{} AND captured_at_ns >= {start} AND captured_at_ns < {window_end}", conditions.join(" AND "));
-            let sql = locations_sql(&self.tables.captures, &in_window, &having, &format!(" LIMIT {needed}"));
+            // Visibility against the publishes at the versions this window holds: a set of about the window's size,
+            // not of the catalog's history.
+            let visible = format!(
+                "(version, publish_id) IN (SELECT version, publish_id FROM {publishes} WHERE catalog = {catalog} AND \
+                 version IN (SELECT version FROM {captures} WHERE {in_window}))",
+                publishes = self.tables.publishes,
+                captures = self.tables.captures,
+            );
+            let sql = locations_sql(
+                &self.tables.captures,
+                &format!("{in_window} AND {visible}"),
+                &having,
+                &format!(" LIMIT {needed}"),
+            );
             let rows: Vec<CaptureLocation> = self.client.fetch_all(&sql).await?;
             windows_read += 1;
             let filled = rows.len() as u64 == needed;

@@ -127,7 +127,8 @@ impl Tables {
             format!(
                 "CREATE TABLE IF NOT EXISTS {}{on_cluster} (\
                  catalog String, capture_id FixedString(16), version UInt64, publish_id FixedString(16)\
-                 ) ENGINE = {} ORDER BY (catalog, capture_id, version, publish_id)",
+                 ) ENGINE = {} ORDER BY (catalog, capture_id, version, publish_id) \
+                 SETTINGS index_granularity = {BY_ID_INDEX_GRANULARITY}",
                 self.by_id,
                 self.engine(&self.by_id, "ReplacingMergeTree", "")
             ),
@@ -249,6 +250,10 @@ const CAPTURE_COLUMNS_DDL: &str = "catalog String, stream String, captured_at_ns
 const CAPTURE_COLUMNS: &str = "catalog, stream, captured_at_ns, capture_id, pack_id, object_key, record_offset, \
      record_len, payload_offset, payload_len, crc32c, label_keys, label_values, content_type, version, publish_id";
 const BY_ID_COLUMNS: &str = "catalog, capture_id, version, publish_id";
+/// Rows per `by_id` index mark: its reads are lookups of ids scattered over the whole table (a page's ids, one id of a
+/// `get`), each costing a granule; at the default 8,192 rows, a page of 100 ids read 2.8 M rows (119 ms at 10 M
+/// captures), at 256 it reads 92 k (29 ms). Its rows are 36 bytes, so the finer index stays small.
+const BY_ID_INDEX_GRANULARITY: u32 = 256;
 /// `by_id` keeps the ids as their 16 bytes: a third of the text's size on disk, and this table is all ids. (Every id
 /// capstore writes is a UUID's text, so the conversion cannot fail.)
 const BY_ID_SELECT: &str =
