@@ -118,13 +118,7 @@ impl Page {
         if keep < self.captures.len() {
             self.captures.truncate(keep);
             let last = self.captures.last().expect("at least one capture is kept");
-            let cursor = Cursor {
-                watermark: self.watermark,
-                captured_at_ns: last.captured_at_ns,
-                capture_id: Uuid::parse_str(&last.capture_id).unwrap_or_default(),
-                window_ns: self.window_ns,
-            };
-            self.next_cursor = Some(cursor.encode());
+            self.next_cursor = Some(Cursor::after(self.watermark, last, self.window_ns).encode());
         }
         self
     }
@@ -186,6 +180,16 @@ struct Cursor {
 }
 
 impl Cursor {
+    /// The position right after `capture`.
+    fn after(watermark: u64, capture: &CaptureLocation, window_ns: u64) -> Cursor {
+        Cursor {
+            watermark,
+            captured_at_ns: capture.captured_at_ns,
+            capture_id: Uuid::parse_str(&capture.capture_id).unwrap_or_default(),
+            window_ns,
+        }
+    }
+
     fn encode(&self) -> String {
         format!("{}.{}.{}.{}", self.watermark, self.captured_at_ns, self.capture_id, self.window_ns)
     }
@@ -302,13 +306,12 @@ impl CatalogReader {
                 by_id = self.tables.by_id,
             ))
             .await?;
-        let watermark = match (watermark_opt, committed.first()) {
-            (_, None) => return Ok(None),
-            (Some(watermark), Some(_)) => watermark,
-            // The newest committed version holding the id is at or below the watermark of this instant.
-            (None, Some(latest)) => latest.version,
+        // Newest first; without a pinned watermark the newest committed one is visible by definition.
+        let latest = match watermark_opt {
+            Some(watermark) => committed.iter().find(|row| row.version <= watermark),
+            None => committed.first(),
         };
-        let Some(latest) = committed.iter().find(|row| row.version <= watermark) else { return Ok(None) };
+        let Some(latest) = latest else { return Ok(None) };
         let mut rows: Vec<CaptureLocation> = self
             .client
             .fetch_all(&format!(
@@ -343,10 +346,11 @@ impl CatalogReader {
             start = start.max(cursor.captured_at_ns);
         }
         let end = last_ns.saturating_add(1).min(query.until_ns.unwrap_or(u64::MAX));
-        let mut window = match &cursor {
-            Some(Cursor { window_ns: 1.., .. }) => cursor.as_ref().map_or(1, |cursor| cursor.window_ns),
-            _ => (end.saturating_sub(start) / FIRST_PAGE_WINDOWS).max(1),
-        };
+        let mut window = cursor
+            .as_ref()
+            .map(|cursor| cursor.window_ns)
+            .filter(|window| *window > 0)
+            .unwrap_or_else(|| (end.saturating_sub(start) / FIRST_PAGE_WINDOWS).max(1));
 
         let catalog = self.catalog_literal();
         let mut conditions = vec![format!("catalog = {catalog}"), format!("version <= {watermark}")];
@@ -399,15 +403,7 @@ impl CatalogReader {
         let page_full = candidates.len() as u64 == limit;
         let next_window = if windows_read == 1 { (window / 2).max(1) } else { window };
         let next_cursor = match candidates.last() {
-            Some(last) if page_full => Some(
-                Cursor {
-                    watermark,
-                    captured_at_ns: last.captured_at_ns,
-                    capture_id: Uuid::parse_str(&last.capture_id).unwrap_or_default(),
-                    window_ns: next_window,
-                }
-                .encode(),
-            ),
+            Some(last) if page_full => Some(Cursor::after(watermark, last, next_window).encode()),
             _ => None,
         };
         // The cursor is the last candidate's, so a page shortened here still goes on where it should.
