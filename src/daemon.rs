@@ -4,7 +4,7 @@
 //! (READY=1 for systemd: from here on captures are accepted) -> HTTP (a bind failure is fatal; its catalog reads
 //! start working once the catalog is connected) -> bucket -> catalog connect + schema (retried with backoff:
 //! ClickHouse being down delays publishing, never ingest) -> lease with the start wait -> owed packs -> reconcile
-//! (when `catalog.reconcile_on_start`) -> the loop.
+//! (by upload intents; by a listing once if the catalog has no intent mark and `catalog.reconcile_on_start`) -> the loop.
 //!
 //! States: `intake` (`Running::start` returned: captures are accepted and acknowledged), `publishing` (the lease is
 //! held and the loop runs), `draining` (intake stopped: HTTP writes answer 503, the open pack is sealed, what fits in
@@ -264,15 +264,12 @@ impl Running {
         if let Err(error) = pipeline.index_round().await {
             tracing::warn!(%error, "publishing owed packs at start failed; the loop retries");
         }
-        if config.catalog.reconcile_on_start {
-            match pipeline.reconcile(&|_, _| {}).await {
-                Ok(report) => {
-                    if report.published > 0 || !report.invalid.is_empty() {
-                        tracing::info!(published = report.published, invalid = report.invalid.len(), "reconcile done");
-                    }
-                    self.board.set_reconcile(report);
-                }
-                Err(error) => tracing::warn!(%error, "reconcile at start failed; run `capstore reconcile` later"),
+        // The uploader's gate would do it before the first upload; done here so status shows it from the start.
+        if let Some(permit) = lease.permit() {
+            match pipeline.ensure_reconciled(&permit).await {
+                Ok(Some(report)) => self.board.set_reconcile(report),
+                Ok(None) => {}
+                Err(error) => tracing::warn!(%error, "reconcile at start failed; the uploader retries it first"),
             }
         }
 

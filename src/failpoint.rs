@@ -2,7 +2,8 @@
 //! the first) execution passes the named point. Crash tests use them to stop a real daemon at exactly the instants that
 //! matter; with the variable unset every check is one relaxed load.
 //!
-//! Points: `after_append_before_ack`, `after_seal`, `mid_upload`, `after_upload_before_rename`,
+//! Points: `after_append_before_ack`, `after_seal`, `after_intents_before_upload`, `mid_upload`,
+//! `after_upload_before_rename`,
 //! `after_publish_before_delete`.
 
 use std::collections::HashMap;

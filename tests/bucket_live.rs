@@ -7,11 +7,12 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use capstore::bucket::{Bucket, BucketErrorKind, METADATA_RECORDS, METADATA_SHA256};
+use capstore::bucket::{Bucket, BucketErrorKind, DayRange, METADATA_RECORDS, METADATA_SHA256};
 use capstore::capture::CaptureMeta;
 use capstore::config::{ByteSize, Config, Secret};
 use capstore::retry::RetryPolicy;
 use common::packs::WrittenPack;
+use futures::TryStreamExt;
 use object_store::path::Path as ObjectPath;
 use object_store::ObjectStore;
 use rand::RngCore;
@@ -177,7 +178,8 @@ async fn conformance(bucket: &Bucket, scratch: &Path) {
     assert_eq!(error.kind, BucketErrorKind::NotFound, "{error}");
 
     // Listing shows every object under the catalog prefix with its size, and nothing else.
-    let listed = bucket.list_pack_keys().await.unwrap();
+    let mut listed: Vec<_> = bucket.list_objects(None).try_collect().await.unwrap();
+    listed.sort();
     let mut expected = vec![
         (expected_key.clone(), small.summary.bytes),
         (large_outcome.key.clone(), large.summary.bytes),
@@ -186,6 +188,20 @@ async fn conformance(bucket: &Bucket, scratch: &Path) {
     ];
     expected.sort();
     assert_eq!(listed, expected);
+    // A window of UTC days lists only the prefixes of those days.
+    let day_ns = 1_700_000_000 * 1_000_000_000; // 2023-11-14T22:13:20Z
+    let mut in_window: Vec<_> =
+        bucket.list_objects(Some(DayRange::covering(day_ns, day_ns))).try_collect().await.unwrap();
+    in_window.sort();
+    let expected_in_window: Vec<_> = expected.iter().filter(|(key, _)| key.contains("/2023/11/14/")).cloned().collect();
+    assert!(!expected_in_window.is_empty() && expected_in_window.len() < expected.len(), "{expected:?}");
+    assert_eq!(in_window, expected_in_window);
+    let next_day: Vec<_> = bucket
+        .list_objects(Some(DayRange::covering(day_ns + 86_400 * 1_000_000_000, day_ns + 86_400 * 1_000_000_000)))
+        .try_collect()
+        .await
+        .unwrap();
+    assert!(next_day.iter().all(|(key, _)| key.contains("/2023/11/15/")), "{next_day:?}");
 }
 
 #[tokio::test]
@@ -259,7 +275,8 @@ async fn s3_outage_is_transient_and_the_upload_succeeds_after_restart() {
     let error = attempt.expect("an upload during an outage returns instead of hanging").unwrap_err();
     assert_eq!(error.kind, BucketErrorKind::Transient, "{error}");
     assert!(error.is_transient());
-    let reading = tokio::time::timeout(Duration::from_secs(30), bucket.list_pack_keys()).await;
+    let reading =
+        tokio::time::timeout(Duration::from_secs(30), bucket.list_objects(None).try_collect::<Vec<_>>()).await;
     assert_eq!(reading.expect("a listing during an outage returns").unwrap_err().kind, BucketErrorKind::Transient);
     let outage_elapsed = started.elapsed();
 

@@ -122,12 +122,31 @@ impl World {
         text.lines().map(|line| line.parse().unwrap()).collect()
     }
 
+    /// Rows of this catalog in the table `cs_<table>` matching `filter`.
+    fn count_rows(&self, table: &str, filter: &str) -> u64 {
+        let sql = format!(
+            "SELECT count() FROM {}.cs_{table} WHERE catalog = '{}' AND {filter} FORMAT TSV",
+            self.config.catalog.database, self.config.catalog_name
+        );
+        self.server.query(&sql).unwrap().trim().parse().unwrap()
+    }
+
+    fn assert_versions_gapless(&self) {
+        let versions = self.committed_versions();
+        let gapless: Vec<u64> = (1..=versions.len() as u64).collect();
+        assert_eq!(versions, gapless, "versions must be gapless and used once");
+    }
+
     fn spool_pack_count(&self) -> usize {
         list_packs(&SpoolPaths::new(&self.spool_dir())).map(|packs| packs.len()).unwrap_or(0)
     }
 
     async fn bucket_objects(&self) -> Vec<(String, u64)> {
-        Bucket::from_config(&self.config).unwrap().list_pack_keys().await.unwrap()
+        use futures::TryStreamExt;
+        let bucket = Bucket::from_config(&self.config).unwrap();
+        let mut objects: Vec<_> = bucket.list_objects(None).try_collect().await.unwrap();
+        objects.sort();
+        objects
     }
 
     /// Wait until everything dropped so far is published: inbox empty, spool empty, all listed.
@@ -166,9 +185,7 @@ impl World {
             assert_eq!(capture.payload.len(), *len, "{id}: length");
             assert!(capture.payload == expected_payload(*id, *len), "{id}: bytes differ");
         }
-        let versions = self.committed_versions();
-        let gapless: Vec<u64> = (1..=versions.len() as u64).collect();
-        assert_eq!(versions, gapless, "versions must be gapless and used once");
+        self.assert_versions_gapless();
         let owed = list_packs(&SpoolPaths::new(&self.spool_dir())).unwrap();
         assert!(owed.is_empty(), "packs left in the spool: {owed:?}");
         let (client, tables) = self.catalog().await;
@@ -266,6 +283,7 @@ async fn crash_matrix_sigkill_at_random_and_named_points_then_one_clean_run(serv
     for point in [
         "after_append_before_ack",
         "after_seal",
+        "after_intents_before_upload",
         "mid_upload",
         "after_upload_before_rename",
         "after_publish_before_delete",
@@ -353,8 +371,8 @@ async fn an_s3_outage_under_load_retries_and_drains_after(server: &'static Click
     world.assert_complete(&producer).await;
 }
 
-for_each_version!(a_lost_spool_is_repaired_by_reconcile_and_invalid_objects_are_skipped, flavor = "multi_thread");
-async fn a_lost_spool_is_repaired_by_reconcile_and_invalid_objects_are_skipped(server: &'static ClickHouseServer) {
+for_each_version!(a_lost_spool_is_repaired_from_upload_intents_without_a_listing, flavor = "multi_thread");
+async fn a_lost_spool_is_repaired_from_upload_intents_without_a_listing(server: &'static ClickHouseServer) {
     let world = World::new(server, BucketKind::File, false);
     let mut producer = Producer::new(world.inbox_stream(), vec![100, 7000]);
     producer.drop_many(20);
@@ -366,25 +384,125 @@ async fn a_lost_spool_is_repaired_by_reconcile_and_invalid_objects_are_skipped(s
     }
     let uploaded = world.bucket_objects().await;
     assert!(!uploaded.is_empty(), "the failpoint fires after an upload");
+    assert!(world.listed().await.is_empty(), "nothing was published before the crash");
     // The disk is lost: the spool is gone, with everything in it. What was still in the inbox is lost too.
     std::fs::remove_dir_all(world.spool_dir()).unwrap();
-    let bucket_root = world.dir.path().join("bucket");
-    let invalid = bucket_root.join(uploaded[0].0.rsplit_once('/').unwrap().0).join(format!("{}.cpk", Uuid::now_v7()));
-    std::fs::write(&invalid, b"this is not a pack").unwrap();
+    // Objects no intent names: a start must not find them (it does not list the bucket); `capstore reconcile` does.
+    let invalid_key = world.plant_invalid_object(&uploaded[0].0);
+    let stray = world.plant_valid_pack(STRAY_DAY_NS);
 
     let mut daemon = world.start(&[]);
     daemon.wait_for_log_async("reconcile done", Duration::from_secs(60)).await;
     let log = daemon.log();
-    assert!(log.contains("not a valid pack"), "the invalid object is reported:\n{log}");
-    let (code, _, _) = daemon.terminate();
-    assert_eq!(code, 0);
+    assert!(log.contains("source=Intents"), "the start reconciled by intents:\n{log}");
+    assert!(!log.contains("listing the bucket"), "the start did not list the bucket:\n{log}");
+    let (code, _, log) = daemon.terminate();
+    assert_eq!(code, 0, "{log}");
+    assert!(!log.contains("not a valid pack"), "a start never reads objects no intent names:\n{log}");
     let listed = world.listed().await;
-    assert!(!listed.is_empty(), "reconcile published the uploaded packs");
+    assert!(!listed.is_empty(), "the uploaded packs were published from their intents");
     let reader = world.reader().await;
     for (id, len) in &listed {
         let capture = reader.get(*id).await.unwrap().unwrap();
         assert_eq!(capture.payload, expected_payload(*id, *len as usize));
-        assert_eq!(producer.dropped.get(id), Some(&(*len as usize)));
+        assert_eq!(producer.dropped.get(id), Some(&(*len as usize)), "only the producer's captures so far");
+    }
+
+    // The explicit repair, limited to the stray pack's day: publishes it, never sees the invalid object (today's).
+    let day = humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + Duration::from_nanos(STRAY_DAY_NS));
+    let day = &day.to_string()[..10];
+    let report = world.reconcile(&["--since", day, "--until", day], 0);
+    assert_eq!((report["examined"].as_u64(), report["published"].as_u64()), (Some(1), Some(1)), "{report}");
+    let reader = world.reader().await;
+    for (meta, payload) in &stray {
+        assert_eq!(&reader.get(meta.capture_id).await.unwrap().unwrap().payload, payload);
+    }
+    // The whole prefix: the invalid object is reported (exit 1) and nothing is published twice.
+    let report = world.reconcile(&[], 1);
+    assert_eq!(report["published"].as_u64(), Some(0), "{report}");
+    assert_eq!(report["invalid"], serde_json::json!([invalid_key]), "{report}");
+    assert_eq!(world.listed().await.len(), listed.len() + stray.len());
+    world.assert_versions_gapless();
+}
+
+for_each_version!(a_start_reads_only_the_intents_since_the_newest_mark, flavor = "multi_thread");
+async fn a_start_reads_only_the_intents_since_the_newest_mark(server: &'static ClickHouseServer) {
+    let world = World::new(server, BucketKind::File, false);
+    let mut producer = Producer::new(world.inbox_stream(), vec![100, 5000]);
+    let daemon = world.start(&[("CAPSTORE_SPOOL_PACK_MAX_AGE", "200ms")]);
+    // Rounds one after another: each drop is sealed, uploaded and published before the next.
+    for _ in 0..6 {
+        producer.drop_many(3);
+        world.wait_for_drain(&producer, Duration::from_secs(60)).await;
+    }
+    let (code, _, log) = daemon.terminate();
+    assert_eq!(code, 0, "{log}");
+    let intents: u64 = world.count_rows("intents", "kind = 'pack'");
+    assert!(intents >= 6, "one intent per uploaded pack: {intents}");
+
+    let mut daemon = world.start(&[]);
+    daemon.wait_for_log_async("capstore running", Duration::from_secs(30)).await;
+    let status_file = world.spool_dir().join("status.json");
+    let report = loop {
+        let status: serde_json::Value =
+            std::fs::read(&status_file).ok().and_then(|bytes| serde_json::from_slice(&bytes).ok()).unwrap_or_default();
+        if !status["reconcile"].is_null() {
+            break status["reconcile"].clone();
+        }
+        assert!(daemon.child_mut().try_wait().unwrap().is_none(), "{}", daemon.log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    daemon.terminate();
+    assert_eq!(report["source"], "intents", "{report}");
+    let examined = report["examined"].as_u64().unwrap();
+    // The newest mark came with the last round's intents: only those are read again, all published already.
+    assert!(examined >= 1 && examined < intents, "read {examined} of {intents} intents: {report}");
+    assert_eq!(report["already_published"].as_u64(), Some(examined), "{report}");
+    assert_eq!(report["published"].as_u64(), Some(0), "{report}");
+}
+
+/// A day long before the tests run, for a stray pack's key.
+const STRAY_DAY_NS: u64 = 1_577_934_000 * 1_000_000_000; // 2020-01-02T03:00:00Z
+
+impl World {
+    /// An object named like a pack in the directory of `beside`, holding no pack. Returns its key.
+    fn plant_invalid_object(&self, beside: &str) -> String {
+        let key = format!("{}/{}.cpk", beside.rsplit_once('/').unwrap().0, Uuid::now_v7());
+        std::fs::write(self.dir.path().join("bucket").join(&key), b"this is not a pack").unwrap();
+        key
+    }
+
+    /// A valid pack put straight into the bucket (no intent, no catalog row), its first capture at `captured_at_ns`.
+    fn plant_valid_pack(&self, captured_at_ns: u64) -> Vec<(capstore::capture::CaptureMeta, Vec<u8>)> {
+        let captures: Vec<_> = (0..3u64)
+            .map(|index| {
+                let meta = capstore::capture::CaptureMeta {
+                    capture_id: Uuid::now_v7(),
+                    stream: "stray".into(),
+                    captured_at_ns: captured_at_ns + index,
+                    labels: Default::default(),
+                    content_type: None,
+                    source_name: None,
+                };
+                (meta, format!("stray capture {index}").into_bytes())
+            })
+            .collect();
+        let bucket = Bucket::from_config(&self.config).unwrap();
+        let scratch = self.dir.path().join("stray.cpk");
+        let written = common::packs::write_pack(&scratch, Uuid::now_v7(), captured_at_ns, captures);
+        let key = bucket.pack_key(&written.summary).to_string();
+        let path = self.dir.path().join("bucket").join(&key);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::rename(&scratch, &path).unwrap();
+        written.captures
+    }
+
+    /// Runs `capstore reconcile ARGS` (the daemon stopped) and returns its JSON report; asserts its exit code.
+    fn reconcile(&self, args: &[&str], expected_code: i32) -> serde_json::Value {
+        let output = self.env.command().arg("reconcile").args(args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(expected_code), "reconcile {args:?}: {stderr}");
+        serde_json::from_slice(&output.stdout).unwrap_or_else(|error| panic!("{error}: {stderr}"))
     }
 }
 

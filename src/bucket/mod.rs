@@ -83,7 +83,7 @@ use std::sync::Arc;
 use std::time::{Duration, UNIX_EPOCH};
 
 use bytes::Bytes;
-use futures::TryStreamExt;
+use futures::{StreamExt, TryStreamExt};
 use object_store::path::Path;
 use object_store::{Attribute, ObjectStore};
 use tokio::sync::Semaphore;
@@ -314,23 +314,29 @@ impl Bucket {
         decode_record(&record_bytes, entry).map_err(|error| BucketError::invalid_pack(key, error))
     }
 
-    /// Every object under the catalog prefix as (key, size), packs or not, so reconcile can find what the catalog
-    /// lacks. Sorted by key.
-    pub async fn list_pack_keys(&self) -> Result<Vec<(String, u64)>, BucketError> {
-        let prefix = self.catalog_prefix.clone();
-        let prefix_ref = &prefix;
-        let mut listed = self
-            .with_retries("list", &prefix, || async move {
-                self.store
-                    .list(Some(prefix_ref))
+    /// Every object under the catalog prefix as (key, size), packs or not, as the store lists them (in no promised
+    /// order), so reconcile can find what the catalog lacks with bounded memory. With `days`, only the prefixes of
+    /// those UTC days (a pack's key is dated by its first capture).
+    pub fn list_objects(
+        &self,
+        days: Option<DayRange>,
+    ) -> futures::stream::BoxStream<'_, Result<(String, u64), BucketError>> {
+        let prefixes: Vec<Path> = match days {
+            None => vec![self.catalog_prefix.clone()],
+            Some(days) => {
+                days.days().map(|(year, month, day)| self.catalog_prefix.child(year).child(month).child(day)).collect()
+            }
+        };
+        let store = self.store.clone();
+        futures::stream::iter(prefixes)
+            .map(move |prefix| {
+                let listed = store.list(Some(&prefix));
+                listed
                     .map_ok(|meta| (meta.location.to_string(), meta.size))
-                    .try_collect::<Vec<_>>()
-                    .await
-                    .map_err(|error| BucketError::from_store(format_args!("list {prefix_ref}"), error))
+                    .map_err(move |error| BucketError::from_store(format_args!("list {prefix}"), error))
             })
-            .await?;
-        listed.sort();
-        Ok(listed)
+            .flatten()
+            .boxed()
     }
 
     /// Runs `operation` until it succeeds, fails with a non-transient error, or the retry policy is spent. Each
@@ -366,6 +372,27 @@ impl Bucket {
 fn parse_key(key: &str) -> Result<Path, BucketError> {
     Path::parse(key)
         .map_err(|error| BucketError::new(BucketErrorKind::Permanent, format!("invalid key {key:?}: {error}")))
+}
+
+/// Whole UTC days, `first` to `last` inclusive, as days since the epoch: a window of `capstore reconcile`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DayRange {
+    pub first: u64,
+    pub last: u64,
+}
+
+impl DayRange {
+    const NS_PER_DAY: u64 = 86_400 * 1_000_000_000;
+
+    /// The days holding `since_ns` to `until_ns` (inclusive).
+    pub fn covering(since_ns: u64, until_ns: u64) -> DayRange {
+        DayRange { first: since_ns / Self::NS_PER_DAY, last: until_ns / Self::NS_PER_DAY }
+    }
+
+    /// `yyyy`, `mm`, `dd` of each day, in order.
+    pub fn days(&self) -> impl Iterator<Item = (String, String, String)> {
+        (self.first..=self.last).map(|day| utc_date(day * Self::NS_PER_DAY))
+    }
 }
 
 /// `yyyy`, `mm`, `dd` of a time in nanoseconds since the epoch, in UTC.

@@ -5,10 +5,12 @@
 //! - [`schema`]: table names, DDL (single server or cluster), schema version stamp.
 //! - [`lease`]: the lease statements and the fence ([`lease::LeaseStore`]), and the keeper task (renew, quarantine,
 //!   latch, start wait: [`lease::LeaseKeeper`]).
+//! - [`intents`]: the packs about to be uploaded, recorded before the upload, so a start reconciles without a listing.
 //! - [`publish`]: publishing a batch of packs at version watermark + 1 behind the fence, with read-back.
 //! - [`query`]: reads with a pinned watermark, tailing by version, garbage collection.
 
 pub mod client;
+pub mod intents;
 pub mod lease;
 pub mod publish;
 pub mod query;

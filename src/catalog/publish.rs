@@ -123,6 +123,11 @@ impl Publisher {
         sql_string_literal(&self.catalog)
     }
 
+    /// The upload intents of this catalog, on the same connection.
+    pub fn intent_log(&self) -> super::intents::IntentLog {
+        super::intents::IntentLog::new(self.client.clone(), self.tables.clone(), &self.catalog)
+    }
+
     /// The highest committed version (0 before the first publish).
     pub async fn watermark(&self) -> Result<u64, CatalogError> {
         CatalogReader::new(self.client.clone(), self.tables.clone(), &self.catalog).watermark().await

@@ -15,10 +15,12 @@
 //! | `packs` | ReplacingMergeTree(version) | pack inventory and the replay guard |
 //! | `publishes` | MergeTree | the commit log: a row is visible only if its (version, publish_id) is here |
 //! | `watermark` | AggregatingMergeTree | max(version) per catalog: a lower bound that keeps the watermark O(1) |
+//! | `intents` | MergeTree, monthly partitions | packs about to be uploaded, and marks: what a start reconciles |
+//! | `intent_marks` | AggregatingMergeTree | the newest mark per catalog: where a start's read of `intents` begins |
 //! | `lease` | MergeTree | the publisher lease; plain MergeTree so merges never change what a decision reads |
 //! | `schema` | MergeTree | the schema version stamp |
 //!
-//! `by_version`, `by_id`, `time_bounds` and `watermark` are filled by materialized views on the INSERTs into `captures` and
+//! `by_version`, `by_id`, `time_bounds`, `watermark` and `intent_marks` are filled by materialized views on the INSERTs into `captures` and
 //! `publishes` (the server writes them inside the same INSERT), so every writer indexes what it writes, including a
 //! capstore of schema 1 that is still running while another upgrades the tables. They answer *where to look*; what
 //! is visible is still decided by `publishes` alone, so an index row of a publish that never committed is harmless,
@@ -31,12 +33,14 @@
 //! knows is refused (an older capstore must not write into tables it does not understand); an older stamp is upgraded
 //! by the additive statements of newer versions. 1 -> 2 adds the index tables and their views, then copies the rows
 //! written before the views existed (server-side `INSERT ... SELECT`; a row copied twice, by a crash before the stamp
-//! or two daemons upgrading at once, is a duplicate every read already collapses), then stamps 2.
+//! or two daemons upgrading at once, is a duplicate every read already collapses), then stamps 2. 2 -> 3 adds
+//! `intents` and `intent_marks` (see [`super::intents`]); a catalog without a mark yet is reconciled once by listing
+//! the bucket, as every start did before.
 
 use super::client::{sql_string_literal, CatalogClient, CatalogError, ErrorKind};
 use crate::config::CatalogConfig;
 
-pub const SCHEMA_VERSION: u32 = 2;
+pub const SCHEMA_VERSION: u32 = 3;
 
 /// Fully qualified table names of one catalog configuration, plus the DDL flavour.
 #[derive(Debug, Clone)]
@@ -49,6 +53,8 @@ pub struct Tables {
     pub packs: String,
     pub publishes: String,
     pub watermark: String,
+    pub intents: String,
+    pub intent_marks: String,
     pub lease: String,
     pub schema: String,
     cluster: Option<String>,
@@ -72,6 +78,8 @@ impl Tables {
             packs: table("packs"),
             publishes: table("publishes"),
             watermark: table("watermark"),
+            intents: table("intents"),
+            intent_marks: table("intent_marks"),
             lease: table("lease"),
             schema: table("schema"),
             cluster: cluster.map(str::to_string),
@@ -166,6 +174,30 @@ impl Tables {
                 self.engine(&self.watermark, "AggregatingMergeTree", "")
             ),
             view(&self.watermark, &self.watermark_select()),
+            format!(
+                "CREATE TABLE IF NOT EXISTS {}{on_cluster} (\
+                 catalog String, intent_at_ms UInt64, kind String, pack_id String, object_key String, \
+                 lease_term UInt64, holder String\
+                 ) ENGINE = {} PARTITION BY toYYYYMM(toDateTime(intDiv(intent_at_ms, 1000))) \
+                 ORDER BY (catalog, intent_at_ms, pack_id)",
+                self.intents,
+                self.engine(&self.intents, "MergeTree", "")
+            ),
+            format!(
+                "CREATE TABLE IF NOT EXISTS {}{on_cluster} (\
+                 catalog String, marked_at_ms AggregateFunction(max, UInt64)\
+                 ) ENGINE = {} ORDER BY catalog",
+                self.intent_marks,
+                self.engine(&self.intent_marks, "AggregatingMergeTree", "")
+            ),
+            view(
+                &self.intent_marks,
+                &format!(
+                    "SELECT catalog, maxState(intent_at_ms) AS marked_at_ms FROM {} WHERE kind = 'mark' \
+                     GROUP BY catalog",
+                    self.intents
+                ),
+            ),
             format!(
                 "CREATE TABLE IF NOT EXISTS {}{on_cluster} (\
                  catalog String, term UInt64, lease_id String, holder String, \

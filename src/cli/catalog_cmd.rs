@@ -96,21 +96,60 @@ pub fn gc(config: &Config) -> anyhow::Result<i32> {
     let runtime = crate::cli::runtime()?;
     runtime.block_on(async {
         let (client, tables, store) = connect(config).await?;
+        let intents = capstore::catalog::intents::IntentLog::new(client.clone(), tables.clone(), &config.catalog_name);
         let reader = CatalogReader::new(client, tables, &config.catalog_name);
         let watermark = reader.gc_orphans().await?;
         let lease_terms = store.gc().await?;
+        let intents_below = match intents.gc().await? {
+            Some(mark) => format!("upload intents before the newest mark ({mark} ms)"),
+            None => "no upload intents (no mark yet)".to_string(),
+        };
         println!(
-            "catalog {}: deleting orphan rows at or below version {watermark} and lease rows below the head \
-             ({lease_terms} terms); ClickHouse applies the deletes in the background",
+            "catalog {}: deleting orphan rows at or below version {watermark}, lease rows below the head \
+             ({lease_terms} terms) and {intents_below}; ClickHouse applies the deletes in the background",
             config.catalog_name
         );
         Ok(exit_code::CLEAN)
     })
 }
 
-/// `capstore reconcile`: publish packs the bucket holds and the catalog lacks. Needs the spool (for the publisher
-/// identity) and the lease, so run it while the daemon is stopped (the daemon also reconciles at start).
-pub fn reconcile(config: &Config) -> anyhow::Result<i32> {
+#[derive(clap::Args)]
+pub struct ReconcileArgs {
+    /// Only packs whose key is dated on or after this UTC day (a key is dated by the pack's first capture): RFC 3339,
+    /// a date (YYYY-MM-DD) or nanoseconds since the epoch. Without it, the whole catalog prefix is listed.
+    #[arg(long, value_parser = super::read_cmd::parse_time)]
+    since: Option<u64>,
+    /// With --since: only packs dated on or before this UTC day (default: today).
+    #[arg(long, value_parser = super::read_cmd::parse_time, requires = "since")]
+    until: Option<u64>,
+}
+
+/// Days a windowed reconcile may list (one listing request per day prefix).
+const MAX_RECONCILE_DAYS: u64 = 3660;
+
+/// `capstore reconcile`: publish packs the bucket holds and the catalog lacks, streaming the listing (bounded memory)
+/// with progress on a terminal. Needs the spool (for the publisher identity) and the lease, so run it while the daemon
+/// is stopped (the daemon reconciles by intents at every start).
+pub fn reconcile(config: &Config, args: ReconcileArgs) -> anyhow::Result<i32> {
+    let days = match args.since {
+        None => None,
+        Some(since) => {
+            let until = args.until.unwrap_or_else(|| capstore::util::system_time_ns(std::time::SystemTime::now()));
+            if until < since {
+                eprintln!("capstore reconcile: --until is before --since");
+                return Ok(exit_code::CONFIG_OR_USAGE);
+            }
+            let days = capstore::bucket::DayRange::covering(since, until);
+            if days.last - days.first >= MAX_RECONCILE_DAYS {
+                eprintln!(
+                    "capstore reconcile: --since to --until spans more than {MAX_RECONCILE_DAYS} days; leave both out \
+                     to list the whole catalog prefix"
+                );
+                return Ok(exit_code::CONFIG_OR_USAGE);
+            }
+            Some(days)
+        }
+    };
     super::runtime()?.block_on(async {
         let spool = match super::own_spool(config, "stop the daemon first (it also reconciles at start)")? {
             Ok(spool) => spool,
@@ -132,19 +171,22 @@ pub fn reconcile(config: &Config) -> anyhow::Result<i32> {
         let pipeline =
             Pipeline::new(Arc::new(config.clone()), spool.paths().clone(), bucket, publisher, lease.handle().clone());
         let on_terminal = std::io::stderr().is_terminal();
-        let progress = move |done: u64, total: u64| {
+        let progress = move |report: &capstore::pipeline::reconcile::ReconcileReport| {
             if on_terminal {
-                eprint!("\rreconcile: {done}/{total} packs examined");
+                eprint!(
+                    "\rreconcile: {} objects listed, {} already published, {} published, {} invalid",
+                    report.examined, report.already_published, report.published, report.invalid_count
+                );
             }
         };
-        let result = pipeline.reconcile(&progress).await;
+        let result = pipeline.reconcile_listing(days, &progress).await;
         if on_terminal {
             eprintln!();
         }
         lease.stop().await;
         let report = result?;
         println!("{}", serde_json::to_string_pretty(&report)?);
-        Ok(if report.invalid.is_empty() { exit_code::CLEAN } else { exit_code::FATAL })
+        Ok(if report.invalid_count == 0 { exit_code::CLEAN } else { exit_code::FATAL })
     })
 }
 

@@ -47,8 +47,9 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Publish packs that are in the bucket but missing from the catalog (run while the daemon is stopped).
-    Reconcile,
+    /// Publish packs that are in the bucket but missing from the catalog, listing the bucket (run while the daemon is
+    /// stopped). The repair for a lost spool whose packs the catalog's upload intents do not name.
+    Reconcile(catalog_cmd::ReconcileArgs),
     /// Check every published pack against the bucket: present, valid, same size, SHA-256 and record count.
     Verify {
         #[arg(long)]
@@ -91,7 +92,7 @@ pub fn main() -> i32 {
         Command::Ls(args) => read_cmd::ls(&config, args),
         Command::Tail(args) => read_cmd::tail(&config, args),
         Command::Status { json } => daemon_cmd::status(&config, json),
-        Command::Reconcile => catalog_cmd::reconcile(&config),
+        Command::Reconcile(args) => catalog_cmd::reconcile(&config, args),
         Command::Verify { json } => catalog_cmd::verify(&config, json),
         Command::Lease(command) => catalog_cmd::lease(&config, command),
         Command::Gc => catalog_cmd::gc(&config),

@@ -71,13 +71,16 @@ pub struct LsArgs {
     json: bool,
 }
 
-fn parse_time(text: &str) -> Result<u64, String> {
+/// RFC 3339 (`2026-11-30T07:00:00Z`), a UTC date (`2026-11-30`, its midnight) or nanoseconds since the epoch.
+pub(super) fn parse_time(text: &str) -> Result<u64, String> {
     if let Ok(ns) = text.parse::<u64>() {
         return Ok(ns);
     }
-    humantime::parse_rfc3339_weak(text)
+    let is_date = text.len() == 10 && text.as_bytes().get(4) == Some(&b'-') && text.as_bytes().get(7) == Some(&b'-');
+    let full = if is_date { format!("{text}T00:00:00Z") } else { text.to_string() };
+    humantime::parse_rfc3339_weak(&full)
         .map(capstore::util::system_time_ns)
-        .map_err(|_| format!("{text:?} is not an RFC 3339 time or a number of nanoseconds"))
+        .map_err(|_| format!("{text:?} is not an RFC 3339 time, a date (YYYY-MM-DD) or a number of nanoseconds"))
 }
 
 pub fn ls(config: &Config, args: LsArgs) -> anyhow::Result<i32> {

@@ -1,8 +1,10 @@
 //! The pipeline from sealed packs to published captures; [`crate::daemon`] runs it.
 //!
-//! - [`uploader`]: `.sealed` -> bucket -> `.uploaded`, only while the lease is held and nothing is owed.
+//! - [`uploader`]: `.sealed` -> intent recorded in the catalog -> bucket -> `.uploaded`, only while the lease is held,
+//!   reconciled under, and nothing is owed.
 //! - [`indexer`]: `.uploaded` (the durable `pending_index`) -> fenced publish -> deleted.
-//! - [`reconcile`]: packs in the bucket that the catalog lacks -> published from their footers.
+//! - [`reconcile`]: packs in the bucket that the catalog lacks (found by intents, or by a listing) -> published from
+//!   their footers.
 //! - [`status`]: the status board the daemon fills as it starts, its snapshot and `status.json`.
 //!
 //! Every stage is a round over the spool directory, so it holds no state a crash could lose: a restart at any instant
@@ -27,6 +29,7 @@ use serde::Serialize;
 use uuid::Uuid;
 
 use crate::bucket::Bucket;
+use crate::catalog::intents::IntentLog;
 use crate::catalog::lease::LeaseHandle;
 use crate::catalog::publish::Publisher;
 use crate::config::Config;
@@ -118,6 +121,8 @@ pub enum RoundError {
     Publish(#[from] crate::catalog::publish::PublishError),
     #[error("catalog: {0}")]
     Catalog(#[from] crate::catalog::CatalogError),
+    #[error("catalog: {0}")]
+    Intents(#[from] crate::catalog::intents::IntentError),
     #[error("spool: {0}")]
     Spool(#[from] std::io::Error),
 }
@@ -160,6 +165,10 @@ pub struct Pipeline {
     pub spool_index: Arc<crate::spool::index::SpoolIndex>,
     /// Publish failures per pack for reasons of the pack's own (the server rejected its rows).
     index_attempts: Mutex<HashMap<Uuid, u32>>,
+    /// Where upload rounds record their packs before sending them, and reconcile reads them back.
+    intents: IntentLog,
+    /// The lease (lease_id) this process last reconciled under (see [`reconcile`]).
+    reconciled_lease: Mutex<Option<String>>,
 }
 
 impl Pipeline {
@@ -174,6 +183,7 @@ impl Pipeline {
             config,
             paths,
             bucket,
+            intents: publisher.intent_log(),
             publisher,
             lease,
             counters: Arc::default(),
@@ -181,6 +191,7 @@ impl Pipeline {
             published: Arc::default(),
             spool_index: Arc::default(),
             index_attempts: Mutex::default(),
+            reconciled_lease: Mutex::default(),
         }
     }
 

@@ -1,11 +1,22 @@
-//! Reconcile: packs under this catalog's bucket prefix that the catalog lacks are published from their footers.
+//! Reconcile: packs in the bucket that the catalog lacks are published from their footers.
 //!
-//! This is how a lost spool (or a crash between upload and publish with the spool gone) is repaired: the bucket holds
-//! self-describing packs, so two range reads (trailer, footer) give everything a publish needs. A pack found this way
-//! is checked as a stranger's: its footer is bounded, its header must name the pack id its key does, its SHA-256 must
-//! match, and every capture must follow the capture rules. Objects that are not valid packs are reported (WARN, with
-//! the reason) and skipped, never indexed. Packs still present in the local spool
-//! are left to the uploader and indexer.
+//! Two ways to find them, one way to resolve them:
+//! - **Intents** (every lease acquisition, before the first upload under it): the packs recorded in the catalog's
+//!   `intents` since the newest mark (see [`crate::catalog::intents`]): a few rounds' worth, however large the bucket.
+//!   This is what repairs a crash between upload and publish whose spool was lost with it.
+//! - **Listing** (`capstore reconcile`, optionally by UTC day of the key; and once at start when the catalog has no
+//!   mark yet, i.e. it was written before intents existed, if `catalog.reconcile_on_start`): every object under the
+//!   catalog prefix, streamed and resolved 500 at a time, so memory stays bounded whatever the bucket holds.
+//!
+//! Resolving a candidate: published already (the replay guard's query) -> skipped; still in the local spool -> left to
+//! the uploader and indexer; no object at its key (an intent whose upload never landed) -> nothing to publish;
+//! otherwise the pack is read and checked as a stranger's (footer bounded, header pack id against the key, SHA-256,
+//! every capture against the capture rules) and published. Objects that are not valid packs are reported (WARN, with
+//! the reason) and skipped, never indexed.
+//!
+//! State: which lease (lease_id) this process has reconciled under. It changes only on a fresh acquisition (a start,
+//! or a claim after losing the lease or a quarantine), never on renewal; the uploader's gate runs
+//! [`Pipeline::ensure_reconciled`] first, and marks are written only under a reconciled lease.
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
@@ -14,52 +25,184 @@ use serde::Serialize;
 use uuid::Uuid;
 
 use super::{Pipeline, RoundError};
-use crate::bucket::BucketError;
+use crate::bucket::{BucketError, BucketErrorKind, DayRange};
+use crate::catalog::intents::Intent;
+use crate::catalog::lease::PublishPermit;
 use crate::catalog::publish::{PackDescriptor, PublishOutcome};
 use crate::pack::{PackSummary, PACK_EXTENSION};
-use crate::spool::list_packs;
 
-#[derive(Debug, Default, Clone, Serialize)]
+/// Candidates resolved per catalog query.
+const CANDIDATES_PER_CHECK: usize = 500;
+/// Keys of invalid objects kept in a report (all are counted and logged).
+const INVALID_KEYS_KEPT: usize = 100;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReconcileSource {
+    Intents,
+    Listing,
+}
+
+#[derive(Debug, Clone, Serialize)]
 pub struct ReconcileReport {
-    pub objects_listed: u64,
+    pub source: ReconcileSource,
+    /// Intents read (source = intents) or objects listed (source = listing).
+    pub examined: u64,
     pub already_published: u64,
     pub published: u64,
+    /// Packs still in this spool: the uploader and indexer publish them.
+    pub local: u64,
+    /// Intents whose upload never landed.
+    pub not_uploaded: u64,
+    pub invalid_count: u64,
+    /// The first [`INVALID_KEYS_KEPT`] invalid keys.
     pub invalid: Vec<String>,
 }
 
+impl ReconcileReport {
+    fn new(source: ReconcileSource) -> ReconcileReport {
+        ReconcileReport {
+            source,
+            examined: 0,
+            already_published: 0,
+            published: 0,
+            local: 0,
+            not_uploaded: 0,
+            invalid_count: 0,
+            invalid: Vec::new(),
+        }
+    }
+
+    fn add_invalid(&mut self, key: String) {
+        self.invalid_count += 1;
+        if self.invalid.len() < INVALID_KEYS_KEPT {
+            self.invalid.push(key);
+        }
+    }
+}
+
 impl Pipeline {
-    /// Publish every pack in the bucket that the catalog lacks. `progress(done, total)` is called as packs are examined.
-    pub async fn reconcile(&self, progress: &(dyn Fn(u64, u64) + Sync)) -> Result<ReconcileReport, RoundError> {
-        let mut report = ReconcileReport::default();
-        let objects = self.bucket.list_pack_keys().await?;
-        report.objects_listed = objects.len() as u64;
-        let local: HashSet<Uuid> = list_packs(&self.paths)?.iter().map(|pack| pack.pack_id).collect();
-        let mut candidates = Vec::new();
-        for (key, _size) in objects {
-            match pack_id_of_key(&key) {
-                Some(pack_id) if local.contains(&pack_id) => {}
-                Some(pack_id) => candidates.push((pack_id, key)),
-                None => {
-                    tracing::warn!(%key, "object under the catalog prefix is not named like a pack; skipped");
-                    report.invalid.push(key);
+    /// Reconcile once per lease acquisition, before anything is uploaded under it: by intents, or by a listing when
+    /// the catalog has never been marked and `catalog.reconcile_on_start` asks for it. Returns the report when it ran
+    /// now.
+    pub async fn ensure_reconciled(&self, permit: &PublishPermit) -> Result<Option<ReconcileReport>, RoundError> {
+        if self.reconciled_lease.lock().unwrap_or_else(|p| p.into_inner()).as_deref() == Some(permit.lease_id.as_str())
+        {
+            return Ok(None);
+        }
+        let mark = self.intents.newest_mark().await?;
+        let report = match mark {
+            None if self.config.catalog.reconcile_on_start => {
+                tracing::info!("the catalog has no upload intents marked yet: reconciling by listing the bucket once");
+                self.reconcile_listing(None, &|_| {}).await?
+            }
+            _ => self.reconcile_intents(mark.unwrap_or(0)).await?,
+        };
+        if report.published > 0 || report.invalid_count > 0 {
+            tracing::info!(
+                source = ?report.source,
+                examined = report.examined,
+                published = report.published,
+                invalid = report.invalid_count,
+                "reconcile done"
+            );
+        } else {
+            tracing::debug!(source = ?report.source, examined = report.examined, "reconcile done");
+        }
+        *self.reconciled_lease.lock().unwrap_or_else(|p| p.into_inner()) = Some(permit.lease_id.clone());
+        Ok(Some(report))
+    }
+
+    /// Whether this process has reconciled under the lease of `permit`.
+    pub(super) fn is_reconciled(&self, permit: &PublishPermit) -> bool {
+        self.reconciled_lease.lock().unwrap_or_else(|p| p.into_inner()).as_deref() == Some(permit.lease_id.as_str())
+    }
+
+    /// Publish the packs recorded in `intents` at or after `since_ms` that the catalog lacks.
+    async fn reconcile_intents(&self, since_ms: u64) -> Result<ReconcileReport, RoundError> {
+        let mut report = ReconcileReport::new(ReconcileSource::Intents);
+        let local = self.local_pack_ids().await?;
+        let mut seen = HashSet::new();
+        let mut last: Option<Intent> = None;
+        loop {
+            let intents = self.intents.read(since_ms, last.as_ref()).await?;
+            report.examined += intents.len() as u64;
+            let mut candidates = Vec::new();
+            for intent in &intents {
+                let Ok(pack_id) = Uuid::parse_str(&intent.pack_id) else { continue };
+                if seen.insert(pack_id) {
+                    candidates.push((pack_id, intent.object_key.clone()));
                 }
             }
+            self.resolve(candidates, &local, &mut report).await?;
+            if (intents.len() as u64) < crate::catalog::intents::INTENTS_PER_READ {
+                return Ok(report);
+            }
+            last = intents.last().cloned();
         }
-        let total = candidates.len() as u64;
-        for (chunk_index, chunk) in candidates.chunks(500).enumerate() {
-            let pack_ids: Vec<Uuid> = chunk.iter().map(|(pack_id, _)| *pack_id).collect();
+    }
+
+    /// Publish every pack under the catalog prefix (of the days of `days`, if given) that the catalog lacks, reading
+    /// the listing as it streams. `progress` sees the report after each slice.
+    pub async fn reconcile_listing(
+        &self,
+        days: Option<DayRange>,
+        progress: &(dyn Fn(&ReconcileReport) + Sync),
+    ) -> Result<ReconcileReport, RoundError> {
+        use futures::StreamExt;
+        let mut report = ReconcileReport::new(ReconcileSource::Listing);
+        let local = self.local_pack_ids().await?;
+        let mut listing = self.bucket.list_objects(days).chunks(CANDIDATES_PER_CHECK);
+        while let Some(slice) = listing.next().await {
+            let mut candidates = Vec::with_capacity(slice.len());
+            for object in slice {
+                let (key, _size) = object?;
+                report.examined += 1;
+                match pack_id_of_key(&key) {
+                    Some(pack_id) => candidates.push((pack_id, key)),
+                    None => {
+                        tracing::warn!(%key, "object under the catalog prefix is not named like a pack; skipped");
+                        report.add_invalid(key);
+                    }
+                }
+            }
+            self.resolve(candidates, &local, &mut report).await?;
+            progress(&report);
+        }
+        Ok(report)
+    }
+
+    async fn local_pack_ids(&self) -> Result<HashSet<Uuid>, RoundError> {
+        Ok(super::list_spool_packs(&self.paths).await?.iter().map(|pack| pack.pack_id).collect())
+    }
+
+    /// Resolve candidate packs (id, key); see the module doc.
+    async fn resolve(
+        &self,
+        candidates: Vec<(Uuid, String)>,
+        local: &HashSet<Uuid>,
+        report: &mut ReconcileReport,
+    ) -> Result<(), RoundError> {
+        let (local_ones, candidates): (Vec<_>, Vec<_>) =
+            candidates.into_iter().partition(|(pack_id, _)| local.contains(pack_id));
+        report.local += local_ones.len() as u64;
+        for slice in candidates.chunks(CANDIDATES_PER_CHECK) {
+            let pack_ids: Vec<Uuid> = slice.iter().map(|(pack_id, _)| *pack_id).collect();
             let committed = self.publisher.committed_packs(&pack_ids).await?;
-            for (offset, (pack_id, key)) in chunk.iter().enumerate() {
-                progress((chunk_index * 500 + offset) as u64, total);
+            for (pack_id, key) in slice {
                 if committed.contains(pack_id) {
                     report.already_published += 1;
                     continue;
                 }
                 let remote = match self.read_verified(key, *pack_id).await {
                     Ok(remote) => remote,
-                    Err(error) if error.kind == crate::bucket::BucketErrorKind::InvalidPack => {
+                    Err(error) if error.kind == BucketErrorKind::NotFound => {
+                        report.not_uploaded += 1;
+                        continue;
+                    }
+                    Err(error) if error.kind == BucketErrorKind::InvalidPack => {
                         tracing::warn!(%key, %error, "object under the catalog prefix is not a valid pack; skipped");
-                        report.invalid.push(key.clone());
+                        report.add_invalid(key.clone());
                         continue;
                     }
                     Err(error) => return Err(RoundError::Bucket(error)),
@@ -84,8 +227,7 @@ impl Pipeline {
                 }
             }
         }
-        progress(total, total);
-        Ok(report)
+        Ok(())
     }
 }
 

@@ -1,42 +1,71 @@
 //! Uploader: sealed packs to the bucket, oldest first, up to `upload.batch_packs` per round, `upload.concurrency` at once.
 //!
-//! Gate (I5 and the lease rule): a round runs only while the lease is held and nothing is owed. A pack uploaded while
-//! the lease is not held would be owed by a process that may never publish it; a pack uploaded while another is owed
-//! would widen the window in which a crash leaves packs in the bucket that only this spool knows about.
+//! Gate (I5 and the lease rule): a round runs only while the lease is held, after this process has reconciled under
+//! that lease ([`Pipeline::ensure_reconciled`]), and while nothing is owed. A pack uploaded while the lease is not held
+//! would be owed by a process that may never publish it; a pack uploaded while another is owed would widen the window
+//! in which a crash leaves packs in the bucket that only this spool knows about.
 //!
-//! Per pack: read its trailer and footer (a pack that does not read back goes to quarantine), upload (the bucket
-//! module creates the object with `PutMode::Create`, treats an identical existing object as uploaded, verifies the size
-//! with HEAD), then rename `.sealed` -> `.uploaded` with a directory fsync. A conflicting object under the same key is a
-//! permanent conflict: the pack goes to quarantine with an ERROR. Bucket outages end the round without counting against
-//! any pack.
+//! Per round: open every pack of the round (a pack that does not read back goes to quarantine), record their intents
+//! in the catalog (fenced; with a mark when the round holds every sealed pack of the spool: see
+//! [`crate::catalog::intents`]), then upload each (the bucket module creates the object with `PutMode::Create`, treats
+//! an identical existing object as uploaded, verifies the size with HEAD) and rename `.sealed` -> `.uploaded` with a
+//! directory fsync. No intent, no upload: a lost spool can then always be repaired from the catalog. A conflicting
+//! object under the same key is a permanent conflict: the pack goes to quarantine with an ERROR. Bucket outages end the
+//! round without counting against any pack.
 
 use futures::StreamExt;
 use std::sync::atomic::Ordering;
 
 use super::{list_spool_packs, off_runtime, open_pack, Pipeline, RoundError};
 use crate::bucket::BucketErrorKind;
+use crate::catalog::intents::IntentError;
+use crate::pack::PackFile;
 use crate::spool::{PackListing, PackState};
 
 impl Pipeline {
     /// One upload round; returns how many packs moved to `.uploaded`.
     pub async fn upload_round(&self) -> Result<usize, RoundError> {
-        if self.lease.permit().is_none() {
-            return Err(RoundError::NoLease);
-        }
+        let Some(permit) = self.lease.permit() else { return Err(RoundError::NoLease) };
+        self.ensure_reconciled(&permit).await?;
         let packs = list_spool_packs(&self.paths).await?;
         if packs.iter().any(|pack| pack.state == PackState::Uploaded) {
             return Ok(0);
         }
-        let sealed: Vec<PackListing> = packs
-            .into_iter()
-            .filter(|pack| pack.state == PackState::Sealed)
-            .take(self.config.upload.batch_packs as usize)
-            .collect();
-        if sealed.is_empty() {
+        let sealed: Vec<PackListing> = packs.into_iter().filter(|pack| pack.state == PackState::Sealed).collect();
+        let whole_spool = sealed.len() <= self.config.upload.batch_packs as usize;
+        let mut round = Vec::new();
+        for listing in sealed.into_iter().take(self.config.upload.batch_packs as usize) {
+            match open_pack(&listing.path).await? {
+                Ok(pack) => round.push((listing, pack)),
+                Err(error) if error.is_data_error() => {
+                    self.quarantine_pack(&listing.path, &format!("sealed pack does not read back: {error}")).await;
+                }
+                // Gone (moved on by another stage) or an I/O problem: try again next round.
+                Err(error) => return Err(RoundError::Spool(std::io::Error::other(error.to_string()))),
+            }
+        }
+        if round.is_empty() {
             return Ok(0);
         }
-        let results: Vec<Result<bool, RoundError>> = futures::stream::iter(sealed)
-            .map(|listing| self.upload_one(listing))
+        let intents: Vec<_> = round
+            .iter()
+            .map(|(_, pack)| {
+                let summary = pack.summary();
+                (summary.pack_id, self.bucket.pack_key(&summary).to_string())
+            })
+            .collect();
+        let mark = whole_spool && self.is_reconciled(&permit);
+        match self.intents.record(&permit, &intents, mark).await {
+            Ok(()) => {}
+            Err(IntentError::FenceRefused) => {
+                self.lease.report_fence_refused();
+                return Err(RoundError::Intents(IntentError::FenceRefused));
+            }
+            Err(error) => return Err(error.into()),
+        }
+        crate::failpoint::hit("after_intents_before_upload");
+        let results: Vec<Result<bool, RoundError>> = futures::stream::iter(round)
+            .map(|(listing, pack)| self.upload_one(listing, pack))
             .buffer_unordered(self.config.upload.concurrency as usize)
             .collect()
             .await;
@@ -58,16 +87,7 @@ impl Pipeline {
     }
 
     /// Returns true when the pack is now `.uploaded`.
-    async fn upload_one(&self, listing: PackListing) -> Result<bool, RoundError> {
-        let pack = match open_pack(&listing.path).await? {
-            Ok(pack) => pack,
-            Err(error) if error.is_data_error() => {
-                self.quarantine_pack(&listing.path, &format!("sealed pack does not read back: {error}")).await;
-                return Ok(false);
-            }
-            // Gone (moved on by another stage) or an I/O problem: try again next round.
-            Err(error) => return Err(RoundError::Spool(std::io::Error::other(error.to_string()))),
-        };
+    async fn upload_one(&self, listing: PackListing, pack: PackFile) -> Result<bool, RoundError> {
         let summary = pack.summary();
         let upload = self.bucket.upload_pack(&listing.path, &summary);
         tokio::pin!(upload);
