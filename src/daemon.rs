@@ -249,6 +249,7 @@ impl Running {
         pipeline.inbox_unlinks = Some(self.inbox_unlinks.clone());
         pipeline.published = self.published.clone();
         pipeline.spool_index = self.spool.index();
+        pipeline.stopping = Some(shutdown_rx.clone());
         self.board.set_pipeline_counters(pipeline.counters.clone());
         tracing::info!(
             catalog = %config.catalog_name,
@@ -269,6 +270,7 @@ impl Running {
             match pipeline.ensure_reconciled(&permit).await {
                 Ok(Some(report)) => self.board.set_reconcile(report),
                 Ok(None) => {}
+                Err(RoundError::Stopped) => tracing::info!("reconcile at start interrupted by the shutdown"),
                 Err(error) => tracing::warn!(%error, "reconcile at start failed; the uploader retries it first"),
             }
         }
@@ -403,7 +405,7 @@ fn count_round(round: Result<usize, RoundError>, outage: &mut OutageLog, moved: 
             outage.recovered();
             true
         }
-        Err(RoundError::NoLease) => true,
+        Err(RoundError::NoLease | RoundError::Stopped) => true,
         Err(error) => {
             outage.failed(&error);
             false

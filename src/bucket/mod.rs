@@ -457,6 +457,15 @@ mod tests {
     }
 
     #[test]
+    fn a_day_range_covers_whole_utc_days_across_months() {
+        // 2024-02-28T12:00:00Z to 2024-03-01T00:00:00Z: the leap day is in, the first of March too (its midnight).
+        let days = DayRange::covering(1_709_121_600 * NS_PER_SECOND, 1_709_251_200 * NS_PER_SECOND);
+        let listed: Vec<String> = days.days().map(|(y, m, d)| format!("{y}/{m}/{d}")).collect();
+        assert_eq!(listed, ["2024/02/28", "2024/02/29", "2024/03/01"]);
+        assert_eq!(DayRange::covering(0, 0).days().count(), 1);
+    }
+
+    #[test]
     fn pack_key_is_deterministic() {
         let bucket = Bucket::from_config(&config_with("memory://")).unwrap();
         let pack = summary(1_700_000_000 * NS_PER_SECOND, 0);

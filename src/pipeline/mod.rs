@@ -125,6 +125,8 @@ pub enum RoundError {
     Intents(#[from] crate::catalog::intents::IntentError),
     #[error("spool: {0}")]
     Spool(#[from] std::io::Error),
+    #[error("stopped: the process is shutting down")]
+    Stopped,
 }
 
 /// Runs spool work that blocks (directory listings, pack reads, renames and unlinks with their fsyncs) on the blocking
@@ -169,6 +171,8 @@ pub struct Pipeline {
     intents: IntentLog,
     /// The lease (lease_id) this process last reconciled under (see [`reconcile`]).
     reconciled_lease: Mutex<Option<String>>,
+    /// True once the process is stopping: long work (a reconcile) ends between two packs (none in offline tools).
+    pub stopping: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
 impl Pipeline {
@@ -192,6 +196,15 @@ impl Pipeline {
             spool_index: Arc::default(),
             index_attempts: Mutex::default(),
             reconciled_lease: Mutex::default(),
+            stopping: None,
+        }
+    }
+
+    /// `Err(Stopped)` once the process is stopping: long work checks it between two units that each complete.
+    fn unless_stopping(&self) -> Result<(), RoundError> {
+        match &self.stopping {
+            Some(stopping) if *stopping.borrow() => Err(RoundError::Stopped),
+            _ => Ok(()),
         }
     }
 

@@ -14,6 +14,10 @@
 //! every capture against the capture rules) and published. Objects that are not valid packs are reported (WARN, with
 //! the reason) and skipped, never indexed.
 //!
+//! No periodic background listing: what it would find beyond the intents is a dead holder's upload that landed after
+//! the next holder reconciled (its own spool still owes and publishes it) or packs copied into the bucket by hand,
+//! both rare enough for the explicit repair, while a periodic listing costs requests in proportion to the bucket.
+//!
 //! State: which lease (lease_id) this process has reconciled under. It changes only on a fresh acquisition (a start,
 //! or a claim after losing the lease or a quarantine), never on renewal; the uploader's gate runs
 //! [`Pipeline::ensure_reconciled`] first, and marks are written only under a reconciled lease.
@@ -31,8 +35,10 @@ use crate::catalog::lease::PublishPermit;
 use crate::catalog::publish::{PackDescriptor, PublishOutcome};
 use crate::pack::{PackSummary, PACK_EXTENSION};
 
-/// Candidates resolved per catalog query.
-const CANDIDATES_PER_CHECK: usize = 500;
+/// Candidates resolved per catalog query. The pack ids of a listing are scattered over the whole `packs` table, so
+/// each query reads most of its granules whatever its size: fewer, larger queries are faster (2,000 ids keep the
+/// statement, which names them twice, under the server's 256 KiB max_query_size).
+const CANDIDATES_PER_CHECK: usize = 2000;
 /// Keys of invalid objects kept in a report (all are counted and logged).
 const INVALID_KEYS_KEPT: usize = 100;
 
@@ -154,6 +160,7 @@ impl Pipeline {
         let local = self.local_pack_ids().await?;
         let mut listing = self.bucket.list_objects(days).chunks(CANDIDATES_PER_CHECK);
         while let Some(slice) = listing.next().await {
+            self.unless_stopping()?;
             let mut candidates = Vec::with_capacity(slice.len());
             for object in slice {
                 let (key, _size) = object?;
@@ -190,6 +197,8 @@ impl Pipeline {
             let pack_ids: Vec<Uuid> = slice.iter().map(|(pack_id, _)| *pack_id).collect();
             let committed = self.publisher.committed_packs(&pack_ids).await?;
             for (pack_id, key) in slice {
+                // Between two packs, never inside a publish: a publish is given up only through its own outcome.
+                self.unless_stopping()?;
                 if committed.contains(pack_id) {
                     report.already_published += 1;
                     continue;

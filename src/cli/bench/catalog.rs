@@ -54,55 +54,15 @@ pub async fn catalog_publish(options: &CatalogBenchOptions) -> anyhow::Result<Ve
         let mut publish_runs = Vec::new();
         let mut client_runs = Vec::new();
         for _ in 0..options.repeats {
-            let pack_id = Uuid::now_v7();
-            let object_key = format!("bench/{pack_id}.cpk");
-            let entries: Vec<IndexEntry> = (0..rows)
-                .map(|n| IndexEntry {
-                    meta: CaptureMeta {
-                        capture_id: Uuid::now_v7(),
-                        stream: "bench/stream".into(),
-                        captured_at_ns: 1_700_000_000_000_000_000 + n,
-                        labels: BTreeMap::from([("site".to_string(), "berlin".to_string())]),
-                        content_type: None,
-                        source_name: None,
-                    },
-                    record_offset: 40 + n * 1100,
-                    record_len: 1100,
-                    payload_offset: 40 + n * 1100 + 76,
-                    payload_len: 1024,
-                    crc32c: n as u32,
-                })
-                .collect();
-            let tsv = baseline_tsv(&config.catalog_name, &object_key, pack_id, &entries);
+            let pack = synthetic_pack(rows);
+            let tsv = baseline_tsv(&config.catalog_name, &pack.object_key, pack.summary.pack_id, &pack.entries);
             let started = Instant::now();
             let status = run_clickhouse_client(options.native_port, &baseline_table, &tsv)?;
             client_runs.push(started.elapsed().as_secs_f64());
             anyhow::ensure!(status.success(), "clickhouse-client failed: {status}");
 
-            let pack = PackDescriptor {
-                summary: PackSummary {
-                    pack_id,
-                    bytes: 40 + rows * 1100,
-                    records: rows,
-                    sha256_hex: "00".repeat(32),
-                    first_captured_at_ns: 0,
-                    last_captured_at_ns: 0,
-                    created_at_ns: 0,
-                },
-                object_key,
-                entries,
-            };
             let started = Instant::now();
-            loop {
-                match publisher.publish_batch(std::slice::from_ref(&pack)).await {
-                    Ok(PublishOutcome::Committed { .. }) => break,
-                    Ok(other) => anyhow::bail!("unexpected publish outcome {other:?}"),
-                    Err(error) => {
-                        tracing::warn!(%error, "publish failed during the benchmark; retrying");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                    }
-                }
-            }
+            publish_until_committed(&publisher, &pack).await?;
             publish_runs.push(started.elapsed().as_secs_f64());
         }
         let publish_seconds = median(&mut publish_runs);
@@ -119,6 +79,55 @@ pub async fn catalog_publish(options: &CatalogBenchOptions) -> anyhow::Result<Ve
     lease.stop().await;
     client.execute(&format!("DROP TABLE IF EXISTS {baseline_table}")).await?;
     Ok(results)
+}
+
+/// One pack of `rows` synthetic capture rows in one stream, with one label.
+pub(super) fn synthetic_pack(rows: u64) -> PackDescriptor {
+    let pack_id = Uuid::now_v7();
+    let entries: Vec<IndexEntry> = (0..rows)
+        .map(|n| IndexEntry {
+            meta: CaptureMeta {
+                capture_id: Uuid::now_v7(),
+                stream: "bench/stream".into(),
+                captured_at_ns: 1_700_000_000_000_000_000 + n,
+                labels: BTreeMap::from([("site".to_string(), "berlin".to_string())]),
+                content_type: None,
+                source_name: None,
+            },
+            record_offset: 40 + n * 1100,
+            record_len: 1100,
+            payload_offset: 40 + n * 1100 + 76,
+            payload_len: 1024,
+            crc32c: n as u32,
+        })
+        .collect();
+    PackDescriptor {
+        summary: PackSummary {
+            pack_id,
+            bytes: 40 + rows * 1100,
+            records: rows,
+            sha256_hex: "00".repeat(32),
+            first_captured_at_ns: 0,
+            last_captured_at_ns: 0,
+            created_at_ns: 0,
+        },
+        object_key: format!("bench/{pack_id}.cpk"),
+        entries,
+    }
+}
+
+/// Publish `pack`, retrying what fails (a benchmark rides out a slow renewal); an unexpected outcome is an error.
+pub(super) async fn publish_until_committed(publisher: &Publisher, pack: &PackDescriptor) -> anyhow::Result<()> {
+    loop {
+        match publisher.publish_batch(std::slice::from_ref(pack)).await {
+            Ok(PublishOutcome::Committed { .. }) => return Ok(()),
+            Ok(other) => anyhow::bail!("unexpected publish outcome {other:?}"),
+            Err(error) => {
+                tracing::warn!(%error, "publish failed during the benchmark; retrying");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
 }
 
 fn baseline_tsv(catalog: &str, object_key: &str, pack_id: Uuid, entries: &[IndexEntry]) -> Vec<u8> {

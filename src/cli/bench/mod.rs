@@ -1,7 +1,8 @@
-//! `capstore bench spool|catalog|e2e`: throughput and latency beside a baseline measured in the same run. One file per
+//! `capstore bench spool|catalog|catalog-scale|e2e`: throughput and latency beside a baseline measured in the same run. One file per
 //! benchmark; this one holds the commands and their tables.
 
 mod catalog;
+mod catalog_scale;
 mod e2e;
 mod spool;
 
@@ -13,6 +14,7 @@ use uuid::Uuid;
 use capstore::config::{ByteSize, Config};
 use capstore::exit_code;
 use catalog::{catalog_publish, CatalogBenchOptions};
+use catalog_scale::{catalog_scale, CatalogScaleOptions};
 use e2e::{e2e, E2eBenchOptions};
 use spool::{spool_append, SpoolBenchOptions};
 
@@ -80,6 +82,23 @@ pub enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Catalog reads at 1M, 10M and 100M captures (get, pages by stream and across streams at depth, a label, a time
+    /// window, tail, tail catch-up, publish p50), each beside ClickHouse answering the same question by primary key.
+    /// Loads each size on the server into `<catalog.database>_scale_<rows>` once (kept for later runs).
+    CatalogScale {
+        #[arg(long, value_delimiter = ',', default_value = "1000000,10000000,100000000")]
+        rows: Vec<u64>,
+        #[arg(long, default_value_t = 5)]
+        repeats: usize,
+        /// Captures the tail catch-up reads from version 0.
+        #[arg(long, default_value_t = 2_000_000)]
+        catch_up: u64,
+        /// Publishes timed into the big catalog and into an empty one.
+        #[arg(long, default_value_t = 20)]
+        publishes: usize,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 pub fn run(config: &Config, config_path: Option<&Path>, command: BenchCommand) -> anyhow::Result<i32> {
@@ -142,6 +161,33 @@ pub fn run(config: &Config, config_path: Option<&Path>, command: BenchCommand) -
                     );
                 }
             }
+            return Ok(exit_code::CLEAN);
+        }
+        BenchCommand::CatalogScale { rows, repeats, catch_up, publishes, json } => {
+            let options =
+                CatalogScaleOptions { config: config.clone(), rows, repeats, catch_up_captures: catch_up, publishes };
+            let results = runtime.block_on(catalog_scale(&options))?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&results)?);
+                return Ok(exit_code::CLEAN);
+            }
+            println!(
+                "{:>10}  {:<60}  {:>12}  {:>12}  {:>6}  {:>10}",
+                "rows", "read", "capstore", "ideal", "ratio", "peak MiB"
+            );
+            for row in results {
+                let or_dash = |value: Option<f64>, digits: usize| value.map_or("-".into(), |v| format!("{v:.digits$}"));
+                println!(
+                    "{:>10}  {:<60}  {:>12.1}  {:>12}  {:>6}  {:>10}",
+                    row.rows,
+                    row.read,
+                    row.capstore_ms,
+                    or_dash(row.ideal_ms, 1),
+                    or_dash(row.ratio, 2),
+                    or_dash(row.peak_memory_mib, 1)
+                );
+            }
+            println!("(ms unless the read says otherwise; ratio = capstore / ideal)");
             return Ok(exit_code::CLEAN);
         }
         BenchCommand::Catalog { native_port, rows, repeats, json } => {

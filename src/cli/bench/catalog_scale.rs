@@ -1,0 +1,404 @@
+//! `capstore bench catalog-scale`: the catalog's reads at 1M, 10M, 100M captures, each beside the ideal (ClickHouse
+//! answering the same question by primary key on a table ordered for it), in the same run, on the same server.
+//!
+//! Each size gets a database of its own (`<catalog.database>_scale_<rows>`, kept for the next run: loading is the
+//! slow part), filled on the server with `INSERT ... SELECT FROM numbers()` into the current schema's tables (the
+//! materialized views index the rows as a daemon's publishes would be): 100 streams, 100 captures per publish and
+//! pack, one label of 7 values, 60 days of capture times. Reads run in this process through the same
+//! [`CatalogReader`] the CLI and HTTP API use, so the figures leave out process start; the ideal runs on the same
+//! client. Peak server memory per read comes from `system.query_log` when the server logs queries.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use uuid::Uuid;
+
+use capstore::catalog::lease::LeaseKeeper;
+use capstore::catalog::publish::Publisher;
+use capstore::catalog::query::{CatalogReader, ListQuery};
+use capstore::catalog::{CatalogClient, Tables};
+use capstore::config::Config;
+
+use super::catalog::{publish_until_committed, synthetic_pack};
+use super::median;
+
+/// The catalog name every scale database holds.
+const CATALOG: &str = "main";
+const STREAMS: u64 = 100;
+const CAPTURES_PER_PUBLISH: u64 = 100;
+const FIRST_NS: u64 = 1_700_000_000_000_000_000;
+const SPAN_NS: u64 = 60 * 86_400 * 1_000_000_000;
+/// How long a load statement may run on the server.
+const LOAD_TIMEOUT: Duration = Duration::from_secs(4 * 3600);
+
+pub struct CatalogScaleOptions {
+    pub config: Config,
+    pub rows: Vec<u64>,
+    pub repeats: usize,
+    /// Captures a tail catch-up reads (at most the catalog's size).
+    pub catch_up_captures: u64,
+    pub publishes: usize,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ScaleRow {
+    pub rows: u64,
+    pub read: String,
+    pub capstore_ms: f64,
+    pub ideal_ms: Option<f64>,
+    /// capstore_ms / ideal_ms.
+    pub ratio: Option<f64>,
+    /// The largest `memory_usage` of the read's queries in `system.query_log` (None when the server logs none).
+    pub peak_memory_mib: Option<f64>,
+}
+
+pub async fn catalog_scale(options: &CatalogScaleOptions) -> anyhow::Result<Vec<ScaleRow>> {
+    let mut results = Vec::new();
+    for &rows in &options.rows {
+        let mut config = options.config.clone();
+        config.catalog.database = format!("{}_scale_{rows}", options.config.catalog.database);
+        config.catalog_name = CATALOG.to_string();
+        let (client, tables) = capstore::catalog::connect(&config).await?;
+        load(&client, &tables, rows).await?;
+        let reader = CatalogReader::new(client.clone(), tables.clone(), CATALOG);
+        let mut bench = Bench { client: &client, rows, repeats: options.repeats.max(1), results: &mut results };
+        reads(&mut bench, &reader, &tables, options.catch_up_captures.min(rows)).await?;
+        publishes(&mut bench, &config, &tables, options.publishes).await?;
+    }
+    Ok(results)
+}
+
+/// Fill the scale database with `rows` captures unless it holds them already.
+async fn load(client: &CatalogClient, tables: &Tables, rows: u64) -> anyhow::Result<()> {
+    let have = count(client, &format!("SELECT count() FROM {} WHERE catalog = '{CATALOG}'", tables.captures)).await?;
+    if have == rows {
+        eprintln!("catalog-scale: {} already holds {rows} captures", tables.database);
+        return Ok(());
+    }
+    anyhow::ensure!(have == 0, "{} holds {have} captures, not {rows}: drop the database first", tables.database);
+    eprintln!("catalog-scale: loading {rows} captures into {} on the server", tables.database);
+    let started = Instant::now();
+    let step = SPAN_NS / rows;
+    let source = format!(
+        "SELECT number, intDiv(number, {CAPTURES_PER_PUBLISH}) + 1 AS v, toUInt64({FIRST_NS} + number * {step}) AS at \
+         FROM numbers({rows})"
+    );
+    let pack = synthetic_id("v", 5);
+    client
+        .execute_with_timeout(
+            &format!(
+                "INSERT INTO {captures} (catalog, stream, captured_at_ns, capture_id, pack_id, object_key, \
+                 record_offset, record_len, payload_offset, payload_len, crc32c, label_keys, label_values, \
+                 content_type, version, publish_id) SELECT '{CATALOG}', concat('sensor/', toString(number % {STREAMS})), \
+                 at, {capture}, {pack}, concat('p/', {pack}, '.cpk'), (number % 100) * 4200 + 64, 4200, \
+                 (number % 100) * 4200 + 200, 4000, toUInt32(cityHash64(number) % 4294967296), ['site'], \
+                 [concat('s', toString(number % 7))], '', v, {publish} FROM ({source})",
+                captures = tables.captures,
+                capture = synthetic_id("number", 1),
+                publish = synthetic_id("v", 3),
+            ),
+            LOAD_TIMEOUT,
+        )
+        .await?;
+    client
+        .execute_with_timeout(
+            &format!(
+                "INSERT INTO {packs} (catalog, pack_id, object_key, bytes, sha256, records, first_captured_at_ns, \
+                 last_captured_at_ns, version, publish_id) SELECT '{CATALOG}', {pack}, concat('p/', {pack}, '.cpk'), \
+                 420000, '', {CAPTURES_PER_PUBLISH}, at, at, v, {publish} FROM ({source}) \
+                 WHERE number % {CAPTURES_PER_PUBLISH} = 0",
+                packs = tables.packs,
+                publish = synthetic_id("v", 3),
+            ),
+            LOAD_TIMEOUT,
+        )
+        .await?;
+    // The publishes last: a reader sees a publish only with all of its rows.
+    client
+        .execute_with_timeout(
+            &format!(
+                "INSERT INTO {publishes} (catalog, version, publish_id, holder, lease_term, packs, captures, \
+                 published_at_ms) SELECT '{CATALOG}', v, {publish}, 'bench', 1, 1, {CAPTURES_PER_PUBLISH}, \
+                 intDiv(at, 1000000) FROM ({source}) WHERE number % {CAPTURES_PER_PUBLISH} = 0",
+                publishes = tables.publishes,
+                publish = synthetic_id("v", 3),
+            ),
+            LOAD_TIMEOUT,
+        )
+        .await?;
+    eprintln!("catalog-scale: loaded in {:.0} s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// A UUID's text made on the server from two hashes of `expression` (deterministic, so a read can name row n).
+fn synthetic_id(expression: &str, salt: u64) -> String {
+    format!(
+        "UUIDNumToString(toFixedString(concat(reinterpretAsString(cityHash64({expression}, {salt})), \
+         reinterpretAsString(cityHash64({expression}, {}))), 16))",
+        salt + 1
+    )
+}
+
+#[derive(clickhouse::Row, serde::Deserialize)]
+struct Count {
+    value: u64,
+}
+
+async fn count(client: &CatalogClient, sql: &str) -> anyhow::Result<u64> {
+    let rows: Vec<Count> = client.fetch_all(&format!("SELECT toUInt64(({sql})) AS value")).await?;
+    Ok(rows.first().map_or(0, |row| row.value))
+}
+
+#[derive(clickhouse::Row, serde::Deserialize)]
+struct Text {
+    value: String,
+}
+
+struct Bench<'a> {
+    client: &'a CatalogClient,
+    rows: u64,
+    repeats: usize,
+    results: &'a mut Vec<ScaleRow>,
+}
+
+impl Bench<'_> {
+    /// Times `read` (median of the repeats), then `ideal` (a statement whose rows are discarded), and records both
+    /// with the peak memory of the read's queries.
+    async fn measure<F, Fut>(&mut self, name: &str, ideal: Option<String>, mut read: F) -> anyhow::Result<()>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = anyhow::Result<()>>,
+    {
+        // query_log has whole-second times: a fresh second keeps this read's queries apart from the last one's.
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        let since = self.server_seconds().await?;
+        let mut runs = Vec::with_capacity(self.repeats);
+        for _ in 0..self.repeats {
+            let started = Instant::now();
+            read().await?;
+            runs.push(started.elapsed().as_secs_f64() * 1000.0);
+        }
+        let capstore_ms = median(&mut runs);
+        let peak_memory_mib = self.peak_memory_since(since).await;
+        let ideal_ms = match ideal {
+            Some(sql) => {
+                let mut runs = Vec::with_capacity(self.repeats);
+                for _ in 0..self.repeats {
+                    let started = Instant::now();
+                    self.client.execute(&sql).await?;
+                    runs.push(started.elapsed().as_secs_f64() * 1000.0);
+                }
+                Some(median(&mut runs))
+            }
+            None => None,
+        };
+        eprintln!("catalog-scale: {} rows, {name}: {capstore_ms:.1} ms (ideal {ideal_ms:?})", self.rows);
+        self.results.push(ScaleRow {
+            rows: self.rows,
+            read: name.to_string(),
+            capstore_ms,
+            ideal_ms,
+            ratio: ideal_ms.map(|ideal| capstore_ms / ideal),
+            peak_memory_mib,
+        });
+        Ok(())
+    }
+
+    async fn server_seconds(&self) -> anyhow::Result<u64> {
+        count(self.client, "SELECT toUInt64(now())").await
+    }
+
+    async fn peak_memory_since(&self, since: u64) -> Option<f64> {
+        self.client.execute("SYSTEM FLUSH LOGS").await.ok()?;
+        let peak = count(
+            self.client,
+            &format!(
+                "SELECT max(memory_usage) FROM system.query_log WHERE event_time >= toDateTime({since}) AND \
+                 type = 'QueryFinish' AND query NOT LIKE '%system.query_log%' AND query NOT LIKE 'SYSTEM%'"
+            ),
+        )
+        .await
+        .ok()?;
+        (peak > 0).then(|| peak as f64 / (1024.0 * 1024.0))
+    }
+}
+
+async fn reads(bench: &mut Bench<'_>, reader: &CatalogReader, tables: &Tables, catch_up: u64) -> anyhow::Result<()> {
+    let rows = bench.rows;
+    let captures = &tables.captures;
+    let by_version = &tables.by_version;
+    let watermark = reader.watermark().await?;
+    let at = |row: u64| FIRST_NS + row * (SPAN_NS / rows);
+    let deep = 1_000_000.min(rows / 2);
+    let middle_row = rows / 2;
+    let middle_ids: Vec<Text> = bench
+        .client
+        .fetch_all(&format!("SELECT {} AS value", synthetic_id(&format!("toUInt64({middle_row})"), 1)))
+        .await?;
+    let middle = Uuid::parse_str(&middle_ids[0].value)?;
+    let middle_version = middle_row / CAPTURES_PER_PUBLISH + 1;
+    let stream = "sensor/7";
+
+    bench
+        .measure(
+            "watermark",
+            Some(format!("SELECT max(version) FROM {} WHERE catalog = '{CATALOG}'", tables.publishes)),
+            || async { reader.watermark().await.map(drop).map_err(Into::into) },
+        )
+        .await?;
+    bench
+        .measure(
+            "get by id",
+            Some(format!(
+                "SELECT * FROM {by_version} WHERE catalog = '{CATALOG}' AND version = {middle_version} AND \
+                 capture_id = '{middle}'"
+            )),
+            || async {
+                anyhow::ensure!(reader.get(middle, None).await?.is_some(), "{middle} not found");
+                Ok(())
+            },
+        )
+        .await?;
+    let pages: [(&str, Option<&str>, u64); 4] = [
+        ("ls stream, first page", Some(stream), 0),
+        ("ls stream, page after 1M rows", Some(stream), deep),
+        ("ls all streams, first page", None, 0),
+        ("ls all streams, page after 1M rows", None, deep),
+    ];
+    for (name, stream, from_row) in pages {
+        let since = at(from_row);
+        let ideal = match stream {
+            Some(stream) => format!(
+                "SELECT * FROM {captures} WHERE catalog = '{CATALOG}' AND stream = '{stream}' AND \
+                 captured_at_ns >= {since} ORDER BY captured_at_ns LIMIT 100"
+            ),
+            // No table is ordered by time across streams; by_version is, here, because versions follow time.
+            None => format!(
+                "SELECT * FROM {by_version} WHERE catalog = '{CATALOG}' AND version >= {} ORDER BY version LIMIT 100",
+                from_row / CAPTURES_PER_PUBLISH + 1
+            ),
+        };
+        let query = ListQuery {
+            stream: stream.map(str::to_string),
+            since_ns: (from_row > 0).then_some(since),
+            limit: 100,
+            ..Default::default()
+        };
+        bench.measure(name, Some(ideal), || page(reader, &query, 100)).await?;
+    }
+    let labelled = ListQuery {
+        stream: Some(stream.to_string()),
+        labels: BTreeMap::from([("site".to_string(), "s3".to_string())]),
+        limit: 100,
+        ..Default::default()
+    };
+    bench
+        .measure(
+            "ls stream with a label",
+            Some(format!(
+                "SELECT * FROM {captures} WHERE catalog = '{CATALOG}' AND stream = '{stream}' AND \
+                 label_values[indexOf(label_keys, 'site')] = 's3' ORDER BY captured_at_ns LIMIT 100"
+            )),
+            || page(reader, &labelled, 100),
+        )
+        .await?;
+    let window_start = at(middle_row);
+    let window = ListQuery {
+        stream: Some(stream.to_string()),
+        since_ns: Some(window_start),
+        until_ns: Some(window_start + 10_000_000_000),
+        limit: 100_000,
+        ..Default::default()
+    };
+    bench
+        .measure(
+            "ls stream, a 10 s window",
+            Some(format!(
+                "SELECT * FROM {captures} WHERE catalog = '{CATALOG}' AND stream = '{stream}' AND captured_at_ns >= \
+                 {window_start} AND captured_at_ns < {} ORDER BY captured_at_ns",
+                window_start + 10_000_000_000
+            )),
+            || page(reader, &window, 0),
+        )
+        .await?;
+    bench
+        .measure(
+            "tail after W-5",
+            Some(format!("SELECT * FROM {by_version} WHERE catalog = '{CATALOG}' AND version > {}", watermark - 5)),
+            || async {
+                let captures = reader.captures_of_versions(watermark - 5, watermark).await?;
+                anyhow::ensure!(captures.len() as u64 == 5 * CAPTURES_PER_PUBLISH, "tail read {}", captures.len());
+                Ok(())
+            },
+        )
+        .await?;
+    let catch_up_versions = catch_up / CAPTURES_PER_PUBLISH;
+    let started = Instant::now();
+    let mut read = 0u64;
+    let mut after = 0;
+    while after < catch_up_versions {
+        // About 20,000 captures per read, as `capstore tail` reads.
+        let through = (after + 20_000 / CAPTURES_PER_PUBLISH).min(catch_up_versions);
+        read += reader.captures_of_versions(after, through).await?.len() as u64;
+        after = through;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let started = Instant::now();
+    bench
+        .client
+        .execute(&format!(
+            "SELECT * FROM {by_version} WHERE catalog = '{CATALOG}' AND version <= {catch_up_versions} FORMAT TSV"
+        ))
+        .await?;
+    let ideal_seconds = started.elapsed().as_secs_f64();
+    eprintln!("catalog-scale: {rows} rows, tail catch-up: {read} captures in {seconds:.1} s");
+    bench.results.push(ScaleRow {
+        rows,
+        read: format!("tail catch-up, captures/s ({read} captures)"),
+        capstore_ms: read as f64 / seconds,
+        ideal_ms: Some(read as f64 / ideal_seconds),
+        ratio: Some(ideal_seconds / seconds),
+        peak_memory_mib: None,
+    });
+    Ok(())
+}
+
+/// Reads one page and checks it holds `expected` captures (0: any number).
+async fn page(reader: &CatalogReader, query: &ListQuery, expected: usize) -> anyhow::Result<()> {
+    let page = reader.list(query).await?;
+    anyhow::ensure!(expected == 0 || page.captures.len() == expected, "a page of {}", page.captures.len());
+    Ok(())
+}
+
+/// Publish duration p50 (100 captures per publish) into the big catalog and into an empty catalog of the same
+/// tables: the catalog's part of ack -> listed, with and without the history.
+async fn publishes(bench: &mut Bench<'_>, config: &Config, tables: &Tables, count: usize) -> anyhow::Result<()> {
+    let mut p50 = Vec::new();
+    for catalog in [CATALOG.to_string(), format!("empty-{}", Uuid::new_v4().simple())] {
+        let mut config = config.clone();
+        config.catalog_name = catalog.clone();
+        let keeper = LeaseKeeper::for_catalog(bench.client, tables, &config, Uuid::new_v4());
+        let (_shutdown_tx, mut shutdown_rx) = tokio::sync::watch::channel(false);
+        let lease = keeper.start(config.start_wait(), &mut shutdown_rx).await?;
+        let publisher = Publisher::new(bench.client.clone(), tables.clone(), &catalog, lease.handle().clone());
+        let mut runs = Vec::with_capacity(count);
+        for _ in 0..count.max(1) {
+            let pack = synthetic_pack(CAPTURES_PER_PUBLISH);
+            let started = Instant::now();
+            publish_until_committed(&publisher, &pack).await?;
+            runs.push(started.elapsed().as_secs_f64() * 1000.0);
+        }
+        lease.stop().await;
+        p50.push(median(&mut runs));
+    }
+    bench.results.push(ScaleRow {
+        rows: bench.rows,
+        read: "publish p50 ms (ideal: into an empty catalog, same tables)".to_string(),
+        capstore_ms: p50[0],
+        ideal_ms: Some(p50[1]),
+        ratio: Some(p50[0] / p50[1]),
+        peak_memory_mib: None,
+    });
+    Ok(())
+}
