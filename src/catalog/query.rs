@@ -147,8 +147,15 @@ struct TimeBounds {
     rows: u64,
 }
 
-/// The first page of a listing reads windows of 1/1024 of its time range (then adapts, see [`CatalogReader::list`]).
-const FIRST_PAGE_WINDOWS: u64 = 1024;
+/// The first window of a listing without a cursor is this fraction of its time range: 1/64 for one stream, 1/1024
+/// across streams (about a hundred times denser in the catalogs this is tuned on), then windows grow by
+/// [`WINDOW_GROWTH`] until the page is full (see [`CatalogReader::list`]). Each window is a query of a few ms
+/// however few rows it holds, so the growth is steep: a page that starts far too narrow (a sparse stream, a short
+/// `--since`/`--until`) costs a handful of queries, and one that fills at once reads at most that factor more rows
+/// than it needed.
+const FIRST_WINDOW_FRACTION_ONE_STREAM: u64 = 64;
+const FIRST_WINDOW_FRACTION_ALL_STREAMS: u64 = 1024;
+const WINDOW_GROWTH: u64 = 8;
 
 #[derive(clickhouse::Row, serde::Deserialize)]
 struct NewestVersion {
@@ -346,11 +353,15 @@ impl CatalogReader {
             start = start.max(cursor.captured_at_ns);
         }
         let end = last_ns.saturating_add(1).min(query.until_ns.unwrap_or(u64::MAX));
-        let mut window = cursor
-            .as_ref()
-            .map(|cursor| cursor.window_ns)
-            .filter(|window| *window > 0)
-            .unwrap_or_else(|| (end.saturating_sub(start) / FIRST_PAGE_WINDOWS).max(1));
+        let mut window =
+            cursor.as_ref().map(|cursor| cursor.window_ns).filter(|window| *window > 0).unwrap_or_else(|| {
+                let fraction = if query.stream.is_some() {
+                    FIRST_WINDOW_FRACTION_ONE_STREAM
+                } else {
+                    FIRST_WINDOW_FRACTION_ALL_STREAMS
+                };
+                (end.saturating_sub(start) / fraction).max(1)
+            });
 
         let catalog = self.catalog_literal();
         let mut conditions = vec![format!("catalog = {catalog}"), format!("version <= {watermark}")];
@@ -398,7 +409,7 @@ impl CatalogReader {
                 break;
             }
             start = window_end;
-            window = window.saturating_mul(2);
+            window = window.saturating_mul(WINDOW_GROWTH);
         }
         let page_full = candidates.len() as u64 == limit;
         let next_window = if windows_read == 1 { (window / 2).max(1) } else { window };
@@ -429,7 +440,9 @@ impl CatalogReader {
 
     /// `candidates` less the captures whose id has a newer visible version than the candidate's: a capture re-posted
     /// into another stream (or with other labels or another time) is listed only as its newest version, as `get`
-    /// returns it. One lookup in `by_id` for the page's ids.
+    /// returns it. First one lookup in `by_id` for the page's ids, of every version written (committed or not): an id
+    /// with nothing newer than its candidate cannot be superseded, and that is almost every id. Only the ids with a
+    /// newer row are checked against `publishes` (a newer row may be an orphan, which must not hide the capture).
     async fn without_superseded(
         &self,
         mut candidates: Vec<CaptureLocation>,
@@ -438,7 +451,21 @@ impl CatalogReader {
         let mut newest = std::collections::HashMap::new();
         // In slices of ids: a statement must stay under the server's max_query_size (256 KiB).
         for slice in candidates.chunks(SUPERSEDED_IDS_PER_QUERY) {
-            for row in self.newest_versions(slice, watermark).await? {
+            let written: std::collections::HashMap<String, u64> = self
+                .newest_versions(slice, watermark, false)
+                .await?
+                .into_iter()
+                .map(|row| (row.id, row.newest))
+                .collect();
+            let suspects: Vec<CaptureLocation> = slice
+                .iter()
+                .filter(|capture| written.get(&capture.capture_id).is_some_and(|newest| *newest > capture.version))
+                .cloned()
+                .collect();
+            if suspects.is_empty() {
+                continue;
+            }
+            for row in self.newest_versions(&suspects, watermark, true).await? {
                 newest.insert(row.id, row.newest);
             }
         }
@@ -446,27 +473,36 @@ impl CatalogReader {
         Ok(candidates)
     }
 
-    /// The newest visible version of each capture of `captures` that has one.
+    /// The newest version at or below `watermark` of each capture of `captures` that has one: of the committed
+    /// versions only when `committed_only`, else of every version written.
     async fn newest_versions(
         &self,
         captures: &[CaptureLocation],
         watermark: u64,
+        committed_only: bool,
     ) -> Result<Vec<NewestVersion>, CatalogError> {
         let ids: Vec<String> = captures
             .iter()
             .map(|capture| format!("UUIDStringToNum({})", sql_string_literal(&capture.capture_id)))
             .collect();
         let ids = ids.join(", ");
+        let catalog = self.catalog_literal();
+        let by_id = &self.tables.by_id;
+        let committed = if committed_only {
+            format!(
+                " AND (version, UUIDNumToString(publish_id)) IN (SELECT version, publish_id FROM {publishes} \
+                 WHERE catalog = {catalog} AND version IN (SELECT version FROM {by_id} WHERE catalog = {catalog} AND \
+                 capture_id IN ({ids}) AND version <= {watermark}))",
+                publishes = self.tables.publishes,
+            )
+        } else {
+            String::new()
+        };
         self.client
             .fetch_all(&format!(
                 "SELECT UUIDNumToString(capture_id) AS id, max(version) AS newest FROM {by_id} \
-                 WHERE catalog = {catalog} AND capture_id IN ({ids}) AND version <= {watermark} AND \
-                 (version, UUIDNumToString(publish_id)) IN (SELECT version, publish_id FROM {publishes} \
-                 WHERE catalog = {catalog} AND version IN (SELECT version FROM {by_id} WHERE catalog = {catalog} AND \
-                 capture_id IN ({ids}) AND version <= {watermark})) GROUP BY capture_id",
-                by_id = self.tables.by_id,
-                publishes = self.tables.publishes,
-                catalog = self.catalog_literal(),
+                 WHERE catalog = {catalog} AND capture_id IN ({ids}) AND version <= {watermark}{committed} \
+                 GROUP BY capture_id",
             ))
             .await
     }
