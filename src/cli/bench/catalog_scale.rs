@@ -89,49 +89,35 @@ async fn load(client: &CatalogClient, tables: &Tables, rows: u64) -> anyhow::Res
         "SELECT number, intDiv(number, {CAPTURES_PER_PUBLISH}) + 1 AS v, toUInt64({FIRST_NS} + number * {step}) AS at \
          FROM numbers({rows})"
     );
-    let pack = synthetic_id("v", 5);
-    client
-        .execute_with_timeout(
-            &format!(
-                "INSERT INTO {captures} (catalog, stream, captured_at_ns, capture_id, pack_id, object_key, \
-                 record_offset, record_len, payload_offset, payload_len, crc32c, label_keys, label_values, \
-                 content_type, version, publish_id) SELECT '{CATALOG}', concat('sensor/', toString(number % {STREAMS})), \
-                 at, {capture}, {pack}, concat('p/', {pack}, '.cpk'), (number % 100) * 4200 + 64, 4200, \
-                 (number % 100) * 4200 + 200, 4000, toUInt32(cityHash64(number) % 4294967296), ['site'], \
-                 [concat('s', toString(number % 7))], '', v, {publish} FROM ({source})",
-                captures = tables.captures,
-                capture = synthetic_id("number", 1),
-                publish = synthetic_id("v", 3),
-            ),
-            LOAD_TIMEOUT,
-        )
-        .await?;
-    client
-        .execute_with_timeout(
-            &format!(
-                "INSERT INTO {packs} (catalog, pack_id, object_key, bytes, sha256, records, first_captured_at_ns, \
-                 last_captured_at_ns, version, publish_id) SELECT '{CATALOG}', {pack}, concat('p/', {pack}, '.cpk'), \
-                 420000, '', {CAPTURES_PER_PUBLISH}, at, at, v, {publish} FROM ({source}) \
-                 WHERE number % {CAPTURES_PER_PUBLISH} = 0",
-                packs = tables.packs,
-                publish = synthetic_id("v", 3),
-            ),
-            LOAD_TIMEOUT,
-        )
-        .await?;
-    // The publishes last: a reader sees a publish only with all of its rows.
-    client
-        .execute_with_timeout(
-            &format!(
-                "INSERT INTO {publishes} (catalog, version, publish_id, holder, lease_term, packs, captures, \
-                 published_at_ms) SELECT '{CATALOG}', v, {publish}, 'bench', 1, 1, {CAPTURES_PER_PUBLISH}, \
-                 intDiv(at, 1000000) FROM ({source}) WHERE number % {CAPTURES_PER_PUBLISH} = 0",
-                publishes = tables.publishes,
-                publish = synthetic_id("v", 3),
-            ),
-            LOAD_TIMEOUT,
-        )
-        .await?;
+    let (capture, pack, publish) = (synthetic_id("number", 1), synthetic_id("v", 5), synthetic_id("v", 3));
+    let statements = [
+        format!(
+            "INSERT INTO {captures} (catalog, stream, captured_at_ns, capture_id, pack_id, object_key, record_offset, \
+             record_len, payload_offset, payload_len, crc32c, label_keys, label_values, content_type, version, \
+             publish_id) SELECT '{CATALOG}', concat('sensor/', toString(number % {STREAMS})), at, {capture}, {pack}, \
+             concat('p/', {pack}, '.cpk'), (number % 100) * 4200 + 64, 4200, (number % 100) * 4200 + 200, 4000, \
+             toUInt32(cityHash64(number) % 4294967296), ['site'], [concat('s', toString(number % 7))], '', v, \
+             {publish} FROM ({source})",
+            captures = tables.captures,
+        ),
+        format!(
+            "INSERT INTO {packs} (catalog, pack_id, object_key, bytes, sha256, records, first_captured_at_ns, \
+             last_captured_at_ns, version, publish_id) SELECT '{CATALOG}', {pack}, concat('p/', {pack}, '.cpk'), \
+             420000, '', {CAPTURES_PER_PUBLISH}, at, at, v, {publish} FROM ({source}) \
+             WHERE number % {CAPTURES_PER_PUBLISH} = 0",
+            packs = tables.packs,
+        ),
+        // The publishes last: a reader sees a publish only with all of its rows.
+        format!(
+            "INSERT INTO {publishes} (catalog, version, publish_id, holder, lease_term, packs, captures, \
+             published_at_ms) SELECT '{CATALOG}', v, {publish}, 'bench', 1, 1, {CAPTURES_PER_PUBLISH}, \
+             intDiv(at, 1000000) FROM ({source}) WHERE number % {CAPTURES_PER_PUBLISH} = 0",
+            publishes = tables.publishes,
+        ),
+    ];
+    for statement in &statements {
+        client.execute_with_timeout(statement, LOAD_TIMEOUT).await?;
+    }
     eprintln!("catalog-scale: loaded in {:.0} s", started.elapsed().as_secs_f64());
     Ok(())
 }
