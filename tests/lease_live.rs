@@ -290,6 +290,7 @@ async fn a_paused_holder_lands_nothing_after_a_takeover_and_an_empty_table_fails
     let lease_id = "no-such-lease";
     let permit = PublishPermit {
         lease_id: lease_id.into(),
+        tenure: 1,
         term: 1,
         holder: "nobody".into(),
         deadline: Instant::now() + TTL,
@@ -627,6 +628,7 @@ async fn start_wait_for_a_killed_holder_and_same_spool_takeover(server: &'static
     // Safe: a late statement of the dead predecessor (its old lease_id) cannot land.
     let stale = PublishPermit {
         lease_id: old_lease_id.clone(),
+        tenure: 1,
         term: predecessor_term,
         holder: live.holder.clone(),
         deadline: Instant::now() + TTL,

@@ -94,12 +94,15 @@ impl IntentLog {
     }
 
     /// Record `packs` (id, key) as about to be uploaded, and with `mark` a mark at the same instant. Lands only
-    /// inside the fence of `permit`; an OK answer means every row landed.
+    /// inside the fence of `permit`; an OK answer means every row landed. `statement_cap` is the lease's
+    /// (`publish_timeout`): the fence promises only that much lease after it passes, so the rows must be in before
+    /// the lease can pass to another holder (who reconciles from the newest mark).
     pub async fn record(
         &self,
         permit: &PublishPermit,
         packs: &[(Uuid, String)],
         mark: bool,
+        statement_cap: std::time::Duration,
     ) -> Result<(), IntentError> {
         let mut entries: Vec<String> = packs
             .iter()
@@ -127,8 +130,9 @@ impl IntentLog {
             entries = entries.join(", "),
             fence = permit.fence,
         );
-        let cap = std::time::Duration::from_secs(self.client.request_timeout().as_secs().max(1));
-        match self.client.execute_deciding(&sql, cap).await {
+        // An unknown outcome needs no quarantine: intents that land late are harmless (the fence held when they
+        // were checked, and no upload follows an error), and the round records its packs again.
+        match self.client.execute_deciding(&sql, statement_cap).await {
             Ok(()) => Ok(()),
             Err(error) if error.server_code == Some(FENCE_REFUSED_CODE) => Err(IntentError::FenceRefused),
             Err(error) => Err(IntentError::Catalog(error)),

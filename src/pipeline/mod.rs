@@ -11,7 +11,7 @@
 //! re-reads the directory and converges (I5, I7). A pack's life in this module:
 //!
 //! ```text
-//! .sealed --upload, HEAD verify--> .uploaded --publish committed (or already committed)--> deleted
+//! .sealed --intent, upload, HEAD verify--> .uploaded --publish committed (or already committed)--> deleted
 //!    \--conflicting object in the bucket--> quarantine/packs      \--rejected max_index_attempts times--> quarantine
 //! ```
 
@@ -169,8 +169,9 @@ pub struct Pipeline {
     index_attempts: Mutex<HashMap<Uuid, u32>>,
     /// Where upload rounds record their packs before sending them, and reconcile reads them back.
     intents: IntentLog,
-    /// The lease (lease_id) this process last reconciled under (see [`reconcile`]).
-    reconciled_lease: Mutex<Option<String>>,
+    /// The lease tenure ([`crate::catalog::lease::PublishPermit::tenure`]) this process last reconciled under (see
+    /// [`reconcile`]); cleared when a pack leaves the spool for quarantine.
+    reconciled_tenure: Mutex<Option<u64>>,
     /// True once the process is stopping: long work (a reconcile) ends between two packs (none in offline tools).
     pub stopping: Option<tokio::sync::watch::Receiver<bool>>,
 }
@@ -195,7 +196,7 @@ impl Pipeline {
             published: Arc::default(),
             spool_index: Arc::default(),
             index_attempts: Mutex::default(),
-            reconciled_lease: Mutex::default(),
+            reconciled_tenure: Mutex::default(),
             stopping: None,
         }
     }
@@ -213,6 +214,9 @@ impl Pipeline {
         if let Some(pack_id) = crate::spool::layout::pack_id_of_path(path) {
             self.spool_index.forget(pack_id);
         }
+        // The pack may be in the bucket already (uploaded, or an upload that landed although it seemed to fail) with
+        // an intent: reconcile again before the next mark, which finds it there now that the spool no longer has it.
+        *self.reconciled_tenure.lock().unwrap_or_else(|p| p.into_inner()) = None;
         let (paths, file, why) = (self.paths.clone(), path.to_path_buf(), reason.to_string());
         match off_runtime(move || paths.quarantine("packs", &file, &why)).await {
             Ok(moved) => {

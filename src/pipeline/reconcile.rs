@@ -6,21 +6,23 @@
 //!   This is what repairs a crash between upload and publish whose spool was lost with it.
 //! - **Listing** (`capstore reconcile`, optionally by UTC day of the key; and once at start when the catalog has no
 //!   mark yet, i.e. it was written before intents existed, if `catalog.reconcile_on_start`): every object under the
-//!   catalog prefix, streamed and resolved 500 at a time, so memory stays bounded whatever the bucket holds.
+//!   catalog prefix, streamed and resolved 2,000 at a time, so memory stays bounded whatever the bucket holds.
 //!
 //! Resolving a candidate: published already (the replay guard's query) -> skipped; still in the local spool -> left to
 //! the uploader and indexer; no object at its key (an intent whose upload never landed) -> nothing to publish;
 //! otherwise the pack is read and checked as a stranger's (footer bounded, header pack id against the key, SHA-256,
-//! every capture against the capture rules) and published. Objects that are not valid packs are reported (WARN, with
-//! the reason) and skipped, never indexed.
+//! every capture against the capture rules) and published. Objects that are not valid packs, and packs whose rows
+//! the server rejects, are reported (WARN, with the reason) and skipped, never retried in a loop.
 //!
 //! No periodic background listing: what it would find beyond the intents is a dead holder's upload that landed after
 //! the next holder reconciled (its own spool still owes and publishes it) or packs copied into the bucket by hand,
 //! both rare enough for the explicit repair, while a periodic listing costs requests in proportion to the bucket.
 //!
-//! State: which lease (lease_id) this process has reconciled under. It changes only on a fresh acquisition (a start,
-//! or a claim after losing the lease or a quarantine), never on renewal; the uploader's gate runs
-//! [`Pipeline::ensure_reconciled`] first, and marks are written only under a reconciled lease.
+//! State: which lease tenure this process has reconciled under. A tenure begins whenever the lease becomes held from
+//! any other state (a start, a claim after a quarantine or after a local loss), never on renewal; a pack moved to
+//! quarantine ends the reconciled state too (its bucket copy, if any, is found by the next reconcile). The uploader
+//! runs [`Pipeline::ensure_reconciled`] before each round, and writes a mark only under a reconciled tenure; an
+//! unfinished reconcile (the bucket or catalog away, a shutdown) does not hold uploads back, only the mark.
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
@@ -32,7 +34,7 @@ use super::{Pipeline, RoundError};
 use crate::bucket::{BucketError, BucketErrorKind, DayRange};
 use crate::catalog::intents::Intent;
 use crate::catalog::lease::PublishPermit;
-use crate::catalog::publish::{PackDescriptor, PublishOutcome};
+use crate::catalog::publish::{PackDescriptor, PublishError, PublishOutcome};
 use crate::pack::{PackSummary, PACK_EXTENSION};
 
 /// Candidates resolved per catalog query. The pack ids of a listing are scattered over the whole `packs` table, so
@@ -92,8 +94,7 @@ impl Pipeline {
     /// the catalog has never been marked and `catalog.reconcile_on_start` asks for it. Returns the report when it ran
     /// now.
     pub async fn ensure_reconciled(&self, permit: &PublishPermit) -> Result<Option<ReconcileReport>, RoundError> {
-        if self.reconciled_lease.lock().unwrap_or_else(|p| p.into_inner()).as_deref() == Some(permit.lease_id.as_str())
-        {
+        if self.is_reconciled(permit) {
             return Ok(None);
         }
         let mark = self.intents.newest_mark().await?;
@@ -115,13 +116,13 @@ impl Pipeline {
         } else {
             tracing::debug!(source = ?report.source, examined = report.examined, "reconcile done");
         }
-        *self.reconciled_lease.lock().unwrap_or_else(|p| p.into_inner()) = Some(permit.lease_id.clone());
+        *self.reconciled_tenure.lock().unwrap_or_else(|p| p.into_inner()) = Some(permit.tenure);
         Ok(Some(report))
     }
 
-    /// Whether this process has reconciled under the lease of `permit`.
+    /// Whether this process has reconciled under the tenure of `permit`.
     pub(super) fn is_reconciled(&self, permit: &PublishPermit) -> bool {
-        self.reconciled_lease.lock().unwrap_or_else(|p| p.into_inner()).as_deref() == Some(permit.lease_id.as_str())
+        *self.reconciled_tenure.lock().unwrap_or_else(|p| p.into_inner()) == Some(permit.tenure)
     }
 
     /// Publish the packs recorded in `intents` at or after `since_ms` that the catalog lacks.
@@ -226,13 +227,20 @@ impl Pipeline {
                     created_at_ns: 0,
                 };
                 let descriptor = PackDescriptor { summary, object_key: key.clone(), entries: remote.entries };
-                match self.publisher.publish_batch(std::slice::from_ref(&descriptor)).await? {
-                    PublishOutcome::Committed { version, .. } => {
+                match self.publisher.publish_batch(std::slice::from_ref(&descriptor)).await {
+                    Ok(PublishOutcome::Committed { version, .. }) => {
                         report.published += 1;
                         self.counters.packs_reconciled.fetch_add(1, Ordering::Relaxed);
                         tracing::info!(%key, version, captures = descriptor.entries.len(), "reconciled pack published");
                     }
-                    PublishOutcome::AlreadyPublished => report.already_published += 1,
+                    Ok(PublishOutcome::AlreadyPublished) => report.already_published += 1,
+                    // The server refuses the pack's rows (as the indexer's quarantine does after its attempts): a
+                    // pack no retry can publish must not stop every later reconcile, and with it every mark.
+                    Err(PublishError::Catalog(error)) if error.is_data_rejection() => {
+                        tracing::warn!(%key, %error, "the catalog rejects the rows of a pack in the bucket; skipped");
+                        report.add_invalid(key.clone());
+                    }
+                    Err(error) => return Err(error.into()),
                 }
             }
         }

@@ -1,7 +1,8 @@
 //! Uploader: sealed packs to the bucket, oldest first, up to `upload.batch_packs` per round, `upload.concurrency` at once.
 //!
-//! Gate (I5 and the lease rule): a round runs only while the lease is held, after this process has reconciled under
-//! that lease ([`Pipeline::ensure_reconciled`]), and while nothing is owed. A pack uploaded while the lease is not held
+//! Gate (I5 and the lease rule): a round runs only while the lease is held and nothing is owed; it first reconciles
+//! under the lease's current tenure if it has not ([`Pipeline::ensure_reconciled`]), and each upload starts only while
+//! that tenure holds. A pack uploaded while the lease is not held
 //! would be owed by a process that may never publish it; a pack uploaded while another is owed would widen the window
 //! in which a crash leaves packs in the bucket that only this spool knows about.
 //!
@@ -26,7 +27,11 @@ impl Pipeline {
     /// One upload round; returns how many packs moved to `.uploaded`.
     pub async fn upload_round(&self) -> Result<usize, RoundError> {
         let Some(permit) = self.lease.permit() else { return Err(RoundError::NoLease) };
-        self.ensure_reconciled(&permit).await?;
+        match self.ensure_reconciled(&permit).await {
+            // Stopping, or the bucket or catalog away: upload anyway (the packs get intents), write no mark.
+            Ok(_) | Err(RoundError::Stopped) => {}
+            Err(error) => tracing::debug!(%error, "reconcile not done; uploading without a mark"),
+        }
         let packs = list_spool_packs(&self.paths).await?;
         if packs.iter().any(|pack| pack.state == PackState::Uploaded) {
             return Ok(0);
@@ -55,7 +60,8 @@ impl Pipeline {
             })
             .collect();
         let mark = whole_spool && self.is_reconciled(&permit);
-        match self.intents.record(&permit, &intents, mark).await {
+        let statement_cap = self.lease.timings().statement_cap();
+        match self.intents.record(&permit, &intents, mark, statement_cap).await {
             Ok(()) => {}
             Err(IntentError::FenceRefused) => {
                 self.lease.report_fence_refused();
@@ -65,7 +71,7 @@ impl Pipeline {
         }
         crate::failpoint::hit("after_intents_before_upload");
         let results: Vec<Result<bool, RoundError>> = futures::stream::iter(round)
-            .map(|(listing, pack)| self.upload_one(listing, pack))
+            .map(|(listing, pack)| self.upload_one(listing, pack, permit.tenure))
             .buffer_unordered(self.config.upload.concurrency as usize)
             .collect()
             .await;
@@ -87,7 +93,12 @@ impl Pipeline {
     }
 
     /// Returns true when the pack is now `.uploaded`.
-    async fn upload_one(&self, listing: PackListing, pack: PackFile) -> Result<bool, RoundError> {
+    async fn upload_one(&self, listing: PackListing, pack: PackFile, tenure: u64) -> Result<bool, RoundError> {
+        // Each upload starts only under the tenure that recorded its intent: after a loss, a successor may have
+        // reconciled already and found no object; an upload sent now would be one it never sees.
+        if self.lease.permit().is_none_or(|permit| permit.tenure != tenure) {
+            return Err(RoundError::NoLease);
+        }
         let summary = pack.summary();
         let upload = self.bucket.upload_pack(&listing.path, &summary);
         tokio::pin!(upload);

@@ -31,6 +31,8 @@ struct Shared {
     ever_held: bool,
     /// No permit before this instant (after a same-spool takeover).
     publish_not_before: Option<Instant>,
+    /// Bumped each time the state becomes held from any other state (see [`PublishPermit::tenure`]).
+    tenure: u64,
 }
 
 /// Cheap handle to the lease state, shared by the keeper, the uploader, the indexer and status.
@@ -71,6 +73,7 @@ impl LeaseHandle {
         let embargoed = shared.publish_not_before.is_some_and(|not_before| now < not_before);
         (shared.state == LeaseState::Held && enough_left && !embargoed).then(|| PublishPermit {
             lease_id: shared.lease_id.clone(),
+            tenure: shared.tenure,
             term: shared.term,
             holder: self.identity.holder(),
             deadline,
@@ -208,6 +211,7 @@ impl LeaseKeeper {
             last_error: None,
             ever_held: false,
             publish_not_before: None,
+            tenure: 0,
         };
         let (state_tx, _) = watch::channel(LeaseState::None);
         let handle = LeaseHandle {
@@ -419,6 +423,7 @@ impl LeaseKeeper {
         }
         shared.ever_held = true;
         if was != LeaseState::Held {
+            shared.tenure += 1;
             tracing::info!(term, holder = %self.handle.identity.holder(), from = ?was, "lease held");
         }
         self.handle.publish_state(&shared);

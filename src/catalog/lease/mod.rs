@@ -149,6 +149,10 @@ pub enum LeaseState {
 #[derive(Debug, Clone)]
 pub struct PublishPermit {
     pub lease_id: String,
+    /// Which tenure of this process the permit belongs to: bumped every time the lease becomes held after not being
+    /// held (a start, a claim after a quarantine, or after a plain local loss, which keeps the lease_id), never by a
+    /// renewal. Work that must be redone per acquisition (reconcile) keys on it.
+    pub tenure: u64,
     pub term: u64,
     pub holder: String,
     pub deadline: Instant,
