@@ -12,11 +12,12 @@
 //!
 //! States and invariants:
 //! - Every intent and mark row lands only inside the fence (`throwIf` makes a refused fence an error, so a statement
-//!   that answers OK has landed): the intents of other processes all land before this process's lease began, except
-//!   a same-spool predecessor's, whose packs are in this spool.
+//!   that answers OK has landed), within `publish_timeout` (the lease the fence promises): the intents of other
+//!   processes all land before this process's lease began, except a same-spool predecessor's, whose packs are in this
+//!   spool.
 //! - An upload round writes a mark (in the same statement as its intents, so at the same instant) only when its
-//!   process has reconciled the intents since the last mark under its current lease, nothing is owed, and every sealed
-//!   pack of the spool is in the round: then every older intent is published, was never uploaded, or names a pack of
+//!   process has reconciled the intents since the last mark in its current tenure of the lease, nothing is owed, and
+//!   every sealed pack of the spool is in the round: then every older intent is published, was never uploaded, or names a pack of
 //!   this round. Times never go below the newest mark (`greatest(now, mark)`), so a server clock stepping back cannot
 //!   hide an intent behind a mark.
 //! - Reads are inclusive (`intent_at_ms >= mark`): on servers with whole-second clocks, rows of the mark's second are

@@ -17,8 +17,8 @@
 //!   from `by_version`: two queries of primary-key lookups, O(versions of the id);
 //! - `captures_of_version`: `by_version` at one version, O(captures of that version);
 //! - `list`: time windows of `captures` (see [`CatalogReader::list`]), each a primary-key range, visibility against
-//!   the publishes at the versions of the window's rows, and one `by_id` lookup for the page's ids: about O(page) per
-//!   page. Every read is bounded by `catalog.read_max_memory` and the request timeout.
+//!   the publishes at the versions of the window's rows, and one `by_id` lookup for the page's ids (checked against
+//!   `publishes` only for ids with a newer row): about O(page) per page. Every read is bounded by `catalog.read_max_memory` and the request timeout.
 
 use std::collections::BTreeMap;
 

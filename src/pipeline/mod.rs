@@ -1,7 +1,7 @@
 //! The pipeline from sealed packs to published captures; [`crate::daemon`] runs it.
 //!
-//! - [`uploader`]: `.sealed` -> intent recorded in the catalog -> bucket -> `.uploaded`, only while the lease is held,
-//!   reconciled under, and nothing is owed.
+//! - [`uploader`]: `.sealed` -> intent recorded in the catalog -> bucket -> `.uploaded`, only while the lease is held
+//!   and nothing is owed (a mark only once reconciled in the lease's current tenure).
 //! - [`indexer`]: `.uploaded` (the durable `pending_index`) -> fenced publish -> deleted.
 //! - [`reconcile`]: packs in the bucket that the catalog lacks (found by intents, or by a listing) -> published from
 //!   their footers.

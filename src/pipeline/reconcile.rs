@@ -1,8 +1,9 @@
 //! Reconcile: packs in the bucket that the catalog lacks are published from their footers.
 //!
 //! Two ways to find them, one way to resolve them:
-//! - **Intents** (every lease acquisition, before the first upload under it): the packs recorded in the catalog's
-//!   `intents` since the newest mark (see [`crate::catalog::intents`]): a few rounds' worth, however large the bucket.
+//! - **Intents** (once per lease tenure, at start and in the uploader's gate; a mark waits for it): the packs recorded
+//!   in the catalog's `intents` since the newest mark (see [`crate::catalog::intents`]): a few rounds' worth, however
+//!   large the bucket.
 //!   This is what repairs a crash between upload and publish whose spool was lost with it.
 //! - **Listing** (`capstore reconcile`, optionally by UTC day of the key; and once at start when the catalog has no
 //!   mark yet, i.e. it was written before intents existed, if `catalog.reconcile_on_start`): every object under the
@@ -90,9 +91,8 @@ impl ReconcileReport {
 }
 
 impl Pipeline {
-    /// Reconcile once per lease acquisition, before anything is uploaded under it: by intents, or by a listing when
-    /// the catalog has never been marked and `catalog.reconcile_on_start` asks for it. Returns the report when it ran
-    /// now.
+    /// Reconcile once per lease tenure: by intents, or by a listing when the catalog has never been marked and
+    /// `catalog.reconcile_on_start` asks for it. Returns the report when it ran now.
     pub async fn ensure_reconciled(&self, permit: &PublishPermit) -> Result<Option<ReconcileReport>, RoundError> {
         if self.is_reconciled(permit) {
             return Ok(None);

@@ -2,9 +2,9 @@
 //!
 //! Gate (I5 and the lease rule): a round runs only while the lease is held and nothing is owed; it first reconciles
 //! under the lease's current tenure if it has not ([`Pipeline::ensure_reconciled`]), and each upload starts only while
-//! that tenure holds. A pack uploaded while the lease is not held
-//! would be owed by a process that may never publish it; a pack uploaded while another is owed would widen the window
-//! in which a crash leaves packs in the bucket that only this spool knows about.
+//! that tenure holds. A pack uploaded while the lease is not held would be owed by a process that may never publish
+//! it; a pack uploaded while another is owed would widen the window in which a crash leaves packs in the bucket that
+//! only this spool knows about.
 //!
 //! Per round: open every pack of the round (a pack that does not read back goes to quarantine), record their intents
 //! in the catalog (fenced; with a mark when the round holds every sealed pack of the spool: see
