@@ -3,8 +3,10 @@
 //! matter; with the variable unset every check is one relaxed load.
 //!
 //! Points: `after_append_before_ack`, `after_seal`, `after_intents_before_upload`, `mid_upload`,
-//! `after_upload_before_rename`,
-//! `after_publish_before_delete`.
+//! `after_upload_before_rename`, `after_publish_before_delete`.
+//!
+//! Stall points block the calling thread forever instead (the watchdog tests wedge a part with them):
+//! `stall_before_fsync` (the spool's syncer, before an append's fsync).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -37,6 +39,17 @@ pub fn hit(name: &str) {
         let _ = nix::sys::signal::kill(nix::unistd::Pid::this(), nix::sys::signal::Signal::SIGKILL);
         // SIGKILL cannot be caught; this is never reached.
         std::process::abort();
+    }
+}
+
+/// Block this thread forever (a wedged disk, a lost lock) if this point is armed and its count is reached.
+pub fn stall(name: &str) {
+    let Some((nth, passes)) = armed().get(name) else { return };
+    if passes.fetch_add(1, Ordering::SeqCst) + 1 >= *nth {
+        eprintln!("failpoint {name} reached: stalling this thread");
+        loop {
+            std::thread::park();
+        }
     }
 }
 

@@ -9,7 +9,8 @@
 //!
 //! Top to bottom as the data flows; a module imports only from modules listed below it.
 //!
-//! - [`daemon`]: `capstore run`: the start order, signals, the publishing loop and the one way down.
+//! - [`daemon`]: `capstore run`: the start order, signals, the publishing loop, the one way down, and the systemd
+//!   notifications (readiness, status, watchdog).
 //! - [`http`]: the HTTP API of `capstore run`: server and token check, capture endpoints, metrics.
 //! - [`pipeline`]: the stages from sealed pack to published capture: uploader, indexer (`pending_index`), reconcile,
 //!   and the status board.
@@ -22,8 +23,9 @@
 //! - [`config`]: the TOML file, environment overrides, every validation rule, units.
 //! - [`pack`]: the pack file format (codec, scan, writer, sealed reader, hasher), specified in `specs/pack-format.md`.
 //! - [`capture`]: what a capture is and the rules every way in applies.
-//! - [`durable`], [`retry`], [`failpoint`], [`exit_code`], [`util`]: crash-safe file steps; the one backoff policy
-//!   and outage log; test-only crash points; the process exit codes; clocks.
+//! - [`durable`], [`retry`], [`telemetry`], [`failpoint`], [`exit_code`], [`util`]: crash-safe file steps; the one
+//!   backoff policy and outage log; liveness and latency histograms; test-only crash and stall points; the process
+//!   exit codes; clocks.
 //!
 //! The `capstore` binary (`src/main.rs`, `src/cli/`) parses commands, sets up logging and calls into these modules;
 //! its benchmarks live in `src/cli/bench/`.
@@ -54,6 +56,7 @@ pub mod pipeline;
 pub mod reader;
 pub mod retry;
 pub mod spool;
+pub mod telemetry;
 pub mod util;
 
 pub use capture::CaptureMeta;

@@ -20,6 +20,12 @@ pub fn ns_to_rfc3339(ns: u64) -> String {
     humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_nanos(ns)).to_string()
 }
 
+/// How long ago a UUIDv7 (a pack id) was made, by the wall clock; `None` for other UUIDs or a time in the future.
+pub fn age_of_uuid_v7(id: uuid::Uuid) -> Option<Duration> {
+    let (seconds, nanos) = id.get_timestamp()?.to_unix();
+    SystemTime::now().duration_since(UNIX_EPOCH + Duration::new(seconds, nanos)).ok()
+}
+
 /// This machine's host name (`unknown-host` if the kernel will not say), for holder strings and the spool lock.
 pub fn host_name() -> String {
     nix::unistd::gethostname().map(|h| h.to_string_lossy().into_owned()).unwrap_or_else(|_| "unknown-host".into())

@@ -6,6 +6,7 @@ use std::path::Path;
 use std::process::Command;
 
 const INSTALL_HINT: &str = "systemd-analyze is missing: `apt-get install -y systemd` (Debian/Ubuntu)";
+const PROMTOOL_HINT: &str = "promtool is missing: `apt-get install -y prometheus` (Debian/Ubuntu ship it there)";
 
 fn deploy_file(name: &str) -> String {
     std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy").join(name)).unwrap()
@@ -44,9 +45,59 @@ fn the_systemd_unit_is_sandboxed_to_an_exposure_of_2_or_lower() {
         .unwrap_or_else(|| panic!("no exposure level in:\n{text}"));
     assert!(exposure <= 2.0, "exposure {exposure} > 2.0:\n{text}");
     let unit = deploy_file("capstore.service");
-    for directive in ["Type=notify", "UMask=0027", "StateDirectoryMode=0750", "CapabilityBoundingSet=\n", "MemoryMax="]
-    {
+    for directive in [
+        "Type=notify",
+        "NotifyAccess=main",
+        "WatchdogSec=",
+        "UMask=0027",
+        "StateDirectoryMode=0750",
+        "CapabilityBoundingSet=\n",
+        "MemoryMax=",
+    ] {
         assert!(unit.contains(directive), "the unit lacks {directive:?}");
+    }
+}
+
+fn promtool(args: &[&str]) -> (bool, String) {
+    let output = Command::new("promtool")
+        .args(args)
+        .current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/prometheus"))
+        .output()
+        .unwrap_or_else(|error| panic!("{PROMTOOL_HINT} ({error})"));
+    let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    (output.status.success(), text)
+}
+
+#[test]
+fn the_alerting_rules_pass_promtool_check_and_their_unit_tests() {
+    let (ok, text) = promtool(&["check", "rules", "capstore.rules.yml"]);
+    assert!(ok, "promtool check rules:\n{text}");
+    let (ok, text) = promtool(&["test", "rules", "capstore.rules.test.yml"]);
+    assert!(ok, "promtool test rules:\n{text}");
+    // Every alert has a unit test that shows it firing, and a runbook line.
+    let rules = deploy_file("prometheus/capstore.rules.yml");
+    let tests = deploy_file("prometheus/capstore.rules.test.yml");
+    let alerts: Vec<&str> = rules.lines().filter_map(|line| line.trim().strip_prefix("- alert: ")).collect();
+    assert!(alerts.len() >= 10, "{alerts:?}");
+    for alert in &alerts {
+        assert!(tests.contains(&format!("alertname: {alert}\n        exp_alerts:\n")), "no firing test for {alert}");
+    }
+    assert_eq!(rules.matches("runbook: ").count(), alerts.len(), "every alert needs a runbook line");
+}
+
+#[test]
+fn the_dashboard_is_grafana_json_whose_panels_all_query_capstore() {
+    let dashboard: serde_json::Value = serde_json::from_str(&deploy_file("grafana/capstore.json")).unwrap();
+    assert_eq!(dashboard["uid"], "capstore");
+    let panels = dashboard["panels"].as_array().unwrap();
+    let rows: Vec<&str> = panels.iter().filter(|p| p["type"] == "row").filter_map(|p| p["title"].as_str()).collect();
+    assert_eq!(rows, ["Intake", "Spool", "Uploads", "Publishes", "Lease", "Latencies"]);
+    for panel in panels.iter().filter(|p| p["type"] != "row") {
+        let targets = panel["targets"].as_array().unwrap();
+        assert!(!targets.is_empty(), "{} has no query", panel["title"]);
+        for target in targets {
+            assert!(target["expr"].as_str().unwrap().contains("capstore_"), "{}", panel["title"]);
+        }
     }
 }
 

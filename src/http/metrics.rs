@@ -1,4 +1,6 @@
-//! `GET /metrics`: Prometheus/OpenMetrics text of every counter and gauge, sampled at the scrape.
+//! `GET /metrics`: Prometheus/OpenMetrics text of every counter, gauge and latency histogram, sampled at the scrape.
+//! Names are stable (`deploy/prometheus/capstore.rules.yml` and `deploy/grafana/capstore.json` query them; a test
+//! checks both against a live scrape).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -10,14 +12,18 @@ use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
-use prometheus_client::registry::Registry;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::{Registry, Unit};
 
 use super::{ApiError, HttpState};
 use crate::catalog::lease::LeaseState;
 use crate::pipeline::off_runtime;
 use crate::pipeline::status::{SpoolCounts, StatusBoard};
 
-pub(super) async fn metrics(State(state): State<Arc<HttpState>>) -> Result<Response, ApiError> {
+pub(super) async fn metrics(
+    State(state): State<Arc<HttpState>>,
+    headers: axum::http::HeaderMap,
+) -> Result<Response, ApiError> {
     let board = state.board.clone();
     let sample = off_runtime(move || Ok(MetricsSample::take(&board)))
         .await
@@ -27,8 +33,43 @@ pub(super) async fn metrics(State(state): State<Arc<HttpState>>) -> Result<Respo
     let mut text = String::new();
     prometheus_client::encoding::text::encode(&mut text, &registry)
         .map_err(|error| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, error.to_string()))?;
-    let content_type = "application/openmetrics-text; version=1.0.0; charset=utf-8";
-    Ok(([(header::CONTENT_TYPE, content_type)], text).into_response())
+    // Prometheus asks for OpenMetrics in its Accept header; anything else (curl, promtool, older scrapers) gets the
+    // classic text format.
+    let wants_open_metrics = headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .any(|value| value.contains("application/openmetrics-text"));
+    if wants_open_metrics {
+        let content_type = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+        return Ok(([(header::CONTENT_TYPE, content_type)], text).into_response());
+    }
+    let content_type = "text/plain; version=0.0.4; charset=utf-8";
+    Ok(([(header::CONTENT_TYPE, content_type)], classic_text(&text)).into_response())
+}
+
+/// OpenMetrics text as the classic Prometheus text format: a counter family is named by its `_total` sample, and
+/// there are no `# UNIT` or `# EOF` lines. The samples are the same in both.
+fn classic_text(open_metrics: &str) -> String {
+    let counters: std::collections::HashSet<&str> = open_metrics
+        .lines()
+        .filter_map(|line| line.strip_prefix("# TYPE "))
+        .filter_map(|rest| rest.strip_suffix(" counter"))
+        .collect();
+    let mut text = String::with_capacity(open_metrics.len());
+    for line in open_metrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let descriptor = ["# HELP ", "# TYPE "].into_iter().find_map(|prefix| {
+            let rest = line.strip_prefix(prefix)?;
+            let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+            counters.contains(name).then(|| format!("{prefix}{name}_total {tail}"))
+        });
+        text.push_str(descriptor.as_deref().unwrap_or(line));
+        text.push('\n');
+    }
+    text
 }
 
 const LEASE_STATES: [LeaseState; 6] = [
@@ -49,6 +90,10 @@ fn lease_state_name(state: LeaseState) -> String {
 struct MetricsSample {
     counters: Vec<(&'static str, &'static str, u64)>,
     gauges: Vec<(&'static str, &'static str, i64)>,
+    /// Gauges in seconds (the unit is appended to the name).
+    seconds_gauges: Vec<(&'static str, &'static str, f64)>,
+    /// Latency histograms in seconds (the unit is appended to the name).
+    histograms: Vec<(&'static str, &'static str, Histogram)>,
     lease_state: LeaseState,
     spool: SpoolCounts,
 }
@@ -79,16 +124,69 @@ impl MetricsSample {
             ("capstore_captures_indexed", "captures published to the catalog", pipeline(|p| p.captures_indexed)),
             ("capstore_publishes", "catalog publishes (versions committed)", pipeline(|p| p.publishes)),
             ("capstore_packs_quarantined", "packs moved to quarantine", pipeline(|p| p.packs_quarantined)),
+            ("capstore_upload_failures", "pack uploads that failed (each is retried)", pipeline(|p| p.upload_failures)),
+            (
+                "capstore_packs_reconciled",
+                "packs published from the bucket by reconcile",
+                pipeline(|p| p.packs_reconciled),
+            ),
             ("capstore_lease_renewals", "lease renewals", lease(|l| l.lease_renewals)),
             ("capstore_lease_reacquisitions", "lease re-acquisitions", lease(|l| l.lease_reacquisitions)),
             ("capstore_lease_timeouts", "lease statements that timed out", lease(|l| l.lease_timeouts)),
         ];
         let lease_term = i64::try_from(lease(|l| l.lease_term)).unwrap_or(i64::MAX);
+        let spool = SpoolCounts::measure(&board.paths).unwrap_or_default();
+        let config = &board.config().spool;
+        let as_i64 = |value: u64| i64::try_from(value).unwrap_or(i64::MAX);
+        let free_bytes = crate::durable::free_bytes(&board.paths.packs).map_or(-1, as_i64);
+        let gauges = vec![
+            ("capstore_lease_term", "current lease term", lease_term),
+            (
+                "capstore_catalog_reachable",
+                "1 if the newest lease statement got an answer from the catalog",
+                i64::from(lease_opt.as_ref().is_some_and(|l| l.catalog_reachable)),
+            ),
+            ("capstore_spool_total_bytes", "bytes of every pack in the spool", as_i64(spool.total_bytes)),
+            ("capstore_spool_max_bytes", "the spool quota (spool.max_bytes)", as_i64(config.max_bytes.0)),
+            ("capstore_spool_free_bytes", "free bytes on the spool's filesystem (-1 if unknown)", free_bytes),
+            (
+                "capstore_spool_min_free_bytes",
+                "the free-space floor (spool.min_free_bytes)",
+                as_i64(config.min_free_bytes.0),
+            ),
+        ];
+        let seconds_gauges = vec![(
+            "capstore_oldest_unpublished_age",
+            "age of the oldest pack not yet published (open, sealed or uploaded); 0 when none",
+            spool.oldest_unpublished_age_seconds,
+        )];
+        let mut histograms = vec![(
+            "capstore_append_to_ack",
+            "an append's request to its acknowledgement (fsynced) or refusal",
+            board.writer_stats.append_latency.histogram().clone(),
+        )];
+        if let Some(counters) = board.pipeline_counters.get() {
+            histograms.extend([
+                ("capstore_upload_duration", "one pack's upload and verification", counters.upload_latency.histogram().clone()),
+                (
+                    "capstore_publish_duration",
+                    "one publish statement, sent to answered",
+                    counters.publish_latency.histogram().clone(),
+                ),
+                (
+                    "capstore_ack_to_published",
+                    "per published pack, its first capture's acknowledgement to the publish (the longest wait in the pack)",
+                    counters.ack_to_published_latency.histogram().clone(),
+                ),
+            ]);
+        }
         MetricsSample {
             counters,
-            gauges: vec![("capstore_lease_term", "current lease term", lease_term)],
+            gauges,
+            seconds_gauges,
+            histograms,
             lease_state: lease_opt.as_ref().map_or(LeaseState::None, |l| l.lease_state),
-            spool: SpoolCounts::measure(&board.paths).unwrap_or_default(),
+            spool,
         }
     }
 }
@@ -102,6 +200,18 @@ impl Collector for MetricsSample {
         for (name, help, value) in &self.gauges {
             let gauge = ConstGauge::new(*value);
             gauge.encode(encoder.encode_descriptor(name, help, None, gauge.metric_type())?)?;
+        }
+        for (name, help, value) in &self.seconds_gauges {
+            let gauge = ConstGauge::new(*value);
+            gauge.encode(encoder.encode_descriptor(name, help, Some(&Unit::Seconds), gauge.metric_type())?)?;
+        }
+        for (name, help, histogram) in &self.histograms {
+            histogram.encode(encoder.encode_descriptor(
+                name,
+                help,
+                Some(&Unit::Seconds),
+                histogram.metric_type(),
+            )?)?;
         }
         let mut family = encoder.encode_descriptor(
             "capstore_lease_state",
@@ -140,5 +250,23 @@ impl Collector for MetricsSample {
             ConstGauge::new(*bytes).encode(bytes_family.encode_family(&[("state", state.as_str())])?)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classic_text_names_counter_families_by_their_total_sample_and_drops_openmetrics_only_lines() {
+        let open_metrics = "# HELP a_things things.\n# TYPE a_things counter\na_things_total 3\n\
+            # HELP b_wait wait.\n# TYPE b_wait_seconds histogram\n# UNIT b_wait_seconds seconds\n\
+            b_wait_seconds_count 1\n# TYPE c gauge\nc 1\n# EOF\n";
+        let classic = classic_text(open_metrics);
+        assert_eq!(
+            classic,
+            "# HELP a_things_total things.\n# TYPE a_things_total counter\na_things_total 3\n\
+             # HELP b_wait wait.\n# TYPE b_wait_seconds histogram\nb_wait_seconds_count 1\n# TYPE c gauge\nc 1\n"
+        );
     }
 }

@@ -113,7 +113,11 @@ impl Pipeline {
     }
 
     async fn publish_and_delete(&self, batch: &[PackDescriptor]) -> Result<usize, PublishError> {
-        let outcome = self.publisher.publish_batch(batch).await?;
+        let started = std::time::Instant::now();
+        let outcome = self.publisher.publish_batch(batch).await;
+        self.counters.publish_latency.observe(started.elapsed());
+        self.counters.liveness.progress();
+        let outcome = outcome?;
         crate::failpoint::hit("after_publish_before_delete");
         let version = match outcome {
             PublishOutcome::Committed { version, .. } => {
@@ -124,6 +128,11 @@ impl Pipeline {
         };
         for descriptor in batch {
             self.published.announce(descriptor.summary.pack_id, version);
+            if version.is_some() {
+                if let Some(waited) = crate::util::age_of_uuid_v7(descriptor.summary.pack_id) {
+                    self.counters.ack_to_published_latency.observe(waited);
+                }
+            }
         }
         if !self.inbox_unlinks_durable().await {
             // Keep the packs: the replay guard makes the next round a no-op for them, and it retries the delete.

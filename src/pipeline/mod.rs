@@ -34,9 +34,10 @@ use crate::catalog::lease::LeaseHandle;
 use crate::catalog::publish::Publisher;
 use crate::config::Config;
 use crate::spool::SpoolPaths;
+use crate::telemetry::{Latency, Liveness};
 
 /// Counters of the pipeline, read by status and metrics.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct PipelineCounters {
     pub packs_uploaded: AtomicU64,
     pub bytes_uploaded: AtomicU64,
@@ -45,6 +46,36 @@ pub struct PipelineCounters {
     pub publishes: AtomicU64,
     pub packs_quarantined: AtomicU64,
     pub packs_reconciled: AtomicU64,
+    /// Pack uploads that failed (the bucket unreachable or refusing); each is retried.
+    pub upload_failures: AtomicU64,
+    /// Busy while the daemon's loop runs a round; every pack uploaded, publish answered or reconcile step is progress.
+    pub liveness: Liveness,
+    /// One pack's upload and verification.
+    pub upload_latency: Latency,
+    /// One publish statement, sent to answered (committed, already committed, or refused).
+    pub publish_latency: Latency,
+    /// Per published pack: from its first acknowledged capture (the pack's open, the time in its UUIDv7 id) to the
+    /// publish that made it readable, which is the longest wait of any capture in the pack.
+    pub ack_to_published_latency: Latency,
+}
+
+impl Default for PipelineCounters {
+    fn default() -> PipelineCounters {
+        PipelineCounters {
+            packs_uploaded: AtomicU64::default(),
+            bytes_uploaded: AtomicU64::default(),
+            packs_indexed: AtomicU64::default(),
+            captures_indexed: AtomicU64::default(),
+            publishes: AtomicU64::default(),
+            packs_quarantined: AtomicU64::default(),
+            packs_reconciled: AtomicU64::default(),
+            upload_failures: AtomicU64::default(),
+            liveness: Liveness::default(),
+            upload_latency: Latency::between(0.001, 300.0),
+            publish_latency: Latency::between(0.001, 60.0),
+            ack_to_published_latency: Latency::between(0.01, 3600.0),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, Serialize)]
@@ -56,6 +87,7 @@ pub struct PipelineCounts {
     pub publishes: u64,
     pub packs_quarantined: u64,
     pub packs_reconciled: u64,
+    pub upload_failures: u64,
 }
 
 impl PipelineCounters {
@@ -69,6 +101,7 @@ impl PipelineCounters {
             publishes: load(&self.publishes),
             packs_quarantined: load(&self.packs_quarantined),
             packs_reconciled: load(&self.packs_reconciled),
+            upload_failures: load(&self.upload_failures),
         }
     }
 }
@@ -201,8 +234,10 @@ impl Pipeline {
         }
     }
 
-    /// `Err(Stopped)` once the process is stopping: long work checks it between two units that each complete.
+    /// `Err(Stopped)` once the process is stopping: long work checks it between two units that each complete (and
+    /// each such step is progress for the watchdog).
     fn unless_stopping(&self) -> Result<(), RoundError> {
+        self.counters.liveness.progress();
         match &self.stopping {
             Some(stopping) if *stopping.borrow() => Err(RoundError::Stopped),
             _ => Ok(()),

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -41,7 +41,6 @@ pub struct SpoolCounts {
 impl SpoolCounts {
     pub fn measure(paths: &SpoolPaths) -> std::io::Result<SpoolCounts> {
         let mut counts = SpoolCounts::default();
-        let now = SystemTime::now();
         for state in PackState::ALL {
             counts.by_state.insert(state.extension().to_string(), StateCount::default());
         }
@@ -51,10 +50,8 @@ impl SpoolCounts {
             entry.bytes += pack.bytes;
             counts.total_bytes += pack.bytes;
             // Pack ids are UUIDv7: their timestamp is when the pack was opened.
-            let opened_ms =
-                pack.pack_id.get_timestamp().map(|ts| ts.to_unix()).map_or(0.0, |(s, n)| s as f64 + n as f64 / 1e9);
-            let now_s = now.duration_since(SystemTime::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
-            counts.oldest_unpublished_age_seconds = counts.oldest_unpublished_age_seconds.max(now_s - opened_ms);
+            let age = crate::util::age_of_uuid_v7(pack.pack_id).unwrap_or_default().as_secs_f64();
+            counts.oldest_unpublished_age_seconds = counts.oldest_unpublished_age_seconds.max(age);
         }
         Ok(counts)
     }
@@ -136,6 +133,14 @@ impl StatusBoard {
     /// The latest error of the daemon's own start-up (the lease keeps its own).
     pub(crate) fn set_last_error(&self, error: String) {
         *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(error);
+    }
+
+    pub(crate) fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub(crate) fn last_error(&self) -> Option<String> {
+        self.last_error.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// The snapshot as JSON. Blocking: it lists the spool's packs (call it off the runtime).

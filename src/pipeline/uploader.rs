@@ -100,6 +100,7 @@ impl Pipeline {
             return Err(RoundError::NoLease);
         }
         let summary = pack.summary();
+        let started = std::time::Instant::now();
         let upload = self.bucket.upload_pack(&listing.path, &summary);
         tokio::pin!(upload);
         let outcome = if crate::failpoint::is_armed("mid_upload") {
@@ -113,8 +114,10 @@ impl Pipeline {
         } else {
             upload.await
         };
+        self.counters.liveness.progress();
         match outcome {
             Ok(uploaded) => {
+                self.counters.upload_latency.observe(started.elapsed());
                 crate::failpoint::hit("after_upload_before_rename");
                 let (paths, pack_id) = (self.paths.clone(), summary.pack_id);
                 off_runtime(move || paths.mark_uploaded(pack_id)).await?;
@@ -136,7 +139,10 @@ impl Pipeline {
                 .await;
                 Ok(false)
             }
-            Err(error) => Err(RoundError::Bucket(error)),
+            Err(error) => {
+                self.counters.upload_failures.fetch_add(1, Ordering::Relaxed);
+                Err(RoundError::Bucket(error))
+            }
         }
     }
 }

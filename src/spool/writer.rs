@@ -37,6 +37,7 @@ use super::{list_packs, PackState, SpoolPaths};
 use crate::config::SpoolConfig;
 use crate::durable;
 use crate::pack::{CaptureMeta, PackError, PackSummary, PackWriter, SyncPoint};
+use crate::telemetry::{Latency, Liveness};
 
 /// How stale the quota readings may get.
 pub const QUOTA_REFRESH: Duration = Duration::from_millis(250);
@@ -105,7 +106,7 @@ pub struct Ack {
 }
 
 /// Counters of the writer, read by status and metrics.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct WriterStats {
     pub records_appended: AtomicU64,
     pub bytes_appended: AtomicU64,
@@ -114,6 +115,25 @@ pub struct WriterStats {
     pub appends_refused: AtomicU64,
     /// Woken after every seal (one permit is kept if nobody waits), so the daemon's loop need not poll.
     pub sealed_notify: Notify,
+    /// Busy while an append or a seal waits for its answer: a writer that answers none of them is wedged.
+    pub liveness: Liveness,
+    /// Time from an append's request to its acknowledgement (fsynced) or refusal.
+    pub append_latency: Latency,
+}
+
+impl Default for WriterStats {
+    fn default() -> WriterStats {
+        WriterStats {
+            records_appended: AtomicU64::default(),
+            bytes_appended: AtomicU64::default(),
+            fsyncs: AtomicU64::default(),
+            packs_sealed: AtomicU64::default(),
+            appends_refused: AtomicU64::default(),
+            sealed_notify: Notify::default(),
+            liveness: Liveness::default(),
+            append_latency: Latency::between(0.000_1, 10.0),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, Serialize)]
@@ -219,14 +239,19 @@ impl SpoolWriter {
             self.stats.appends_refused.fetch_add(1, Ordering::Relaxed);
             return Err(AppendError::Invalid(problem));
         }
+        let _busy = self.stats.liveness.busy();
+        let started = Instant::now();
         let (reply, reply_rx) = oneshot::channel();
         let payload = payload.into();
         self.requests_tx.send_async(Request::Append { meta, payload, reply }).await.map_err(|_| AppendError::Closed)?;
-        reply_rx.await.map_err(|_| AppendError::Closed)?
+        let answer = reply_rx.await.map_err(|_| AppendError::Closed)?;
+        self.stats.append_latency.observe(started.elapsed());
+        answer
     }
 
     /// Seal the open pack now (if it has records); returns what was sealed.
     pub async fn seal(&self) -> Result<Option<PackSummary>, AppendError> {
+        let _busy = self.stats.liveness.busy();
         let (reply, reply_rx) = oneshot::channel();
         self.requests_tx.send_async(Request::Seal { reply }).await.map_err(|_| AppendError::Closed)?;
         reply_rx.await.map_err(|_| AppendError::Closed)?
@@ -593,6 +618,7 @@ fn run_syncer(jobs_rx: flume::Receiver<SyncJob>, paths: &SpoolPaths, stats: &Wri
                             // A later fsync of the same file covers this batch: it was written first.
                             continue;
                         }
+                        crate::failpoint::stall("stall_before_fsync");
                         let synced = point.sync().map_err(|e| AppendError::Io(e.to_string()));
                         if synced.is_ok() {
                             stats.fsyncs.fetch_add(1, Ordering::Relaxed);

@@ -108,6 +108,18 @@ impl DaemonEnv {
         command
     }
 
+    /// `sh -c SCRIPT` with exactly this environment, the binary's path in `$0`: for what a service manager does
+    /// between fork and exec (systemd sets `WATCHDOG_PID` to the pid it is about to exec).
+    pub fn shell(&self, script: &str) -> Command {
+        let mut command = Command::new("sh");
+        command
+            .args(["-c", script, env!("CARGO_BIN_EXE_capstore")])
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .envs(&self.vars);
+        command
+    }
+
     /// Start `capstore run`, its stderr (the log) in `log_path`.
     pub fn start(&self, log_path: PathBuf) -> Daemon {
         self.spawn(&["run"], log_path)

@@ -12,6 +12,7 @@ use crate::catalog::client::{CatalogClient, CatalogError, ErrorKind};
 use crate::catalog::schema::Tables;
 use crate::config::Config;
 use crate::retry::{OutageLog, RetryPolicy};
+use crate::telemetry::Liveness;
 
 struct Shared {
     state: LeaseState,
@@ -33,6 +34,8 @@ struct Shared {
     publish_not_before: Option<Instant>,
     /// Bumped each time the state becomes held from any other state (see [`PublishPermit::tenure`]).
     tenure: u64,
+    /// Whether the newest lease statement got an answer from the catalog (false until the first one does).
+    catalog_reachable: bool,
 }
 
 /// Cheap handle to the lease state, shared by the keeper, the uploader, the indexer and status.
@@ -44,6 +47,8 @@ pub struct LeaseHandle {
     state_tx: Arc<watch::Sender<LeaseState>>,
     /// Wakes the keeper at once (a quarantine or a lost fence).
     keeper_wake: Arc<Notify>,
+    /// Busy while the keeper runs a step (a claim, a renewal, a release), each bounded by the statement cap.
+    pub liveness: Liveness,
 }
 
 impl LeaseHandle {
@@ -117,6 +122,7 @@ impl LeaseHandle {
             lease_timeouts: shared.timeouts,
             failed: shared.state == LeaseState::Failed,
             last_error: shared.last_error.clone(),
+            catalog_reachable: shared.catalog_reachable,
         }
     }
 
@@ -212,6 +218,7 @@ impl LeaseKeeper {
             ever_held: false,
             publish_not_before: None,
             tenure: 0,
+            catalog_reachable: false,
         };
         let (state_tx, _) = watch::channel(LeaseState::None);
         let handle = LeaseHandle {
@@ -220,6 +227,7 @@ impl LeaseKeeper {
             identity,
             state_tx: Arc::new(state_tx),
             keeper_wake: Arc::new(Notify::new()),
+            liveness: Liveness::default(),
         };
         LeaseKeeper {
             handle,
@@ -306,7 +314,9 @@ impl LeaseKeeper {
                 self.release().await;
                 return;
             }
+            let busy = self.handle.liveness.busy();
             let pause = self.step().await;
+            drop(busy);
             if self.handle.state() == LeaseState::Failed {
                 return;
             }
@@ -396,12 +406,16 @@ impl LeaseKeeper {
 
     /// A request definitely failed: ClickHouse is unreachable (or refuses us); nothing happened.
     fn unreachable_failed(&self, error: &CatalogError) {
-        self.handle.lock().last_error = Some(error.to_string());
+        let mut shared = self.handle.lock();
+        shared.last_error = Some(error.to_string());
+        shared.catalog_reachable = false;
+        drop(shared);
         self.unreachable.lock().unwrap_or_else(|p| p.into_inner()).failed(error);
     }
 
     /// A request got an answer.
     fn reachable(&self) {
+        self.handle.lock().catalog_reachable = true;
         self.unreachable.lock().unwrap_or_else(|p| p.into_inner()).recovered();
     }
 

@@ -174,6 +174,8 @@ pub struct LeaseStatus {
     pub lease_timeouts: u64,
     pub failed: bool,
     pub last_error: Option<String>,
+    /// Whether the newest lease statement got an answer from the catalog.
+    pub catalog_reachable: bool,
 }
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
 //! `capstore run`: the daemon, wiring every part in its start order and taking it down in one place.
 //!
 //! Start order: config (checked by the caller) -> signals -> spool lock -> spool recovery -> writer + inbox ingest
-//! (READY=1 for systemd: from here on captures are accepted) -> HTTP (a bind failure is fatal; its catalog reads
+//! (READY=1 for systemd: from here on captures are accepted; [`systemd`] also sends status lines and watchdog pings) -> HTTP (a bind failure is fatal; its catalog reads
 //! start working once the catalog is connected) -> bucket -> catalog connect + schema (retried with backoff:
 //! ClickHouse being down delays publishing, never ingest) -> lease with the start wait -> owed packs -> reconcile
 //! (by upload intents; by a listing once if the catalog has no intent mark and `catalog.reconcile_on_start`) -> the loop.
@@ -15,11 +15,14 @@
 //! wait for a new sealed pack, a lease state change (a re-acquired lease wakes it at once), the error backoff
 //! ([`crate::retry`]) or shutdown. The lease renews on its own task, never delayed by the loop.
 //!
-//! Signals: the first SIGTERM/SIGINT stops intake, seals the open pack, uploads and publishes what fits in
+//! Signals: the first SIGTERM/SIGINT (STOPPING=1 for systemd, and more stop time while the drain makes progress) stops
+//! intake, seals the open pack, uploads and publishes what fits in
 //! `shutdown_grace`, releases the lease (tombstone) and exits 0; a second signal exits at once with code 1 (still safe:
 //! the spool is durable). SIGHUP is logged and ignored: configuration is read once, so apply changes with a restart.
 //! A latch (another publisher holds the catalog for 2 x TTL) seals the open pack and exits 3; a spool owned by another
 //! process exits 4 at once.
+
+mod systemd;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -42,6 +45,7 @@ use crate::retry::{OutageLog, RetryPolicy};
 use crate::spool::inbox::{Ingestor, UnlinkLog};
 use crate::spool::writer::{spawn_writer, SpoolWriter, WriterSettings, WriterThread};
 use crate::spool::{Spool, SpoolError};
+use systemd::{Phase, Systemd};
 
 /// The loop's wait when nothing moved and nothing woke it.
 const IDLE_TICK: Duration = Duration::from_secs(1);
@@ -148,6 +152,7 @@ struct Running {
     /// Where the indexer announces published packs, for HTTP's `wait=published`.
     published: Arc<PublishedPacks>,
     status_task: tokio::task::JoinHandle<()>,
+    systemd: Systemd,
     lease: Option<RunningLease>,
 }
 
@@ -186,7 +191,7 @@ impl Running {
             writer_thread,
         };
         let status_task = tokio::spawn(status_file_loop(board.clone()));
-        let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
+        let systemd = Systemd::ready(board.clone());
         tracing::info!(spool = %paths.root.display(), spool_id = %spool.id(), "ingest ready");
         if let Some(writer_tx) = writer_tx {
             let _ = writer_tx.send(writer.clone());
@@ -201,6 +206,7 @@ impl Running {
             inbox_unlinks,
             published: Arc::default(),
             status_task,
+            systemd,
             lease: None,
         };
         let max_capture_bytes = running.config.spool.max_capture_bytes.0;
@@ -251,6 +257,7 @@ impl Running {
         pipeline.spool_index = self.spool.index();
         pipeline.stopping = Some(shutdown_rx.clone());
         self.board.set_pipeline_counters(pipeline.counters.clone());
+        self.systemd.set_phase(Phase::Publishing);
         tracing::info!(
             catalog = %config.catalog_name,
             bucket = %crate::config::units::redact_url(&config.bucket.url),
@@ -281,12 +288,13 @@ impl Running {
         }
         tracing::info!(grace = ?config.shutdown_grace.0, "shutting down: intake stopped, sealing the open pack");
         self.stop_intake().await;
-        drain(&pipeline, config.shutdown_grace.0).await;
+        drain(&pipeline, config.shutdown_grace.0, &self.systemd).await;
         Ok(exit_code::CLEAN)
     }
 
     /// Stop accepting captures (HTTP writes answer 503 from here on) and seal the open pack. Idempotent.
     async fn stop_intake(&mut self) {
+        self.systemd.stopping();
         if let Some(http) = &self.http {
             http.state().close_intake();
         }
@@ -305,6 +313,7 @@ impl Running {
             http.stop().await;
         }
         self.status_task.abort();
+        self.systemd.stop();
         let board = self.board.clone();
         let root = self.spool.paths().root.clone();
         if let Err(error) = off_runtime(move || write_status(&root, &board.snapshot())).await {
@@ -370,10 +379,12 @@ async fn run_loop(
             return LoopEnd::Latched;
         }
         let mut moved = 0;
+        let busy = pipeline.counters.liveness.busy();
         let mut failed = !count_round(pipeline.index_round().await, &mut publish_outage, &mut moved);
         if !failed {
             failed = !count_round(pipeline.upload_round().await, &mut upload_outage, &mut moved);
         }
+        drop(busy);
         let pause = if failed {
             backoff.next_delay_unbounded()
         } else {
@@ -413,23 +424,34 @@ fn count_round(round: Result<usize, RoundError>, outage: &mut OutageLog, moved: 
     }
 }
 
-/// Upload and publish what fits in the shutdown grace.
-async fn drain(pipeline: &Pipeline, grace: Duration) {
+/// After a drain step that moved packs, systemd's stop timeout is extended by this much (never past the grace, plus
+/// the lease release and HTTP stop that follow).
+const DRAIN_PROGRESS_WINDOW: Duration = Duration::from_secs(10);
+const AFTER_DRAIN: Duration = Duration::from_secs(5);
+
+/// Upload and publish what fits in the shutdown grace; while that makes progress, systemd is told to wait.
+async fn drain(pipeline: &Pipeline, grace: Duration, systemd: &Systemd) {
     let deadline = Instant::now() + grace;
     let work = async {
         let mut backoff = DEPENDENCY_RETRY.start();
         loop {
             let indexed = pipeline.index_round().await;
             let uploaded = pipeline.upload_round().await;
+            let moved = matches!((&indexed, &uploaded), (Ok(published), Ok(uploaded)) if published + uploaded > 0);
+            if moved {
+                let left = deadline.saturating_duration_since(Instant::now());
+                systemd.extend_stop_timeout(left.min(DRAIN_PROGRESS_WINDOW) + AFTER_DRAIN);
+            }
             let paths = pipeline.paths.clone();
             let remaining = off_runtime(move || crate::spool::list_packs(&paths)).await.map_or(0, |packs| packs.len());
             if remaining == 0 {
                 tracing::info!("spool drained");
                 return;
             }
-            match (indexed, uploaded) {
-                (Ok(published), Ok(uploaded)) if published + uploaded > 0 => backoff.reset(),
-                _ => tokio::time::sleep(backoff.next_delay_unbounded()).await,
+            if moved {
+                backoff.reset();
+            } else {
+                tokio::time::sleep(backoff.next_delay_unbounded()).await;
             }
         }
     };

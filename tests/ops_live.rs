@@ -1,0 +1,312 @@
+//! What an operator's tools see of a real daemon: the systemd notification protocol on a real datagram socket
+//! (readiness, status lines, watchdog pings and what stops them, stopping and stop-timeout extensions), and a live
+//! `/metrics` scrape checked by `promtool check metrics` and against every metric the shipped alerting rules and
+//! dashboard query.
+
+mod common;
+
+use std::os::unix::net::UnixDatagram;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::daemon::{Daemon, DaemonEnv};
+
+const PROMTOOL_HINT: &str = "promtool is missing: `apt-get install -y prometheus` (Debian/Ubuntu ship it there)";
+
+/// Every datagram the daemon sends to its `NOTIFY_SOCKET`, with the moment it arrived.
+#[derive(Clone, Default)]
+struct Notifications {
+    received: Arc<Mutex<Vec<(Instant, String)>>>,
+}
+
+impl Notifications {
+    /// Bind `path` and collect what arrives on a thread of its own.
+    fn listen(path: &Path) -> Notifications {
+        let socket = UnixDatagram::bind(path).expect("bind the notify socket");
+        let notifications = Notifications::default();
+        let received = notifications.received.clone();
+        std::thread::spawn(move || {
+            let mut buffer = vec![0u8; 4096];
+            while let Ok(len) = socket.recv(&mut buffer) {
+                let text = String::from_utf8_lossy(&buffer[..len]).into_owned();
+                received.lock().unwrap().push((Instant::now(), text));
+            }
+        });
+        notifications
+    }
+
+    fn all(&self) -> Vec<(Instant, String)> {
+        self.received.lock().unwrap().clone()
+    }
+
+    /// Every line (a datagram may carry several assignments) with its arrival time.
+    fn lines(&self) -> Vec<(Instant, String)> {
+        self.all()
+            .into_iter()
+            .flat_map(|(at, text)| text.lines().map(move |line| (at, line.to_string())).collect::<Vec<_>>())
+            .collect()
+    }
+
+    /// Poll until a line matches; returns its arrival time.
+    async fn wait_for(
+        &self,
+        what: &str,
+        within: Duration,
+        daemon: &mut Daemon,
+        matches: impl Fn(&str) -> bool,
+    ) -> Instant {
+        let started = Instant::now();
+        loop {
+            if let Some((at, _)) = self.lines().into_iter().find(|(_, line)| matches(line)) {
+                return at;
+            }
+            assert!(daemon.exited().is_none(), "daemon exited before {what}:\n{}", daemon.log());
+            assert!(
+                started.elapsed() < within,
+                "no {what} within {within:?}; got {:?}\n{}",
+                self.lines(),
+                daemon.log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    fn pings_between(&self, from: Instant, to: Instant) -> Vec<Instant> {
+        self.lines()
+            .into_iter()
+            .filter(|(at, line)| line == "WATCHDOG=1" && *at >= from && *at <= to)
+            .map(|(at, _)| at)
+            .collect()
+    }
+}
+
+fn median_interval(pings: &[Instant]) -> Duration {
+    let mut gaps: Vec<Duration> = pings.windows(2).map(|pair| pair[1] - pair[0]).collect();
+    gaps.sort();
+    gaps[gaps.len() / 2]
+}
+
+/// A live daemon under a notify socket, with the watchdog at `WATCHDOG_USEC` = 1 s and `WATCHDOG_PID` set to the
+/// pid that execs the daemon, as systemd does.
+fn start_under_systemd(dir: &Path, env: DaemonEnv) -> (Daemon, Notifications, String) {
+    let socket = dir.join("notify.sock");
+    let notifications = Notifications::listen(&socket);
+    let port = common::free_port(false);
+    let env = env
+        .set("NOTIFY_SOCKET", socket.display().to_string())
+        .set("WATCHDOG_USEC", "1000000")
+        .set("CAPSTORE_HTTP_LISTEN", format!("127.0.0.1:{port}"));
+    let log_path = dir.join("daemon.log");
+    let mut command = env.shell("WATCHDOG_PID=$$ exec \"$0\" run");
+    command.stdout(Stdio::null()).stderr(std::fs::File::create(&log_path).unwrap());
+    (Daemon::spawn(command, log_path), notifications, format!("http://127.0.0.1:{port}"))
+}
+
+async fn post_capture(client: &reqwest::Client, base: &str, stream: &str) -> reqwest::StatusCode {
+    let url = format!("{base}/v1/captures?stream={stream}");
+    client.post(url).body(vec![7u8; 1000]).send().await.unwrap().status()
+}
+
+#[tokio::test]
+async fn under_systemd_the_daemon_is_ready_reports_status_pings_the_watchdog_and_extends_its_stop_while_draining() {
+    let dir = tempfile::tempdir().unwrap();
+    // A long pack age keeps the captures in the open pack until the stop, so the drain has work to extend for.
+    let env = DaemonEnv::live("systemd", dir.path())
+        .set("CAPSTORE_SPOOL_PACK_MAX_AGE", "1h")
+        .set("CAPSTORE_SHUTDOWN_GRACE", "20s");
+    let (mut daemon, notifications, base) = start_under_systemd(dir.path(), env);
+    let ready_at = notifications.wait_for("READY=1", Duration::from_secs(20), &mut daemon, |l| l == "READY=1").await;
+    // READY=1 means ingest is up: the spool accepts captures (the HTTP listener follows within moments).
+    let client = reqwest::Client::new();
+    let started = Instant::now();
+    while client.get(format!("{base}/healthz")).send().await.is_err() {
+        assert!(started.elapsed() < Duration::from_secs(10), "HTTP never came up after READY=1:\n{}", daemon.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for _ in 0..3 {
+        assert_eq!(post_capture(&client, &base, "cam/1").await, reqwest::StatusCode::CREATED, "{}", daemon.log());
+    }
+    let publishing = |line: &str| line.starts_with("STATUS=publishing") && line.contains("lease held (term");
+    notifications.wait_for("a publishing STATUS line", Duration::from_secs(20), &mut daemon, publishing).await;
+
+    // The watchdog: pings at half of WATCHDOG_USEC, from READY on.
+    let window_end = ready_at.max(Instant::now()) + Duration::from_secs(3);
+    while Instant::now() < window_end {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let pings = notifications.pings_between(window_end - Duration::from_secs(3), window_end);
+    assert!(pings.len() >= 4, "{} pings in 3 s at WATCHDOG_USEC=1s: {:?}", pings.len(), notifications.lines());
+    let period = median_interval(&pings);
+    assert!(
+        period >= Duration::from_millis(350) && period <= Duration::from_millis(800),
+        "median ping interval {period:?}, expected about 500 ms"
+    );
+
+    // SIGTERM: STOPPING=1, then more stop time for every drain step that moved packs, then exit 0.
+    let (code, _, log) = daemon.terminate();
+    assert_eq!(code, 0, "{log}");
+    let lines = notifications.lines();
+    let stopping =
+        lines.iter().position(|(_, line)| line == "STOPPING=1").unwrap_or_else(|| panic!("no STOPPING=1: {lines:?}"));
+    let extensions: Vec<u64> = lines[stopping..]
+        .iter()
+        .filter_map(|(_, line)| line.strip_prefix("EXTEND_TIMEOUT_USEC="))
+        .map(|usec| usec.parse().unwrap())
+        .collect();
+    assert!(
+        !extensions.is_empty(),
+        "no EXTEND_TIMEOUT_USEC after STOPPING=1 though the drain published: {lines:?}\n{log}"
+    );
+    assert!(
+        extensions.iter().all(|usec| *usec > 0 && *usec <= 15_000_000),
+        "extensions beyond window + margin: {extensions:?}"
+    );
+    assert!(log.contains("spool drained"), "{log}");
+}
+
+#[tokio::test]
+async fn the_watchdog_stops_pinging_once_the_spool_writer_wedges_and_not_before() {
+    let dir = tempfile::tempdir().unwrap();
+    // The second append's fsync never returns: a wedged disk.
+    let env = DaemonEnv::live("watchdog", dir.path()).set("CAPSTORE_FAILPOINTS", "stall_before_fsync@2");
+    let (mut daemon, notifications, base) = start_under_systemd(dir.path(), env);
+    notifications.wait_for("READY=1", Duration::from_secs(20), &mut daemon, |l| l == "READY=1").await;
+    let client = reqwest::Client::new();
+    let started = Instant::now();
+    while client.get(format!("{base}/healthz")).send().await.is_err() {
+        assert!(started.elapsed() < Duration::from_secs(10), "HTTP never came up:\n{}", daemon.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(post_capture(&client, &base, "cam/1").await, reqwest::StatusCode::CREATED);
+    // Healthy and idle for 2 s after the first append: pings go on.
+    let healthy_from = Instant::now();
+    while healthy_from.elapsed() < Duration::from_secs(2) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let healthy_pings = notifications.pings_between(healthy_from, Instant::now());
+    assert!(healthy_pings.len() >= 2, "an idle writer is healthy: {:?}", notifications.lines());
+
+    let wedged = {
+        let (client, base) = (client.clone(), base.clone());
+        tokio::spawn(async move { post_capture(&client, &base, "cam/1").await })
+    };
+    let stalled = |line: &str| line.starts_with("STATUS=") && line.contains("watchdog: spool writer stalled for");
+    let stalled_at =
+        notifications.wait_for("a stalled STATUS line", Duration::from_secs(15), &mut daemon, stalled).await;
+    let quiet_until = stalled_at + Duration::from_secs(3);
+    while Instant::now() < quiet_until {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let late_pings = notifications.pings_between(stalled_at, quiet_until);
+    assert!(late_pings.is_empty(), "{} pings after the writer wedged: {:?}", late_pings.len(), notifications.lines());
+    assert!(!wedged.is_finished(), "the append behind the wedged fsync was answered");
+    assert!(daemon.log().contains("watchdog pings stop"), "{}", daemon.log());
+    daemon.kill();
+}
+
+/// `promtool` with `args`, `input` on stdin; returns success and everything it printed.
+fn promtool(args: &[&str], input: &str) -> (bool, String) {
+    let mut child = Command::new("promtool")
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|error| panic!("{PROMTOOL_HINT} ({error})"));
+    std::io::Write::write_all(child.stdin.as_mut().unwrap(), input.as_bytes()).unwrap();
+    let output = child.wait_with_output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    (output.status.success(), text)
+}
+
+/// The series names a classic-format scrape exposes (`# TYPE name kind` lines, with a histogram's sample suffixes).
+fn exposed_series(scrape: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    for line in scrape.lines() {
+        let Some(rest) = line.strip_prefix("# TYPE ") else { continue };
+        let mut words = rest.split_whitespace();
+        let (Some(name), Some(kind)) = (words.next(), words.next()) else { continue };
+        let suffixes: &[&str] = match kind {
+            "histogram" => &["_bucket", "_sum", "_count"],
+            _ => &[""],
+        };
+        names.extend(suffixes.iter().map(|suffix| format!("{name}{suffix}")));
+    }
+    names
+}
+
+/// Every `capstore_...` series name in a PromQL text.
+fn queried_series(text: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let mut rest = text;
+    while let Some(start) = rest.find("capstore_") {
+        let tail = &rest[start..];
+        let end = tail.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(tail.len());
+        names.push(tail[..end].to_string());
+        rest = &tail[end..];
+    }
+    names
+}
+
+#[tokio::test]
+async fn a_live_scrape_passes_promtool_and_has_every_metric_the_rules_and_dashboard_query() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = common::free_port(false);
+    let env = DaemonEnv::live("metrics", dir.path()).set("CAPSTORE_HTTP_LISTEN", format!("127.0.0.1:{port}"));
+    let mut daemon = env.start(dir.path().join("daemon.log"));
+    let base = format!("http://127.0.0.1:{port}");
+    let client = reqwest::Client::new();
+    // Publish one capture so every histogram has a sample and the pipeline's families exist.
+    let started = Instant::now();
+    loop {
+        if let Ok(response) =
+            client.post(format!("{base}/v1/captures?stream=cam/1&wait=published")).body(vec![1u8; 100]).send().await
+        {
+            if response.status() == reqwest::StatusCode::CREATED {
+                break;
+            }
+        }
+        assert!(daemon.exited().is_none(), "{}", daemon.log());
+        assert!(started.elapsed() < Duration::from_secs(30), "no published capture:\n{}", daemon.log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let scrape = client.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+    let (ok, lint) = promtool(&["check", "metrics"], &scrape);
+    assert!(ok, "promtool check metrics:\n{lint}\n{scrape}");
+    // Prometheus itself asks for OpenMetrics and gets it, with the same samples.
+    let open_metrics = client
+        .get(format!("{base}/metrics"))
+        .header("accept", "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5")
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(open_metrics.ends_with("# EOF\n"), "{open_metrics}");
+    assert!(open_metrics.contains("# TYPE capstore_captures_appended counter\n"), "{open_metrics}");
+    assert!(scrape.contains("# TYPE capstore_captures_appended_total counter\n"), "{scrape}");
+    for histogram in ["append_to_ack", "publish_duration", "ack_to_published", "upload_duration"] {
+        let count = format!("capstore_{histogram}_seconds_count ");
+        let line =
+            scrape.lines().find(|line| line.starts_with(&count)).unwrap_or_else(|| panic!("no {count}:\n{scrape}"));
+        let samples: f64 = line[count.len()..].trim().parse().unwrap();
+        assert!(samples >= 1.0, "{line}");
+    }
+
+    let exposed = exposed_series(&scrape);
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy");
+    for file in ["prometheus/capstore.rules.yml", "grafana/capstore.json"] {
+        let text = std::fs::read_to_string(root.join(file)).unwrap();
+        let queried = queried_series(&text);
+        assert!(queried.len() >= 8, "{file} queries only {queried:?}");
+        let missing: Vec<&String> = queried.iter().filter(|name| !exposed.contains(name)).collect();
+        assert!(
+            missing.is_empty(),
+            "{file} queries series a live daemon does not expose: {missing:?}\nexposed: {exposed:?}"
+        );
+    }
+    daemon.kill();
+}
