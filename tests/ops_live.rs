@@ -11,6 +11,7 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::clickhouse::ClickHouseServer;
 use common::daemon::{Daemon, DaemonEnv};
 
 const PROMTOOL_HINT: &str = "promtool is missing: `apt-get install -y prometheus` (Debian/Ubuntu ship it there)";
@@ -309,4 +310,82 @@ async fn a_live_scrape_passes_promtool_and_has_every_metric_the_rules_and_dashbo
         );
     }
     daemon.kill();
+}
+
+fn check_config_online(env: &DaemonEnv) -> (i32, String) {
+    let output = env.command().args(["check-config", "--online"]).output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    (output.status.code().unwrap_or(-1), text)
+}
+
+fn line_of<'a>(report: &'a str, check: &str) -> &'a str {
+    report
+        .lines()
+        .find(|line| line[4..].trim_start().starts_with(&format!("{check}:")))
+        .unwrap_or_else(|| panic!("no {check} line:\n{report}"))
+}
+
+async fn check_config_online_passes_a_working_setup_and_leaves_nothing_behind(server: &'static ClickHouseServer) {
+    let dir = tempfile::tempdir().unwrap();
+    let port = common::free_port(false);
+    let env =
+        DaemonEnv::live_on(server, "checkconfig", dir.path()).set("CAPSTORE_HTTP_LISTEN", format!("127.0.0.1:{port}"));
+    let (code, report) = check_config_online(&env);
+    assert_eq!(code, 0, "{report}");
+    for check in [
+        "catalog reachable",
+        "catalog version",
+        "catalog grants",
+        "catalog schema",
+        "bucket",
+        "spool directory",
+        "spool free space",
+        "http listen",
+    ] {
+        assert!(line_of(&report, check).starts_with("ok  "), "{check}:\n{report}");
+    }
+    assert!(line_of(&report, "catalog version").contains(server.version.expected_server_version()), "{report}");
+    assert!(line_of(&report, "catalog schema").contains("no tables yet"), "{report}");
+    assert!(line_of(&report, "bucket").contains("refused a second create"), "{report}");
+    // The probes leave nothing behind: no scratch table, no probe object.
+    let database = env.get("CAPSTORE_CATALOG_DATABASE").unwrap();
+    let leftovers = server
+        .query(&format!(
+            "SELECT count() FROM system.tables WHERE database = '{database}' AND name LIKE '%grants_probe%'"
+        ))
+        .unwrap();
+    assert_eq!(leftovers.trim(), "0");
+    let bucket_files: Vec<_> = walk(&dir.path().join("bucket"));
+    assert!(bucket_files.is_empty(), "probe objects left: {bucket_files:?}");
+}
+
+for_each_version!(check_config_online_passes_a_working_setup_and_leaves_nothing_behind);
+
+#[test]
+fn check_config_online_names_every_broken_part_and_exits_2() {
+    // Nothing answers on the catalog port, the bucket and the spool are under a file, and the HTTP address is taken.
+    let dir = tempfile::tempdir().unwrap();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    std::fs::write(dir.path().join("not-a-dir"), b"x").unwrap();
+    let broken = DaemonEnv::offline(&dir.path().join("spool"))
+        .set("CAPSTORE_CATALOG_URL", "http://127.0.0.1:1")
+        .set("CAPSTORE_BUCKET_URL", format!("file://{}", dir.path().join("not-a-dir/bucket").display()))
+        .set("CAPSTORE_SPOOL_DIR", dir.path().join("not-a-dir/spool").display().to_string())
+        .set("CAPSTORE_HTTP_LISTEN", taken.local_addr().unwrap().to_string());
+    let (code, report) = check_config_online(&broken);
+    assert_eq!(code, 2, "{report}");
+    for check in ["catalog reachable", "bucket", "spool directory", "http listen"] {
+        assert!(line_of(&report, check).starts_with("FAIL"), "{check}:\n{report}");
+    }
+    assert!(line_of(&report, "catalog reachable").contains("127.0.0.1:1"), "{report}");
+    assert!(line_of(&report, "spool directory").contains("is not a directory"), "{report}");
+    assert!(line_of(&report, "http listen").contains("in use"), "{report}");
+}
+
+fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+    entries
+        .flatten()
+        .flat_map(|entry| if entry.path().is_dir() { walk(&entry.path()) } else { vec![entry.path()] })
+        .collect()
 }

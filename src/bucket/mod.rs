@@ -123,6 +123,9 @@ pub struct Bucket {
     scheme: &'static str,
     supports_metadata: bool,
     catalog_prefix: Path,
+    /// `<url path>/<bucket.prefix>`: where `capstore check-config --online` writes its probe object, outside every
+    /// catalog's prefix so that no listing ever finds one.
+    probe_prefix: Path,
     part_size: u64,
     upload_permits: Arc<Semaphore>,
     retry_policy: RetryPolicy,
@@ -145,6 +148,7 @@ impl Bucket {
     pub fn from_config(config: &Config) -> Result<Bucket, BucketError> {
         let opened = backends::open_store(config)?;
         let catalog_prefix = join_prefix(&[&opened.url_prefix, &config.bucket.prefix, &config.catalog_name])?;
+        let probe_prefix = join_prefix(&[&opened.url_prefix, &config.bucket.prefix])?;
         let concurrency = config.upload.concurrency.max(1) as usize;
         Ok(Bucket {
             store: opened.store,
@@ -152,6 +156,7 @@ impl Bucket {
             scheme: opened.scheme,
             supports_metadata: opened.scheme != "file",
             catalog_prefix,
+            probe_prefix,
             part_size: config.upload.part_size.0.max(1),
             upload_permits: Arc::new(Semaphore::new(concurrency)),
             retry_policy: RetryPolicy::default(),
@@ -190,6 +195,50 @@ impl Bucket {
         let (year, month, day) = utc_date(day_ns);
         let file_name = format!("{}.{PACK_EXTENSION}", summary.pack_id);
         self.catalog_prefix.child(year).child(month).child(day).child(file_name)
+    }
+
+    /// Prove the bucket takes what uploads need: create a probe object with `PutMode::Create`, read it back, create
+    /// it again (which must be refused as already existing: uploads rely on that to never replace a pack), delete it
+    /// (a delete of an object already gone, NotFound on Azure and OK on S3, counts as deleted). Returns the probe's
+    /// key; on failure, which step failed and why.
+    pub async fn probe_conditional_create(&self) -> Result<String, (&'static str, BucketError)> {
+        use object_store::{PutMode, PutOptions, PutPayload};
+        let key = self.probe_prefix.child(format!(".capstore-probe-{}", uuid::Uuid::new_v4()));
+        let create = || PutOptions { mode: PutMode::Create, ..PutOptions::default() };
+        let body = Bytes::from_static(b"capstore check-config probe\n");
+        let store_error = |what: &str, error| BucketError::from_store(format_args!("{what} {key}"), error);
+        self.store
+            .put_opts(&key, PutPayload::from(body.clone()), create())
+            .await
+            .map_err(|error| ("create", store_error("create", error)))?;
+        let read_back = async { self.store.get(&key).await?.bytes().await };
+        match read_back.await {
+            Ok(bytes) if bytes == body => {}
+            Ok(_) => {
+                return Err((
+                    "read back",
+                    BucketError::new(BucketErrorKind::Permanent, format!("{key} reads back different bytes")),
+                ))
+            }
+            Err(error) => return Err(("read back", store_error("read", error))),
+        }
+        let second = self.store.put_opts(&key, PutPayload::from(body), create()).await;
+        let conditional = match second {
+            Err(object_store::Error::AlreadyExists { .. }) => Ok(()),
+            Ok(_) => Err(BucketError::new(
+                BucketErrorKind::Permanent,
+                "a second create of the same key succeeded: this store does not support conditional create \
+                 (If-None-Match), which uploads need so as never to replace a pack",
+            )),
+            Err(error) => Err(store_error("create again", error)),
+        };
+        let deleted = match self.store.delete(&key).await {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(error) => Err(("delete", store_error("delete", error))),
+        };
+        conditional.map_err(|error| ("conditional create", error))?;
+        deleted?;
+        Ok(key.to_string())
     }
 
     /// Reads `range` of the object at `key`.

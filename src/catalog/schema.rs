@@ -322,6 +322,54 @@ async fn stamped_version(client: &CatalogClient, tables: &Tables) -> Result<u32,
     Ok(stamps.first().map_or(0, |stamp| stamp.version))
 }
 
+/// The schema version stamped in the catalog, or `None` when it has no tables yet (the daemon's first start creates
+/// them). Reads only.
+pub async fn installed_version(client: &CatalogClient, tables: &Tables) -> Result<Option<u32>, CatalogError> {
+    #[derive(clickhouse::Row, serde::Deserialize)]
+    struct Exists {
+        present: u8,
+    }
+    let exists: Vec<Exists> = client
+        .fetch_all(&format!(
+            "SELECT toUInt8(count() > 0) AS present FROM system.tables WHERE database = {} AND name = {}",
+            sql_string_literal(&tables.database),
+            sql_string_literal(tables.schema.rsplit('.').next().unwrap_or_default())
+        ))
+        .await?;
+    if exists.first().is_none_or(|row| row.present == 0) {
+        return Ok(None);
+    }
+    stamped_version(client, tables).await.map(Some)
+}
+
+/// Prove the grants the daemon needs by using them on a scratch table beside the catalog's (created, written, read,
+/// deleted from with `ALTER ... DELETE`, dropped), in the catalog's database, created if missing as a start would.
+/// Works the same on servers with and without SQL access control. On failure: the statement that was refused, and why.
+pub async fn probe_grants(client: &CatalogClient, tables: &Tables) -> Result<(), (&'static str, CatalogError)> {
+    let probe = format!("{}_grants_probe_{:08x}", tables.schema.trim_end_matches("_schema"), rand::random::<u32>());
+    let steps: [(&'static str, String); 6] = [
+        ("CREATE DATABASE", format!("CREATE DATABASE IF NOT EXISTS {}", tables.database)),
+        ("CREATE TABLE", format!("CREATE TABLE {probe} (id UInt64) ENGINE = MergeTree() ORDER BY id")),
+        ("INSERT", format!("INSERT INTO {probe} (id) VALUES (1)")),
+        ("SELECT", format!("SELECT count() FROM {probe}")),
+        ("ALTER DELETE", format!("ALTER TABLE {probe} DELETE WHERE id = 1")),
+        ("DROP TABLE", format!("DROP TABLE {probe}")),
+    ];
+    for (index, (grant, statement)) in steps.iter().enumerate() {
+        if let Err(error) = client.execute(statement).await {
+            if index > 1 {
+                // Leave nothing behind when a later grant is missing (DROP may be refused as well: then say both).
+                if let Err(drop_error) = client.execute(&format!("DROP TABLE IF EXISTS {probe}")).await {
+                    let message = format!("{error}; the probe table {probe} is left behind: {drop_error}");
+                    return Err((grant, CatalogError::new(error.kind, message)));
+                }
+            }
+            return Err((grant, error));
+        }
+    }
+    Ok(())
+}
+
 /// For a read-only connection, which creates and upgrades nothing: the catalog must be stamped with exactly this
 /// build's schema version.
 pub async fn check_schema(client: &CatalogClient, tables: &Tables) -> Result<(), SchemaError> {

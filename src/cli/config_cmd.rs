@@ -1,15 +1,187 @@
-//! `capstore check-config`.
+//! `capstore check-config [--online]`: the effective configuration, or every problem with it; with `--online`, also
+//! whether the catalog, the bucket, the spool directory and the HTTP address work for this configuration, one
+//! `ok`/`FAIL` line per check with its reason. It changes nothing that lasts: the grants and bucket probes remove what
+//! they create.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
 
+use capstore::bucket::Bucket;
+use capstore::catalog::client::CatalogClient;
+use capstore::catalog::schema::{installed_version, probe_grants, SCHEMA_VERSION};
+use capstore::catalog::Tables;
+use capstore::config::Config;
 use capstore::exit_code;
 
-pub fn check_config(path: Option<&Path>) -> i32 {
-    match super::load_config(path) {
-        Ok(config) => {
-            print!("{}", config.to_redacted_toml());
-            exit_code::CLEAN
+#[derive(clap::Args)]
+pub struct CheckConfigArgs {
+    /// Also connect: ClickHouse (version, grants, schema), the bucket (write, conditional create, delete), the spool
+    /// directory (local filesystem, free space) and the HTTP listen address. Exit 2 if any check fails.
+    #[arg(long)]
+    online: bool,
+}
+
+pub fn check_config(path: Option<&Path>, args: CheckConfigArgs) -> i32 {
+    let config = match super::load_config(path) {
+        Ok(config) => config,
+        Err(code) => return code,
+    };
+    if !args.online {
+        print!("{}", config.to_redacted_toml());
+        return exit_code::CLEAN;
+    }
+    let runtime = match super::runtime() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("capstore: {error:#}");
+            return exit_code::FATAL;
         }
-        Err(code) => code,
+    };
+    let checks = runtime.block_on(online_checks(&config));
+    for check in &checks {
+        let mark = if check.passed { "ok  " } else { "FAIL" };
+        println!("{mark} {}: {}", check.name, check.detail);
+    }
+    let failed = checks.iter().filter(|check| !check.passed).count();
+    println!("{} checks, {failed} failed", checks.len());
+    if failed == 0 {
+        exit_code::CLEAN
+    } else {
+        exit_code::CONFIG_OR_USAGE
+    }
+}
+
+struct Check {
+    name: &'static str,
+    passed: bool,
+    detail: String,
+}
+
+fn pass(name: &'static str, detail: impl Into<String>) -> Check {
+    Check { name, passed: true, detail: detail.into() }
+}
+
+fn fail(name: &'static str, detail: impl Into<String>) -> Check {
+    Check { name, passed: false, detail: detail.into() }
+}
+
+async fn online_checks(config: &Config) -> Vec<Check> {
+    let mut checks = catalog_checks(config).await;
+    checks.push(bucket_check(config).await);
+    checks.extend(spool_checks(config));
+    checks.push(http_check(config));
+    checks
+}
+
+async fn catalog_checks(config: &Config) -> Vec<Check> {
+    let url = capstore::config::units::redact_url(&config.catalog.url);
+    let started = Instant::now();
+    let client = match CatalogClient::connect(&config.catalog).await {
+        Ok(client) => client,
+        Err(error) => {
+            let reason = format!("{url}: {error}");
+            return vec![fail("catalog reachable", reason)];
+        }
+    };
+    let mut checks = vec![pass("catalog reachable", format!("{url} answered in {} ms", started.elapsed().as_millis()))];
+    let version = client.server_version();
+    checks.push(pass("catalog version", format!("ClickHouse {version}")));
+    let tables = Tables::from_config(&config.catalog);
+    checks.push(match probe_grants(&client, &tables).await {
+        Ok(()) => pass(
+            "catalog grants",
+            format!("create, insert, select, alter delete and drop work in database {}", tables.database),
+        ),
+        Err((grant, error)) => {
+            fail("catalog grants", format!("{grant} refused in database {}: {error}", tables.database))
+        }
+    });
+    checks.push(match installed_version(&client, &tables).await {
+        Ok(None) => pass("catalog schema", "no tables yet: the daemon creates them at its first start"),
+        Ok(Some(SCHEMA_VERSION)) => pass("catalog schema", format!("version {SCHEMA_VERSION}, as this build")),
+        Ok(Some(found)) if found > SCHEMA_VERSION => fail(
+            "catalog schema",
+            format!("version {found}, newer than this build ({SCHEMA_VERSION}): upgrade capstore"),
+        ),
+        Ok(Some(found)) => {
+            pass("catalog schema", format!("version {found}: the daemon upgrades it to {SCHEMA_VERSION} at start"))
+        }
+        Err(error) => fail("catalog schema", error.to_string()),
+    });
+    checks
+}
+
+async fn bucket_check(config: &Config) -> Check {
+    let url = capstore::config::units::redact_url(&config.bucket.url);
+    let bucket = match Bucket::from_config(config) {
+        Ok(bucket) => bucket,
+        Err(error) => return fail("bucket", format!("{url}: {error}")),
+    };
+    match bucket.probe_conditional_create().await {
+        Ok(key) => pass("bucket", format!("{url}: wrote, read back, refused a second create of, and deleted {key}")),
+        Err((step, error)) => fail("bucket", format!("{url}: {step} failed: {error}")),
+    }
+}
+
+/// The spool directory, or the nearest existing parent (the daemon creates the rest).
+fn existing_ancestor(dir: &Path) -> Option<PathBuf> {
+    dir.ancestors().find(|path| path.exists()).map(Path::to_path_buf)
+}
+
+fn spool_checks(config: &Config) -> Vec<Check> {
+    let spool = &config.spool;
+    let dir = spool.dir.display().to_string();
+    let Some(existing) = existing_ancestor(&spool.dir) else {
+        return vec![fail("spool directory", format!("{dir}: no part of the path exists"))];
+    };
+    if !existing.is_dir() {
+        return vec![fail("spool directory", format!("{dir}: {} is not a directory", existing.display()))];
+    }
+    let mut checks = Vec::new();
+    let writable = nix::unistd::access(&existing, nix::unistd::AccessFlags::W_OK | nix::unistd::AccessFlags::X_OK);
+    let created = if existing == spool.dir { "exists" } else { "is created at start under" };
+    checks.push(match writable {
+        Ok(()) => match capstore::durable::shared_filesystem_name(&existing) {
+            Ok(None) => pass("spool directory", format!("{dir} {created} {}: local filesystem", existing.display())),
+            Ok(Some(fs_name)) if spool.allow_shared_filesystem => pass(
+                "spool directory",
+                format!("{dir}: on {fs_name}, allowed by spool.allow_shared_filesystem (flock may not be trusted)"),
+            ),
+            Ok(Some(fs_name)) => fail(
+                "spool directory",
+                format!("{dir}: on a {fs_name} filesystem, where flock cannot be trusted; use a local disk"),
+            ),
+            Err(error) => fail("spool directory", format!("{dir}: cannot read its filesystem: {error}")),
+        },
+        Err(errno) => fail("spool directory", format!("{}: not writable by this user: {errno}", existing.display())),
+    });
+    checks.push(match capstore::durable::free_bytes(&existing) {
+        Ok(free) => {
+            let (floor, quota) = (spool.min_free_bytes.0, spool.max_bytes.0);
+            let detail = format!(
+                "{} free; spool.min_free_bytes {} (appends stop below it), spool.max_bytes {}",
+                bytesize::ByteSize(free),
+                bytesize::ByteSize(floor),
+                bytesize::ByteSize(quota)
+            );
+            if free <= floor {
+                fail("spool free space", detail)
+            } else {
+                pass("spool free space", detail)
+            }
+        }
+        Err(error) => fail("spool free space", format!("{dir}: {error}")),
+    });
+    checks
+}
+
+fn http_check(config: &Config) -> Check {
+    let listen = &config.http.listen;
+    match std::net::TcpListener::bind(listen.as_str()) {
+        Ok(listener) => {
+            let bound = listener.local_addr().map_or_else(|_| listen.clone(), |addr| addr.to_string());
+            pass("http listen", format!("{bound} is free"))
+        }
+        Err(error) => fail("http listen", format!("{listen}: {error} (is a daemon already running?)")),
     }
 }

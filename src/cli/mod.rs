@@ -32,8 +32,9 @@ pub struct Cli {
 enum Command {
     /// Run the daemon until SIGTERM/SIGINT.
     Run,
-    /// Print the effective configuration (secrets redacted), or every problem with it (exit 2).
-    CheckConfig,
+    /// Print the effective configuration (secrets redacted), or every problem with it (exit 2); `--online` also
+    /// checks the catalog, bucket, spool directory and HTTP address this configuration names.
+    CheckConfig(config_cmd::CheckConfigArgs),
     /// Copy files into the inbox atomically; prints "<capture_id>\t<file>" per file.
     Put(put::PutArgs),
     /// Read one capture back (byte-identical, CRC verified).
@@ -73,8 +74,8 @@ enum Command {
 
 pub fn main() -> i32 {
     let cli = Cli::parse();
-    if let Command::CheckConfig = cli.command {
-        return config_cmd::check_config(cli.config.as_deref());
+    if let Command::CheckConfig(args) = cli.command {
+        return config_cmd::check_config(cli.config.as_deref(), args);
     }
     let config = match load_config(cli.config.as_deref()) {
         Ok(config) => config,
@@ -85,7 +86,7 @@ pub fn main() -> i32 {
     init_logging(&config, quiet_by_default);
     let result = match cli.command {
         Command::Run => daemon_cmd::run(config),
-        Command::CheckConfig => unreachable!("handled above"),
+        Command::CheckConfig(_) => unreachable!("handled above"),
         Command::Put(args) => put::put(&config, args),
         Command::Spool(command) => spool_cmd::run(&config, command),
         Command::Get(args) => read_cmd::get(&config, args),
