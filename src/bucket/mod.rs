@@ -26,13 +26,15 @@
 //!    the caller quarantines the pack and logs ERROR.
 //! 4. A HEAD after the upload checks the object's size against the local file.
 //!
-//! The pack's SHA-256 and record count go into object metadata (`capstore-sha256`, `capstore-records`) on backends
-//! that store it. What each backend does:
+//! The pack's SHA-256 and record count go into object metadata (`capstore-sha256`, `capstore-records`; on Azure,
+//! whose metadata names must be C# identifiers, `capstore_sha256`, `capstore_records`) on backends that store it.
+//! What each backend does:
 //!
 //! | backend | `PutMode::Create` | metadata attributes |
 //! | --- | --- | --- |
 //! | `s3://` | `If-None-Match: *` -> `AlreadyExists` (tested live on SeaweedFS) | stored as `x-amz-meta-*` (tested) |
-//! | `gs://`, `az://` | the provider's preconditions (object_store; not tested here) | stored (not tested here) |
+//! | `az://` | `If-None-Match: *` -> `AlreadyExists` (tested live on Azurite) | stored, `_` names (tested) |
+//! | `gs://` | the provider's preconditions (object_store; not tested here: no emulator takes its writes) | stored |
 //! | `memory://` | supported (tested) | stored (tested) |
 //! | `file://` | [`local_dir`]: link(2) of the fsynced pack, atomic, `AlreadyExists` (tested) | not stored, so not sent |
 //!
@@ -98,10 +100,23 @@ use error::permanent;
 
 /// Parts of one multipart upload that may be in flight at once.
 pub const MULTIPART_PARTS_IN_FLIGHT: usize = 2;
-/// Object metadata key holding the pack's SHA-256 (hex).
-pub const METADATA_SHA256: &str = "capstore-sha256";
-/// Object metadata key holding the pack's record count.
-pub const METADATA_RECORDS: &str = "capstore-records";
+/// The object metadata names of a pack's SHA-256 (hex) and record count on a backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MetadataNames {
+    pub sha256: &'static str,
+    pub records: &'static str,
+}
+
+impl MetadataNames {
+    fn for_scheme(scheme: &str) -> MetadataNames {
+        match scheme {
+            // Azure refuses metadata names that are not C# identifiers (InvalidMetadata for a `-`).
+            "az" => MetadataNames { sha256: "capstore_sha256", records: "capstore_records" },
+            // Dashes elsewhere: proxies in front of S3-compatible stores may drop headers with underscores.
+            _ => MetadataNames { sha256: "capstore-sha256", records: "capstore-records" },
+        }
+    }
+}
 /// The largest footer read from a bucket (a pack of 100,000 captures with modest labels has a 30 MiB one).
 pub const MAX_REMOTE_FOOTER_BYTES: u64 = 256 << 20;
 
@@ -181,6 +196,11 @@ impl Bucket {
     /// Whether uploads carry the SHA-256 and record count as object metadata.
     pub fn supports_metadata(&self) -> bool {
         self.supports_metadata
+    }
+
+    /// The metadata names uploads use on this backend.
+    pub fn metadata_names(&self) -> MetadataNames {
+        MetadataNames::for_scheme(self.scheme)
     }
 
     /// `<url path>/<bucket.prefix>/<catalog_name>`: every pack of this catalog lives below it.

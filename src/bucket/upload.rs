@@ -12,7 +12,7 @@ use object_store::{
 use tokio::io::{AsyncReadExt, AsyncSeekExt};
 
 use super::error::{BucketError, BucketErrorKind};
-use super::{local_dir, Bucket, METADATA_RECORDS, METADATA_SHA256, MULTIPART_PARTS_IN_FLIGHT};
+use super::{local_dir, Bucket, MULTIPART_PARTS_IN_FLIGHT};
 use crate::pack::{PackSummary, FOOTER_HEADER_LEN, HEADER_LEN, TRAILER_LEN};
 
 /// The result of a successful [`Bucket::upload_pack`].
@@ -178,10 +178,9 @@ impl Bucket {
         if !self.supports_metadata {
             return attributes;
         }
-        attributes
-            .insert(Attribute::Metadata(METADATA_SHA256.into()), AttributeValue::from(summary.sha256_hex.clone()));
-        attributes
-            .insert(Attribute::Metadata(METADATA_RECORDS.into()), AttributeValue::from(summary.records.to_string()));
+        let names = self.metadata_names();
+        attributes.insert(Attribute::Metadata(names.sha256.into()), AttributeValue::from(summary.sha256_hex.clone()));
+        attributes.insert(Attribute::Metadata(names.records.into()), AttributeValue::from(summary.records.to_string()));
         attributes
     }
 }

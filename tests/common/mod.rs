@@ -2,6 +2,7 @@
 //!
 //! - [`clickhouse::shared_server`]: one private ClickHouse per test process.
 //! - [`s3::shared_s3`]: one SeaweedFS S3 server per test process, stoppable to simulate an outage.
+//! - [`azurite::shared_azurite`]: one Azurite (Azure Blob emulator) per test process.
 //! - [`proxy::FaultProxy`]: a TCP proxy that passes, cuts, black-holes, delays or swallows replies.
 //!
 //! A missing service fails the test with the command that installs it; nothing is skipped.
@@ -13,6 +14,7 @@
 
 #![allow(dead_code)]
 
+pub mod azurite;
 pub mod clickhouse;
 pub mod daemon;
 pub mod packs;
