@@ -1,7 +1,6 @@
 //! `capstore lease show|break`, `gc`, `reconcile` and `verify`: operator views, interventions and repairs of the
 //! catalog.
 
-use std::io::IsTerminal;
 use std::sync::Arc;
 
 use clap::Subcommand;
@@ -98,12 +97,19 @@ pub fn gc(config: &Config) -> anyhow::Result<i32> {
         let (client, tables, store) = connect(config).await?;
         let intents = capstore::catalog::intents::IntentLog::new(client.clone(), tables.clone(), &config.catalog_name);
         let reader = CatalogReader::new(client, tables, &config.catalog_name);
+        let bar = super::progress(Some(3), "gc");
+        bar.set_message("orphan capture rows");
         let watermark = reader.gc_orphans().await?;
+        bar.inc(1);
+        bar.set_message("lease rows");
         let lease_terms = store.gc().await?;
+        bar.inc(1);
+        bar.set_message("upload intents");
         let intents_below = match intents.gc().await? {
             Some(mark) => format!("upload intents before the newest mark ({mark} ms)"),
             None => "no upload intents (no mark yet)".to_string(),
         };
+        bar.finish_and_clear();
         println!(
             "catalog {}: deleting orphan rows at or below version {watermark}, lease rows below the head \
              ({lease_terms} terms) and {intents_below}; ClickHouse applies the deletes in the background",
@@ -170,19 +176,15 @@ pub fn reconcile(config: &Config, args: ReconcileArgs) -> anyhow::Result<i32> {
         let bucket = Arc::new(Bucket::from_config(config)?);
         let pipeline =
             Pipeline::new(Arc::new(config.clone()), spool.paths().clone(), bucket, publisher, lease.handle().clone());
-        let on_terminal = std::io::stderr().is_terminal();
-        let progress = move |report: &capstore::pipeline::reconcile::ReconcileReport| {
-            if on_terminal {
-                eprint!(
-                    "\rreconcile: {} objects listed, {} already published, {} published, {} invalid",
-                    report.examined, report.already_published, report.published, report.invalid_count
-                );
-            }
+        let bar = super::progress(None, "reconcile");
+        let progress = |report: &capstore::pipeline::reconcile::ReconcileReport| {
+            bar.set_message(format!(
+                "{} objects listed, {} already published, {} published, {} invalid",
+                report.examined, report.already_published, report.published, report.invalid_count
+            ));
         };
         let result = pipeline.reconcile_listing(days, &progress).await;
-        if on_terminal {
-            eprintln!();
-        }
+        bar.finish_and_clear();
         lease.stop().await;
         let report = result?;
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -197,12 +199,10 @@ pub fn verify(config: &Config, json: bool) -> anyhow::Result<i32> {
         let catalog = capstore::catalog::connect_reader(config).await?;
         let bucket = Bucket::from_config(config)?;
         let packs = catalog.committed_packs().await?;
-        let on_terminal = std::io::stderr().is_terminal();
+        let bar = super::progress(Some(packs.len() as u64), "verify");
         let mut problems = Vec::new();
-        for (index, pack) in packs.iter().enumerate() {
-            if on_terminal {
-                eprint!("\rverify: {}/{} packs", index + 1, packs.len());
-            }
+        for pack in &packs {
+            bar.inc(1);
             let problem = match bucket.read_pack_index(&pack.object_key).await {
                 Err(error) => Some(error.to_string()),
                 Ok(remote) if remote.size != pack.bytes => {
@@ -222,9 +222,7 @@ pub fn verify(config: &Config, json: bool) -> anyhow::Result<i32> {
                 );
             }
         }
-        if on_terminal {
-            eprintln!();
-        }
+        bar.finish_and_clear();
         if json {
             println!(
                 "{}",

@@ -134,6 +134,29 @@ fn init_logging(config: &Config, quiet_by_default: bool) {
     };
 }
 
+/// A progress bar (`total` known) or spinner on stderr for a long operation, drawn only when stderr is a terminal:
+/// piped or redirected output (and `--json` on stdout) stays clean.
+fn progress(total: Option<u64>, what: &str) -> indicatif::ProgressBar {
+    use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+    let target = if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        ProgressDrawTarget::stderr()
+    } else {
+        ProgressDrawTarget::hidden()
+    };
+    let (bar, template) = match total {
+        Some(total) => {
+            (ProgressBar::with_draw_target(Some(total), target), "{prefix}: {wide_bar} {pos}/{len} {msg} ({eta})")
+        }
+        None => (ProgressBar::with_draw_target(None, target), "{prefix}: {spinner} {msg} ({elapsed})"),
+    };
+    if let Ok(style) = ProgressStyle::with_template(template) {
+        bar.set_style(style);
+    }
+    bar.set_prefix(what.to_string());
+    bar.enable_steady_tick(std::time::Duration::from_millis(200));
+    bar
+}
+
 /// The runtime every async command runs on.
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Runtime::new()?)

@@ -70,7 +70,13 @@ pub fn run(config: &Config, command: SpoolCommand) -> anyhow::Result<i32> {
 fn inventory(paths: &SpoolPaths, full_check: bool) -> anyhow::Result<Inventory> {
     let now = SystemTime::now();
     let mut packs = Vec::new();
-    for listing in list_packs(paths)? {
+    let listings = list_packs(paths)?;
+    // A full check reads every byte of every pack: show how far it is on a terminal.
+    let bar = if full_check { Some(super::progress(Some(listings.len() as u64), "spool verify")) } else { None };
+    for listing in listings {
+        if let Some(bar) = &bar {
+            bar.inc(1);
+        }
         let age_seconds = now.duration_since(listing.modified).map(|d| d.as_secs_f64()).unwrap_or(0.0);
         let (records, problem) = match listing.state {
             PackState::Open => (None, None),
@@ -88,6 +94,9 @@ fn inventory(paths: &SpoolPaths, full_check: bool) -> anyhow::Result<Inventory> 
             age_seconds,
             problem,
         });
+    }
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
     }
     let totals = PackState::ALL
         .into_iter()
