@@ -3,6 +3,7 @@
 //! - [`clickhouse::shared_server`]: one private ClickHouse per test process.
 //! - [`s3::shared_s3`]: one SeaweedFS S3 server per test process, stoppable to simulate an outage.
 //! - [`azurite::shared_azurite`]: one Azurite (Azure Blob emulator) per test process.
+//! - [`gcs::shared_gcs`]: one fake-gcs-server per test process (reads only: it refuses object_store's uploads).
 //! - [`proxy::FaultProxy`]: a TCP proxy that passes, cuts, black-holes, delays or swallows replies.
 //!
 //! A missing service fails the test with the command that installs it; nothing is skipped.
@@ -17,6 +18,7 @@
 pub mod azurite;
 pub mod clickhouse;
 pub mod daemon;
+pub mod gcs;
 pub mod packs;
 pub mod proxy;
 pub mod s3;
