@@ -285,6 +285,34 @@ fn an_unreachable_catalog_is_warned_about_once_while_the_daemon_keeps_retrying()
     assert_eq!(warnings.len(), 1, "one WARN line for the outage, not one per retry:\n{log}");
 }
 
+#[test]
+fn json_logs_are_one_object_per_line_with_the_documented_fields() {
+    let dir = tempfile::tempdir().unwrap();
+    let spool_dir = dir.path().join("spool");
+    let daemon = start_daemon(&spool_dir, &[("CAPSTORE_LOG_FORMAT", "json")]);
+    wait_until("the catalog outage warning", || daemon.log().contains("catalog unreachable"));
+    let log = stop_daemon(daemon);
+    let lines: Vec<serde_json::Value> = log
+        .lines()
+        .filter(|line| !line.trim().is_empty())
+        .map(|line| serde_json::from_str(line).unwrap_or_else(|error| panic!("not JSON ({error}): {line}")))
+        .collect();
+    assert!(lines.len() >= 3, "{log}");
+    for line in &lines {
+        for field in ["timestamp", "level", "target"] {
+            assert!(line[field].is_string(), "no {field}: {line}");
+        }
+        assert!(line["fields"]["message"].is_string(), "no fields.message: {line}");
+    }
+    let warning = lines
+        .iter()
+        .find(|line| {
+            line["level"] == "WARN" && line["fields"]["message"].as_str().unwrap().contains("catalog unreachable")
+        })
+        .unwrap_or_else(|| panic!("no outage WARN: {log}"));
+    assert!(warning["fields"]["error"].is_string(), "the error is a field of its own: {warning}");
+}
+
 /// Waits until the daemon has walked the whole inbox `count` more times (each walk logs "inbox walked" at debug).
 fn wait_for_walks(daemon: &Daemon, count: usize) {
     let walks = |log: &str| log.lines().filter(|line| line.contains("inbox walked") && line.contains("dir=")).count();
