@@ -597,6 +597,41 @@ mod tests {
     }
 
     #[test]
+    fn gs_urls_and_options_are_parsed_and_wrong_ones_named() {
+        // No emulator takes object_store's GCS uploads, so this and the live read test are what gs:// has.
+        let mut config = config_with("gs://my-bucket/some/path");
+        config.bucket.options.insert(
+            "service_account_key".into(),
+            r#"{"disable_oauth": true, "client_email": "", "private_key": "", "private_key_id": ""}"#.into(),
+        );
+        let bucket = Bucket::from_config(&config).unwrap();
+        assert_eq!(bucket.scheme(), "gs");
+        assert_eq!(bucket.catalog_prefix().to_string(), format!("some/path/capstore/{}", config.catalog_name));
+        assert_eq!(bucket.metadata_names().sha256, "capstore-sha256");
+
+        config.bucket.endpoint = Some("http://127.0.0.1:1".into());
+        let error = Bucket::from_config(&config).unwrap_err();
+        assert!(error.message.contains("bucket.endpoint") && error.message.contains("gs://"), "{error}");
+        config.bucket.endpoint = None;
+        config.bucket.options.insert("no_such_gcs_option".into(), "1".into());
+        let error = Bucket::from_config(&config).unwrap_err();
+        assert!(error.message.contains("bucket.options.no_such_gcs_option"), "{error}");
+        let error = Bucket::from_config(&config_with("gs://")).unwrap_err();
+        assert_eq!(error.kind, BucketErrorKind::Permanent, "{error}");
+    }
+
+    #[test]
+    fn azure_metadata_names_are_identifiers() {
+        let mut config = config_with("az://container");
+        config.bucket.options.insert("account_name".into(), "devstoreaccount1".into());
+        config.bucket.options.insert("access_key".into(), "a2V5".into());
+        let names = Bucket::from_config(&config).unwrap().metadata_names();
+        for name in [names.sha256, names.records] {
+            assert!(name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'), "{name}");
+        }
+    }
+
+    #[test]
     fn secrets_never_appear_in_errors_or_debug() {
         let mut config = config_with("s3://my-bucket");
         config.bucket.region = Some("eu-west-1".into());
