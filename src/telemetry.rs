@@ -28,7 +28,8 @@ pub struct Liveness {
     shared: Arc<Shared>,
 }
 
-/// One piece of work in hand; dropping it (done, failed or cancelled) counts as progress.
+/// One piece of work in hand, until dropped. Dropping is no progress (a cancelled wait proves nothing about the part):
+/// the part calls [`Liveness::progress`] when it actually moves.
 #[must_use = "the work counts as in hand only while the guard lives"]
 pub struct Busy {
     liveness: Liveness,
@@ -41,8 +42,14 @@ fn now_ms() -> u64 {
 }
 
 impl Liveness {
-    /// Work begins; it ends when the guard drops.
+    /// Work begins; it ends when the guard drops. Beginning is no progress for work already in hand (new requests
+    /// queueing behind a wedged one must not make it look alive); only picking up work when idle starts the clock.
     pub fn busy(&self) -> Busy {
+        // Fresh before the count rises, so a check in between never sees busy with an idle-era timestamp; and again
+        // after, for the caller that raced another guard's drop to zero.
+        if self.shared.busy.load(Ordering::Acquire) == 0 {
+            self.progress();
+        }
         if self.shared.busy.fetch_add(1, Ordering::AcqRel) == 0 {
             self.progress();
         }
@@ -65,9 +72,15 @@ impl Liveness {
     }
 }
 
+impl Busy {
+    /// The work this guard stands for moved.
+    pub fn progress(&self) {
+        self.liveness.progress();
+    }
+}
+
 impl Drop for Busy {
     fn drop(&mut self) {
-        self.liveness.progress();
         self.liveness.shared.busy.fetch_sub(1, Ordering::AcqRel);
     }
 }
@@ -111,6 +124,18 @@ mod tests {
         drop(busy);
         std::thread::sleep(Duration::from_millis(20));
         assert_eq!(liveness.stalled_for(Duration::ZERO), None, "idle again");
+    }
+
+    #[test]
+    fn cancelled_work_is_no_progress() {
+        let liveness = Liveness::default();
+        let _stuck = liveness.busy();
+        std::thread::sleep(Duration::from_millis(20));
+        // Requests that queue behind the stuck one and give up prove nothing.
+        for _ in 0..3 {
+            drop(liveness.busy());
+        }
+        assert!(liveness.stalled_for(Duration::from_millis(15)).is_some());
     }
 
     #[test]

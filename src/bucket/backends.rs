@@ -93,8 +93,18 @@ pub fn store_retry_config() -> RetryConfig {
 
 /// Connect timeout 5 s; a request may take 30 s plus one second per MiB of part_size (a part at >= 1 MiB/s).
 pub fn store_client_options(part_size: u64) -> ClientOptions {
-    let request_timeout = Duration::from_secs(30 + part_size.div_ceil(MIB));
-    ClientOptions::new().with_connect_timeout(Duration::from_secs(5)).with_timeout(request_timeout)
+    ClientOptions::new().with_connect_timeout(Duration::from_secs(5)).with_timeout(request_timeout(part_size))
+}
+
+fn request_timeout(part_size: u64) -> Duration {
+    Duration::from_secs(30 + part_size.div_ceil(MIB))
+}
+
+/// The longest one store call can take: object_store retries within its retry timeout, then one last request may
+/// run for the whole request timeout. The watchdog needs a period above it.
+pub fn longest_attempt(part_size: u64) -> Duration {
+    let retry = store_retry_config();
+    retry.retry_timeout + retry.backoff.max_backoff + request_timeout(part_size)
 }
 
 /// `[bucket]` keys that only an S3 store understands, with their values' presence.

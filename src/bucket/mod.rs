@@ -74,7 +74,7 @@ mod error;
 pub mod local_dir;
 mod upload;
 
-pub use backends::{store_client_options, store_retry_config};
+pub use backends::{longest_attempt, store_client_options, store_retry_config};
 pub use error::{classify, BucketError, BucketErrorKind};
 pub use upload::UploadOutcome;
 
@@ -96,6 +96,7 @@ use crate::pack::{
     PackSummary, Trailer, FOOTER_HEADER_LEN, HEADER_LEN, PACK_EXTENSION, TRAILER_LEN,
 };
 use crate::retry::RetryPolicy;
+use crate::telemetry::Liveness;
 use error::permanent;
 
 /// Parts of one multipart upload that may be in flight at once.
@@ -144,6 +145,8 @@ pub struct Bucket {
     part_size: u64,
     upload_permits: Arc<Semaphore>,
     retry_policy: RetryPolicy,
+    /// Told of every request attempt that ends and every multipart part sent (the pipeline's watchdog liveness).
+    liveness: Liveness,
 }
 
 impl fmt::Debug for Bucket {
@@ -175,7 +178,14 @@ impl Bucket {
             part_size: config.upload.part_size.0.max(1),
             upload_permits: Arc::new(Semaphore::new(concurrency)),
             retry_policy: RetryPolicy::default(),
+            liveness: Liveness::default(),
         })
+    }
+
+    /// Report progress to `liveness`: each request attempt that ends (answered or failed) and each part sent.
+    pub fn with_liveness(mut self, liveness: Liveness) -> Self {
+        self.liveness = liveness;
+        self
     }
 
     /// Replaces the retry policy (tests use a short one).
@@ -232,18 +242,12 @@ impl Bucket {
             .await
             .map_err(|error| ("create", store_error("create", error)))?;
         let read_back = async { self.store.get(&key).await?.bytes().await };
-        match read_back.await {
-            Ok(bytes) if bytes == body => {}
-            Ok(_) => {
-                return Err((
-                    "read back",
-                    BucketError::new(BucketErrorKind::Permanent, format!("{key} reads back different bytes")),
-                ))
-            }
-            Err(error) => return Err(("read back", store_error("read", error))),
-        }
-        let second = self.store.put_opts(&key, PutPayload::from(body), create()).await;
-        let conditional = match second {
+        let read = match read_back.await {
+            Ok(bytes) if bytes == body => Ok(()),
+            Ok(_) => Err(BucketError::new(BucketErrorKind::Permanent, format!("{key} reads back different bytes"))),
+            Err(error) => Err(store_error("read", error)),
+        };
+        let conditional = match self.store.put_opts(&key, PutPayload::from(body), create()).await {
             Err(object_store::Error::AlreadyExists { .. }) => Ok(()),
             Ok(_) => Err(BucketError::new(
                 BucketErrorKind::Permanent,
@@ -252,10 +256,12 @@ impl Bucket {
             )),
             Err(error) => Err(store_error("create again", error)),
         };
+        // Always delete, whatever failed after the create.
         let deleted = match self.store.delete(&key).await {
             Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
             Err(error) => Err(("delete", store_error("delete", error))),
         };
+        read.map_err(|error| ("read back", error))?;
         conditional.map_err(|error| ("conditional create", error))?;
         deleted?;
         Ok(key.to_string())
@@ -417,7 +423,10 @@ impl Bucket {
     {
         let mut backoff = self.retry_policy.start();
         loop {
-            let error = match operation().await {
+            let outcome = operation().await;
+            // An attempt that ended, even failed, is a bounded step that finished (see `backends::longest_attempt`).
+            self.liveness.progress();
+            let error = match outcome {
                 Ok(value) => return Ok(value),
                 Err(error) => error,
             };

@@ -111,6 +111,7 @@ impl Bucket {
                     .wait_for_capacity(MULTIPART_PARTS_IN_FLIGHT)
                     .await
                     .map_err(|error| BucketError::from_store(format_args!("upload part of {key}"), error))?;
+                self.liveness.progress();
                 let part = read_up_to(&mut file, self.part_size as usize)
                     .await
                     .map_err(|error| BucketError::local_io(format_args!("read {}", local_path.display()), error))?;

@@ -86,14 +86,14 @@ impl Tables {
         }
     }
 
-    fn on_cluster(&self) -> String {
+    pub(crate) fn on_cluster(&self) -> String {
         match &self.cluster {
             Some(cluster) => format!(" ON CLUSTER {cluster}"),
             None => String::new(),
         }
     }
 
-    fn engine(&self, table: &str, engine: &str, arguments: &str) -> String {
+    pub(crate) fn engine(&self, table: &str, engine: &str, arguments: &str) -> String {
         match &self.cluster {
             Some(_) => {
                 let path = format!("'/clickhouse/tables/{{shard}}/{}'", table.replace('.', "/"));
@@ -342,32 +342,80 @@ pub async fn installed_version(client: &CatalogClient, tables: &Tables) -> Resul
     stamped_version(client, tables).await.map(Some)
 }
 
-/// Prove the grants the daemon needs by using them on a scratch table beside the catalog's (created, written, read,
-/// deleted from with `ALTER ... DELETE`, dropped), in the catalog's database, created if missing as a start would.
-/// Works the same on servers with and without SQL access control. On failure: the statement that was refused, and why.
-pub async fn probe_grants(client: &CatalogClient, tables: &Tables) -> Result<(), (&'static str, CatalogError)> {
-    let probe = format!("{}_grants_probe_{:08x}", tables.schema.trim_end_matches("_schema"), rand::random::<u32>());
+/// What [`probe_grants`] found.
+#[derive(Debug)]
+pub enum GrantsProbe {
+    /// Every statement the daemon runs was accepted; `left_behind` names the probe objects a refused DROP (which the
+    /// daemon never needs) left in the database.
+    Granted { left_behind: Vec<String> },
+    /// The database does not exist yet: the daemon's first start creates it; nothing could be probed.
+    NoDatabase,
+    /// A statement the daemon needs was refused: which grant, and the server's answer.
+    Refused { grant: &'static str, error: CatalogError },
+}
+
+/// Prove the grants the daemon needs by using them on scratch tables and a view beside the catalog's tables, created
+/// as the daemon creates its own (`ON CLUSTER` and replicated engines when `catalog.cluster` is set): create two
+/// tables and a materialized view from one into the other, insert (through the view), select, `ALTER ... DELETE`;
+/// then drop all three again. The names are fixed (`<prefix>_grants_probe`, `_copy`, `_view`), so a probe whose DROP
+/// is refused leaves at most these behind.
+/// Works the same on servers with and without SQL access control. Creates no database.
+pub async fn probe_grants(client: &CatalogClient, tables: &Tables) -> Result<GrantsProbe, CatalogError> {
+    #[derive(clickhouse::Row, serde::Deserialize)]
+    struct Exists {
+        present: u8,
+    }
+    let databases: Vec<Exists> = client
+        .fetch_all(&format!(
+            "SELECT toUInt8(count() > 0) AS present FROM system.databases WHERE name = {}",
+            sql_string_literal(&tables.database)
+        ))
+        .await?;
+    if databases.first().is_none_or(|row| row.present == 0) {
+        return Ok(GrantsProbe::NoDatabase);
+    }
+    let probe = format!("{}_grants_probe", tables.schema.trim_end_matches("_schema"));
+    let (copy, view) = (format!("{probe}_copy"), format!("{probe}_view"));
+    let on_cluster = tables.on_cluster();
+    let names = [view.clone(), copy.clone(), probe.clone()];
+    let drops: Vec<String> = names.iter().map(|name| format!("DROP TABLE IF EXISTS {name}{on_cluster}")).collect();
+    // A probe left by an earlier run whose DROP was refused: start afresh if we may.
+    for statement in &drops {
+        let _ = client.execute(statement).await;
+    }
+    let create = |table: &str| {
+        let engine = tables.engine(table, "MergeTree", "");
+        format!("CREATE TABLE IF NOT EXISTS {table}{on_cluster} (id UInt64) ENGINE = {engine} ORDER BY id")
+    };
     let steps: [(&'static str, String); 6] = [
-        ("CREATE DATABASE", format!("CREATE DATABASE IF NOT EXISTS {}", tables.database)),
-        ("CREATE TABLE", format!("CREATE TABLE {probe} (id UInt64) ENGINE = MergeTree() ORDER BY id")),
+        ("CREATE TABLE", create(&probe)),
+        ("CREATE TABLE", create(&copy)),
+        (
+            "CREATE VIEW",
+            format!("CREATE MATERIALIZED VIEW IF NOT EXISTS {view}{on_cluster} TO {copy} AS SELECT id FROM {probe}"),
+        ),
         ("INSERT", format!("INSERT INTO {probe} (id) VALUES (1)")),
-        ("SELECT", format!("SELECT count() FROM {probe}")),
-        ("ALTER DELETE", format!("ALTER TABLE {probe} DELETE WHERE id = 1")),
-        ("DROP TABLE", format!("DROP TABLE {probe}")),
+        ("SELECT", format!("SELECT count() FROM {copy}")),
+        ("ALTER DELETE", format!("ALTER TABLE {copy}{on_cluster} DELETE WHERE id = 1")),
     ];
-    for (index, (grant, statement)) in steps.iter().enumerate() {
+    let mut refused = None;
+    for (grant, statement) in &steps {
         if let Err(error) = client.execute(statement).await {
-            if index > 1 {
-                // Leave nothing behind when a later grant is missing (DROP may be refused as well: then say both).
-                if let Err(drop_error) = client.execute(&format!("DROP TABLE IF EXISTS {probe}")).await {
-                    let message = format!("{error}; the probe table {probe} is left behind: {drop_error}");
-                    return Err((grant, CatalogError::new(error.kind, message)));
-                }
-            }
-            return Err((grant, error));
+            refused = Some((*grant, error));
+            break;
         }
     }
-    Ok(())
+    // Whatever happened (a create may have landed and then timed out), try to remove both.
+    let mut left_behind = Vec::new();
+    for (statement, name) in drops.iter().zip(&names) {
+        if client.execute(statement).await.is_err() {
+            left_behind.push(name.clone());
+        }
+    }
+    Ok(match refused {
+        Some((grant, error)) => GrantsProbe::Refused { grant, error },
+        None => GrantsProbe::Granted { left_behind },
+    })
 }
 
 /// For a read-only connection, which creates and upgrades nothing: the catalog must be stamped with exactly this

@@ -1,14 +1,14 @@
 //! `capstore check-config [--online]`: the effective configuration, or every problem with it; with `--online`, also
 //! whether the catalog, the bucket, the spool directory and the HTTP address work for this configuration, one
 //! `ok`/`FAIL` line per check with its reason. It changes nothing that lasts: the grants and bucket probes remove what
-//! they create.
+//! they create (a DROP the user may not run, and capstore never needs, is reported), and no database is created.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use capstore::bucket::Bucket;
 use capstore::catalog::client::CatalogClient;
-use capstore::catalog::schema::{installed_version, probe_grants, SCHEMA_VERSION};
+use capstore::catalog::schema::{installed_version, probe_grants, GrantsProbe, SCHEMA_VERSION};
 use capstore::catalog::Tables;
 use capstore::config::Config;
 use capstore::exit_code;
@@ -87,14 +87,31 @@ async fn catalog_checks(config: &Config) -> Vec<Check> {
     let version = client.server_version();
     checks.push(pass("catalog version", format!("ClickHouse {version}")));
     let tables = Tables::from_config(&config.catalog);
+    let database = &tables.database;
     checks.push(match probe_grants(&client, &tables).await {
-        Ok(()) => pass(
+        Ok(GrantsProbe::Granted { left_behind }) if left_behind.is_empty() => pass(
             "catalog grants",
-            format!("create, insert, select, alter delete and drop work in database {}", tables.database),
+            format!("create table, create view, insert, select and alter delete work in database {database}"),
         ),
-        Err((grant, error)) => {
-            fail("catalog grants", format!("{grant} refused in database {}: {error}", tables.database))
+        Ok(GrantsProbe::Granted { left_behind }) => pass(
+            "catalog grants",
+            format!(
+                "create table, create view, insert, select and alter delete work in database {database}; DROP was \
+                 refused (capstore never drops), so the probe left {} behind: drop it by hand",
+                left_behind.join(" and ")
+            ),
+        ),
+        Ok(GrantsProbe::NoDatabase) => pass(
+            "catalog grants",
+            format!(
+                "database {database} does not exist yet: the daemon creates it at its first start (CREATE DATABASE \
+                 needed); table grants not probed: run this again after the first start"
+            ),
+        ),
+        Ok(GrantsProbe::Refused { grant, error }) => {
+            fail("catalog grants", format!("{grant} refused in database {database}: {error}"))
         }
+        Err(error) => fail("catalog grants", error.to_string()),
     });
     checks.push(match installed_version(&client, &tables).await {
         Ok(None) => pass("catalog schema", "no tables yet: the daemon creates them at its first start"),

@@ -251,7 +251,12 @@ impl Running {
         let lease = running_lease.handle().clone();
         self.lease = Some(running_lease);
         let publisher = Arc::new(Publisher::new(client.clone(), tables, &config.catalog_name, lease.clone()));
-        let mut pipeline = Pipeline::new(config.clone(), paths.clone(), bucket, publisher, lease.clone());
+        // The pipeline's own bucket handle reports its request attempts as the pipeline's progress (HTTP reads, on the
+        // other handle, must not vouch for a stuck pipeline).
+        let counters = Arc::new(crate::pipeline::PipelineCounters::default());
+        let pipeline_bucket = Arc::new(Bucket::from_config(&config)?.with_liveness(counters.liveness.clone()));
+        let mut pipeline = Pipeline::new(config.clone(), paths.clone(), pipeline_bucket, publisher, lease.clone());
+        pipeline.counters = counters;
         pipeline.inbox_unlinks = Some(self.inbox_unlinks.clone());
         pipeline.published = self.published.clone();
         pipeline.spool_index = self.spool.index();

@@ -9,8 +9,13 @@
 //! allowed one full watchdog period for a single step. A part stalled longer stops the pings, and systemd restarts the
 //! process; the supervisor runs on the async runtime, so a runtime whose threads are all blocked stops them as well.
 //!
-//! States of the supervisor: `watching` (pinging), `stalled` (a part named in the status line and one ERROR log; no
-//! pings until it recovers), and the phase it reports in `STATUS=`: `starting` (ingest up, catalog not yet),
+//! Progress is what a part reports when it moves: an append answered, a lease step done, a pack uploaded or
+//! published, a reconcile step, a bucket request attempt ended or a multipart part sent. Each of those steps is
+//! bounded (request timeouts), so a period above the longest one (checked at start, with a WARN) never restarts a
+//! slow but healthy daemon.
+//!
+//! States of the pinger: `watching` (pinging), `stalled` (a part named in the status line and one ERROR log; no
+//! pings until it recovers). The status task reports the phase in `STATUS=`: `starting` (ingest up, catalog not yet),
 //! `publishing`, `draining` (after `STOPPING=1`).
 
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -20,6 +25,7 @@ use std::time::Duration;
 use sd_notify::NotifyState;
 
 use crate::catalog::lease::LeaseState;
+use crate::config::Config;
 use crate::pipeline::off_runtime;
 use crate::pipeline::status::{SpoolCounts, StatusBoard};
 use crate::spool::PackState;
@@ -51,7 +57,7 @@ impl Phase {
 /// the periodic ones.
 pub(super) struct Systemd {
     phase: Arc<AtomicU8>,
-    task: tokio::task::JoinHandle<()>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
 /// `WATCHDOG_USEC` when the watchdog is meant for this process.
@@ -69,13 +75,34 @@ fn notify(states: &[NotifyState]) {
     }
 }
 
+/// The longest single step a watched part may take without progress in this configuration: a bucket call with its
+/// retries, a catalog request, a publish.
+fn longest_step(config: &Config) -> Duration {
+    crate::bucket::longest_attempt(config.upload.part_size.0)
+        .max(config.catalog.request_timeout.0)
+        .max(config.lease.publish_timeout.0)
+}
+
 impl Systemd {
-    /// `READY=1` (ingest is up: captures are accepted from now on) and start the supervisor.
+    /// `READY=1` (ingest is up: captures are accepted from now on) and start the watchdog pings and status lines.
     pub(super) fn ready(board: Arc<StatusBoard>) -> Systemd {
         notify(&[NotifyState::Ready]);
         let phase = Arc::new(AtomicU8::new(Phase::Starting as u8));
-        let task = tokio::spawn(supervise(board, phase.clone(), watchdog_period()));
-        Systemd { phase, task }
+        let watchdog = watchdog_period();
+        let mut tasks = vec![tokio::spawn(report_status(board.clone(), phase.clone(), watchdog))];
+        if let Some(period) = watchdog {
+            let step = longest_step(board.config());
+            if period <= step {
+                tracing::warn!(
+                    watchdog = ?period,
+                    longest_step = ?step,
+                    "the watchdog period is not above the longest single step (a bucket call with its retries, a \
+                     catalog request): a slow but healthy daemon may be restarted; raise WatchdogSec"
+                );
+            }
+            tasks.push(tokio::spawn(ping_watchdog(board, period)));
+        }
+        Systemd { phase, tasks }
     }
 
     pub(super) fn set_phase(&self, phase: Phase) {
@@ -96,7 +123,9 @@ impl Systemd {
     }
 
     pub(super) fn stop(self) {
-        self.task.abort();
+        for task in self.tasks {
+            task.abort();
+        }
     }
 }
 
@@ -112,42 +141,50 @@ fn watched_parts(board: &StatusBoard) -> Vec<(&'static str, Liveness)> {
     parts
 }
 
-async fn supervise(board: Arc<StatusBoard>, phase: Arc<AtomicU8>, watchdog: Option<Duration>) {
-    let ping_period = watchdog.map_or(STATUS_PERIOD, |period| period / 2);
-    let stall_limit = watchdog.unwrap_or(Duration::MAX);
-    let mut pings = tokio::time::interval(ping_period);
-    let mut status_ticks = tokio::time::interval(STATUS_PERIOD);
+/// The parts stalled for longer than `limit`, named with how long.
+fn stalled_parts(board: &StatusBoard, limit: Duration) -> Vec<String> {
+    watched_parts(board)
+        .into_iter()
+        .filter_map(|(name, liveness)| {
+            liveness.stalled_for(limit).map(|since| format!("{name} stalled for {}s", since.as_secs()))
+        })
+        .collect()
+}
+
+/// `WATCHDOG=1` every half period while no part is stalled for a whole period. A task of its own: nothing it does
+/// blocks (the status line's spool listing runs elsewhere).
+async fn ping_watchdog(board: Arc<StatusBoard>, period: Duration) {
+    let mut ticks = tokio::time::interval(period / 2);
     let mut stalled_before = false;
-    let mut last_status = String::new();
     loop {
-        let stalled: Vec<String> = watched_parts(&board)
-            .into_iter()
-            .filter_map(|(name, liveness)| {
-                liveness.stalled_for(stall_limit).map(|since| format!("{name} stalled for {}s", since.as_secs()))
-            })
-            .collect();
+        ticks.tick().await;
+        let stalled = stalled_parts(&board, period);
         match (stalled.is_empty(), stalled_before) {
+            (true, _) => notify(&[NotifyState::Watchdog]),
             (false, false) => tracing::error!(
                 stalled = %stalled.join(", "),
                 "watchdog: a part is busy without progress; watchdog pings stop, so systemd restarts the process"
             ),
-            (true, true) => tracing::warn!("watchdog: every part is moving again; pings resume"),
-            _ => {}
+            (false, true) => {}
+        }
+        if stalled.is_empty() && stalled_before {
+            tracing::warn!("watchdog: every part is moving again; pings resume");
         }
         stalled_before = !stalled.is_empty();
-        tokio::select! {
-            _ = pings.tick(), if watchdog.is_some() => {
-                if stalled.is_empty() {
-                    notify(&[NotifyState::Watchdog]);
-                }
-            }
-            _ = status_ticks.tick() => {
-                let status = status_line(&board, Phase::from_u8(phase.load(Ordering::Relaxed)), &stalled).await;
-                if status != last_status {
-                    notify(&[NotifyState::Status(&status)]);
-                    last_status = status;
-                }
-            }
+    }
+}
+
+/// `STATUS=` every [`STATUS_PERIOD`] when it changed.
+async fn report_status(board: Arc<StatusBoard>, phase: Arc<AtomicU8>, watchdog: Option<Duration>) {
+    let mut ticks = tokio::time::interval(STATUS_PERIOD);
+    let mut last_status = String::new();
+    loop {
+        ticks.tick().await;
+        let stalled = watchdog.map_or_else(Vec::new, |period| stalled_parts(&board, period));
+        let status = status_line(&board, Phase::from_u8(phase.load(Ordering::Relaxed)), &stalled).await;
+        if status != last_status {
+            notify(&[NotifyState::Status(&status)]);
+            last_status = status;
         }
     }
 }

@@ -155,11 +155,16 @@ impl MetricsSample {
                 as_i64(config.min_free_bytes.0),
             ),
         ];
-        let seconds_gauges = vec![(
-            "capstore_oldest_unpublished_age",
-            "age of the oldest pack not yet published (open, sealed or uploaded); 0 when none",
-            spool.oldest_unpublished_age_seconds,
-        )];
+        let started_at =
+            board.started_at.duration_since(std::time::UNIX_EPOCH).map_or(0.0, |since| since.as_secs_f64());
+        let seconds_gauges = vec![
+            (
+                "capstore_oldest_unpublished_age",
+                "age of the oldest pack not yet published (open, sealed or uploaded); 0 when none",
+                spool.oldest_unpublished_age_seconds,
+            ),
+            ("capstore_start_time", "when this process started, in seconds since the Unix epoch", started_at),
+        ];
         let mut histograms = vec![(
             "capstore_append_to_ack",
             "an append's request to its acknowledgement (fsynced) or refusal",
@@ -170,7 +175,7 @@ impl MetricsSample {
                 ("capstore_upload_duration", "one pack's upload and verification", counters.upload_latency.histogram().clone()),
                 (
                     "capstore_publish_duration",
-                    "one publish statement, sent to answered",
+                    "one publish (its fenced statements and read-back), sent to answered",
                     counters.publish_latency.histogram().clone(),
                 ),
                 (
@@ -259,14 +264,38 @@ mod tests {
 
     #[test]
     fn classic_text_names_counter_families_by_their_total_sample_and_drops_openmetrics_only_lines() {
-        let open_metrics = "# HELP a_things things.\n# TYPE a_things counter\na_things_total 3\n\
-            # HELP b_wait wait.\n# TYPE b_wait_seconds histogram\n# UNIT b_wait_seconds seconds\n\
-            b_wait_seconds_count 1\n# TYPE c gauge\nc 1\n# EOF\n";
-        let classic = classic_text(open_metrics);
-        assert_eq!(
-            classic,
-            "# HELP a_things_total things.\n# TYPE a_things_total counter\na_things_total 3\n\
-             # HELP b_wait wait.\n# TYPE b_wait_seconds histogram\nb_wait_seconds_count 1\n# TYPE c gauge\nc 1\n"
+        // The encoder's real output for the shapes /metrics uses: a counter, a gauge, a histogram with a unit.
+        let mut registry = Registry::default();
+        let counter = prometheus_client::metrics::counter::Counter::<u64>::default();
+        counter.inc_by(3);
+        registry.register("a_things", "things", counter);
+        let gauge = prometheus_client::metrics::gauge::Gauge::<i64>::default();
+        gauge.set(1);
+        registry.register("c_level", "level", gauge);
+        let histogram = Histogram::new([0.1, 1.0]);
+        histogram.observe(0.5);
+        registry.register_with_unit("b_wait", "wait", Unit::Seconds, histogram);
+        let mut open_metrics = String::new();
+        prometheus_client::encoding::text::encode(&mut open_metrics, &registry).unwrap();
+        assert!(
+            open_metrics.contains("# TYPE a_things counter\n") && open_metrics.ends_with("# EOF\n"),
+            "{open_metrics}"
         );
+
+        let classic = classic_text(&open_metrics);
+        let lines: Vec<&str> = classic.lines().collect();
+        for expected in [
+            "# HELP a_things_total things.",
+            "# TYPE a_things_total counter",
+            "a_things_total 3",
+            "# TYPE c_level gauge",
+            "c_level 1",
+            "# TYPE b_wait_seconds histogram",
+            "b_wait_seconds_bucket{le=\"1.0\"} 1",
+            "b_wait_seconds_count 1",
+        ] {
+            assert!(lines.contains(&expected), "{expected:?} missing from:\n{classic}");
+        }
+        assert!(!classic.contains("# EOF") && !classic.contains("# UNIT"), "{classic}");
     }
 }

@@ -52,7 +52,7 @@ pub struct PipelineCounters {
     pub liveness: Liveness,
     /// One pack's upload and verification.
     pub upload_latency: Latency,
-    /// One publish statement, sent to answered (committed, already committed, or refused).
+    /// One publish (its fenced statements and any read-back), sent to answered (committed, already committed, refused).
     pub publish_latency: Latency,
     /// Per published pack: from its first acknowledged capture (the pack's open, the time in its UUIDv7 id) to the
     /// publish that made it readable, which is the longest wait of any capture in the pack.

@@ -87,6 +87,8 @@ pub(crate) struct StatusBoard {
     pub(crate) pipeline_counters: OnceLock<Arc<PipelineCounters>>,
     reconcile: Mutex<Option<ReconcileReport>>,
     last_error: Mutex<Option<String>>,
+    /// When this process started (its spool opened): a restart shows as a new value.
+    pub(crate) started_at: std::time::SystemTime,
 }
 
 impl StatusBoard {
@@ -111,6 +113,7 @@ impl StatusBoard {
             pipeline_counters: OnceLock::new(),
             reconcile: Mutex::new(None),
             last_error: Mutex::new(None),
+            started_at: std::time::SystemTime::now(),
         }
     }
 

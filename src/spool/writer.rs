@@ -37,7 +37,7 @@ use super::{list_packs, PackState, SpoolPaths};
 use crate::config::SpoolConfig;
 use crate::durable;
 use crate::pack::{CaptureMeta, PackError, PackSummary, PackWriter, SyncPoint};
-use crate::telemetry::{Latency, Liveness};
+use crate::telemetry::{Busy, Latency, Liveness};
 
 /// How stale the quota readings may get.
 pub const QUOTA_REFRESH: Duration = Duration::from_millis(250);
@@ -115,7 +115,7 @@ pub struct WriterStats {
     pub appends_refused: AtomicU64,
     /// Woken after every seal (one permit is kept if nobody waits), so the daemon's loop need not poll.
     pub sealed_notify: Notify,
-    /// Busy while an append or a seal waits for its answer: a writer that answers none of them is wedged.
+    /// Busy from an append's or a seal's request until the writer answers it: a writer that answers none is wedged.
     pub liveness: Liveness,
     /// Time from an append's request to its acknowledgement (fsynced) or refusal.
     pub append_latency: Latency,
@@ -157,11 +157,27 @@ impl WriterStats {
     }
 }
 
-type AckReply = oneshot::Sender<Result<Ack, AppendError>>;
+/// Where the writer answers one request. It keeps the writer's [`Liveness`] busy until the answer is sent, however
+/// long the request waits in the queue and whether or not its caller still waits (an HTTP client that gave up must
+/// not make a wedged writer look idle).
+struct Reply<T> {
+    tx: oneshot::Sender<T>,
+    busy: Busy,
+}
+
+impl<T> Reply<T> {
+    /// Answer the request: the writer moved (whatever the answer and whether the caller still listens).
+    fn send(self, answer: T) -> Result<(), T> {
+        self.busy.progress();
+        self.tx.send(answer)
+    }
+}
+
+type AckReply = Reply<Result<Ack, AppendError>>;
 
 enum Request {
     Append { meta: CaptureMeta, payload: Bytes, reply: AckReply },
-    Seal { reply: oneshot::Sender<Result<Option<PackSummary>, AppendError>> },
+    Seal { reply: SealReply },
     Close,
 }
 
@@ -177,7 +193,7 @@ pub struct WriterThread {
     thread: std::thread::JoinHandle<()>,
 }
 
-type SealReply = oneshot::Sender<Result<Option<PackSummary>, AppendError>>;
+type SealReply = Reply<Result<Option<PackSummary>, AppendError>>;
 
 /// Work for the syncer thread, done in order. Each job carries the acknowledgements of every append since the previous
 /// job; they are answered once the job's fsync has returned.
@@ -239,9 +255,9 @@ impl SpoolWriter {
             self.stats.appends_refused.fetch_add(1, Ordering::Relaxed);
             return Err(AppendError::Invalid(problem));
         }
-        let _busy = self.stats.liveness.busy();
         let started = Instant::now();
-        let (reply, reply_rx) = oneshot::channel();
+        let (tx, reply_rx) = oneshot::channel();
+        let reply = Reply { tx, busy: self.stats.liveness.busy() };
         let payload = payload.into();
         self.requests_tx.send_async(Request::Append { meta, payload, reply }).await.map_err(|_| AppendError::Closed)?;
         let answer = reply_rx.await.map_err(|_| AppendError::Closed)?;
@@ -251,8 +267,8 @@ impl SpoolWriter {
 
     /// Seal the open pack now (if it has records); returns what was sealed.
     pub async fn seal(&self) -> Result<Option<PackSummary>, AppendError> {
-        let _busy = self.stats.liveness.busy();
-        let (reply, reply_rx) = oneshot::channel();
+        let (tx, reply_rx) = oneshot::channel();
+        let reply = Reply { tx, busy: self.stats.liveness.busy() };
         self.requests_tx.send_async(Request::Seal { reply }).await.map_err(|_| AppendError::Closed)?;
         reply_rx.await.map_err(|_| AppendError::Closed)?
     }

@@ -316,6 +316,7 @@ impl LeaseKeeper {
             }
             let busy = self.handle.liveness.busy();
             let pause = self.step().await;
+            busy.progress();
             drop(busy);
             if self.handle.state() == LeaseState::Failed {
                 return;
@@ -398,6 +399,8 @@ impl LeaseKeeper {
             }
             Err(error) => {
                 let mut shared = self.handle.lock();
+                // No answer in time: not reachable, as far as anyone watching can tell.
+                shared.catalog_reachable = false;
                 self.handle.quarantine_locked(&mut shared, &error.to_string());
                 Duration::ZERO
             }
