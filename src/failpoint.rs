@@ -5,8 +5,9 @@
 //! Points: `after_append_before_ack`, `after_seal`, `after_intents_before_upload`, `mid_upload`,
 //! `after_upload_before_rename`, `after_publish_before_delete`.
 //!
-//! Stall points block the calling thread forever instead (the watchdog tests wedge a part with them):
-//! `stall_before_fsync` (the spool's syncer, before an append's fsync).
+//! Stall points never return instead (the watchdog tests wedge a part with them): `stall_before_fsync` (blocks the
+//! spool's syncer thread before an append's fsync), `stall_upload` (an upload that never answers, as a black-holed
+//! bucket connection without timeouts would).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -50,6 +51,15 @@ pub fn stall(name: &str) {
         loop {
             std::thread::park();
         }
+    }
+}
+
+/// Never finish (an await that hangs) if this point is armed and its count is reached.
+pub async fn stall_async(name: &str) {
+    let Some((nth, passes)) = armed().get(name) else { return };
+    if passes.fetch_add(1, Ordering::SeqCst) + 1 >= *nth {
+        eprintln!("failpoint {name} reached: this task hangs");
+        std::future::pending::<()>().await;
     }
 }
 

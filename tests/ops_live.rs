@@ -168,6 +168,35 @@ async fn under_systemd_the_daemon_is_ready_reports_status_pings_the_watchdog_and
 }
 
 #[tokio::test]
+async fn the_watchdog_stops_pinging_once_the_pipeline_hangs_in_an_upload() {
+    let dir = tempfile::tempdir().unwrap();
+    let env = DaemonEnv::live("watchdog", dir.path()).set("CAPSTORE_FAILPOINTS", "stall_upload");
+    let (mut daemon, notifications, base) = start_under_systemd(dir.path(), env);
+    notifications.wait_for("READY=1", Duration::from_secs(20), &mut daemon, |l| l == "READY=1").await;
+    let client = reqwest::Client::new();
+    let started = Instant::now();
+    while client.get(format!("{base}/healthz")).send().await.is_err() {
+        assert!(started.elapsed() < Duration::from_secs(10), "HTTP never came up:\n{}", daemon.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let publishing = |line: &str| line.starts_with("STATUS=publishing");
+    let publishing_at = notifications.wait_for("publishing", Duration::from_secs(20), &mut daemon, publishing).await;
+    // Appends still work (ingest is not the pipeline); the first upload hangs.
+    assert_eq!(post_capture(&client, &base, "cam/1").await, reqwest::StatusCode::CREATED);
+    let stalled = |line: &str| line.starts_with("STATUS=") && line.contains("watchdog: pipeline stalled for");
+    let stalled_at =
+        notifications.wait_for("a stalled STATUS line", Duration::from_secs(15), &mut daemon, stalled).await;
+    assert!(!notifications.pings_between(publishing_at, stalled_at).is_empty(), "pings while healthy");
+    let quiet_until = stalled_at + Duration::from_secs(3);
+    while Instant::now() < quiet_until {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let late_pings = notifications.pings_between(stalled_at, quiet_until);
+    assert!(late_pings.is_empty(), "{} pings after the upload hung: {:?}", late_pings.len(), notifications.lines());
+    daemon.kill();
+}
+
+#[tokio::test]
 async fn the_watchdog_stops_pinging_once_the_spool_writer_wedges_and_not_before() {
     let dir = tempfile::tempdir().unwrap();
     // The second append's fsync never returns: a wedged disk.

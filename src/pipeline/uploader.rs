@@ -100,6 +100,7 @@ impl Pipeline {
             return Err(RoundError::NoLease);
         }
         let summary = pack.summary();
+        crate::failpoint::stall_async("stall_upload").await;
         let started = std::time::Instant::now();
         let upload = self.bucket.upload_pack(&listing.path, &summary);
         tokio::pin!(upload);
