@@ -252,3 +252,87 @@ async fn catalog_unreachable_writes_work_reads_wait_and_shutdown_is_clean() {
     assert!(client.get(daemon.url("/healthz")).send().await.is_err(), "still serving after exit");
     assert!(daemon.log().contains("http stopped"), "{}", daemon.log());
 }
+
+#[tokio::test]
+async fn multi_get_answers_many_ids_with_one_tar_and_a_manifest_in_the_order_asked() {
+    let daemon = HttpDaemon::start(&[]).await;
+    let client = reqwest::Client::new();
+    let mut posted: Vec<(String, Vec<u8>, String)> = Vec::new();
+    for index in 0..40u8 {
+        let len = [0, 1000, 70_000, MIB][usize::from(index) % 4];
+        let body = payload(len, index);
+        let stream = format!("cam/{}", index % 3);
+        // Most published (read from the bucket), the last few possibly still in the spool: both sources in one answer.
+        let wait = if index < 36 { "&wait=published" } else { "" };
+        let url = daemon.url(&format!("/v1/captures?stream={stream}&label=n={index}{wait}"));
+        let response = client.post(url).body(body.clone()).send().await.unwrap();
+        assert_eq!(response.status(), StatusCode::CREATED, "{}", daemon.log());
+        posted.push((json(response).await["capture_id"].as_str().unwrap().to_string(), body, stream));
+    }
+    let unknown = uuid::Uuid::now_v7().to_string();
+    let mut asked: Vec<String> = posted.iter().rev().map(|(id, _, _)| id.clone()).collect();
+    asked.insert(5, unknown.clone());
+    asked.push(posted[0].0.clone()); // asked twice: one file, two manifest lines
+
+    let response = client
+        .post(daemon.url("/v1/captures/multi-get"))
+        .body(serde_json::json!({ "ids": asked }).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK, "{}", daemon.log());
+    assert_eq!(response.headers()["content-type"], "application/x-tar");
+    let tar_bytes = response.bytes().await.unwrap();
+    let mut files: std::collections::BTreeMap<String, Vec<u8>> = std::collections::BTreeMap::new();
+    let mut names_in_order = Vec::new();
+    for entry in tar::Archive::new(&tar_bytes[..]).entries().unwrap() {
+        let mut entry = entry.unwrap();
+        let name = entry.path().unwrap().display().to_string();
+        let mut bytes = Vec::new();
+        std::io::Read::read_to_end(&mut entry, &mut bytes).unwrap();
+        names_in_order.push(name.clone());
+        assert!(files.insert(name.clone(), bytes).is_none(), "{name} twice in the tar");
+    }
+    assert_eq!(names_in_order.last().map(String::as_str), Some("manifest.jsonl"));
+    assert_eq!(files.len(), posted.len() + 1, "{names_in_order:?}");
+    for (id, body, _) in &posted {
+        assert!(files[id] == *body, "capture {id} differs");
+    }
+    let manifest: Vec<Value> = std::str::from_utf8(&files["manifest.jsonl"])
+        .unwrap()
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
+    let order: Vec<&str> = manifest.iter().map(|line| line["capture_id"].as_str().unwrap()).collect();
+    assert_eq!(order, asked.iter().map(String::as_str).collect::<Vec<_>>());
+    for line in &manifest {
+        let id = line["capture_id"].as_str().unwrap();
+        if id == unknown {
+            assert_eq!(line["error"], "not found", "{line}");
+            continue;
+        }
+        let (_, body, stream) = posted.iter().find(|(posted_id, _, _)| posted_id == id).unwrap();
+        assert_eq!(line["stream"], stream.as_str(), "{line}");
+        assert_eq!(line["size"], body.len(), "{line}");
+        assert_eq!(line["crc32c"], crc32c::crc32c(body), "{line}");
+        assert!(line["labels"]["n"].is_string(), "{line}");
+        assert!(["bucket", "spool"].contains(&line["source"].as_str().unwrap()), "{line}");
+    }
+    let from_bucket = manifest.iter().filter(|line| line["source"] == "bucket").count();
+    assert!(from_bucket >= 30, "published captures come from the bucket: {from_bucket}");
+
+    // Bad requests name the field; an id that is not a UUID is quoted.
+    let too_many: Vec<String> = (0..10_001).map(|_| uuid::Uuid::now_v7().to_string()).collect();
+    for (body, needle) in [
+        (serde_json::json!({"ids": "not-a-list"}), "expected"),
+        (serde_json::json!({"ids": ["not-a-uuid"]}), "not-a-uuid"),
+        (serde_json::json!({"ids": [], "extra": 1}), "extra"),
+        (serde_json::json!({ "ids": too_many }), "at most 10000"),
+    ] {
+        let response = client.post(daemon.url("/v1/captures/multi-get")).body(body.to_string()).send().await.unwrap();
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+        let answer = json(response).await;
+        assert_eq!(answer["field"], "ids", "{answer}");
+        assert!(answer["error"].as_str().unwrap().contains(needle), "{answer}");
+    }
+}

@@ -280,6 +280,20 @@ impl Bucket {
         .await
     }
 
+    /// Several ranges of the object at `key`, in the order given, in as few requests as object_store makes of them:
+    /// `get_ranges` merges ranges less than 1 MiB apart and fetches the merged ones concurrently.
+    pub async fn read_ranges(&self, key: &str, ranges: &[Range<u64>]) -> Result<Vec<Bytes>, BucketError> {
+        let path = parse_key(key)?;
+        let path_ref = &path;
+        self.with_retries("read ranges", &path, || async move {
+            self.store
+                .get_ranges(path_ref, ranges)
+                .await
+                .map_err(|error| BucketError::from_store(format_args!("read {} ranges of {key}", ranges.len()), error))
+        })
+        .await
+    }
+
     /// The size of the object at `key`.
     pub async fn object_size(&self, key: &str) -> Result<u64, BucketError> {
         let path = parse_key(key)?;

@@ -20,7 +20,7 @@
 //!   the publishes at the versions of the window's rows, and one `by_id` lookup for the page's ids (checked against
 //!   `publishes` only for ids with a newer row): about O(page) per page. Every read is bounded by `catalog.read_max_memory` and the request timeout.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use serde::Serialize;
 use uuid::Uuid;
@@ -171,6 +171,10 @@ struct CommittedVersion {
 
 /// Ids per superseded-version lookup: each appears twice in the statement as about 55 characters.
 const SUPERSEDED_IDS_PER_QUERY: usize = 1000;
+
+/// Ids per multi-get statement: each appears three times in it (about 150 characters), well inside the server's
+/// max_query_size of 256 KiB.
+pub const MULTI_GET_BATCH: usize = 500;
 
 /// The columns of [`CaptureLocation`], read from `by_version` (whose rows are whole).
 const LOCATION_COLUMNS: &str = "capture_id, stream, captured_at_ns, pack_id, object_key, record_offset, record_len, \
@@ -330,6 +334,44 @@ impl CatalogReader {
             ))
             .await?;
         Ok(rows.pop())
+    }
+
+    /// The newest committed location of each of `ids`, in one statement per [`MULTI_GET_BATCH`] ids: the versions
+    /// `by_id` holds for them, their rows in `by_version`, kept where (version, publish_id) is committed. Primary-key
+    /// reads throughout, whatever the catalog's history. Ids the catalog does not know are absent from the answer.
+    pub async fn get_many(&self, ids: &[Uuid]) -> Result<HashMap<Uuid, CaptureLocation>, CatalogError> {
+        let catalog = self.catalog_literal();
+        let mut newest: HashMap<Uuid, CaptureLocation> = HashMap::with_capacity(ids.len());
+        for batch in ids.chunks(MULTI_GET_BATCH) {
+            let texts: Vec<String> = batch.iter().map(|id| sql_string_literal(&id.to_string())).collect();
+            let nums: Vec<String> = texts.iter().map(|text| format!("UUIDStringToNum({text})")).collect();
+            let written = format!(
+                "SELECT version FROM {by_id} WHERE catalog = {catalog} AND capture_id IN ({nums})",
+                by_id = self.tables.by_id,
+                nums = nums.join(", ")
+            );
+            let rows: Vec<CaptureLocation> = self
+                .client
+                .fetch_all(&format!(
+                    "SELECT {LOCATION_COLUMNS} FROM {by_version} WHERE catalog = {catalog} AND version IN ({written}) \
+                     AND capture_id IN ({texts}) AND (version, publish_id) IN (SELECT version, publish_id FROM \
+                     {publishes} WHERE catalog = {catalog} AND version IN ({written}))",
+                    by_version = self.tables.by_version,
+                    publishes = self.tables.publishes,
+                    texts = texts.join(", "),
+                ))
+                .await?;
+            for row in rows {
+                let Ok(id) = Uuid::parse_str(&row.capture_id) else { continue };
+                match newest.get(&id) {
+                    Some(kept) if kept.version >= row.version => {}
+                    _ => {
+                        newest.insert(id, row);
+                    }
+                }
+            }
+        }
+        Ok(newest)
     }
 
     /// One page of captures by stream, time range and labels, in (captured_at_ns, capture_id) order.

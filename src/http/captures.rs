@@ -45,7 +45,7 @@ fn append_error(error: AppendError) -> ApiError {
 }
 
 /// The answer to a failed read. The details (paths, server messages) go to the log, never into the body.
-fn read_error(capture_id: Uuid, error: ReadError) -> ApiError {
+pub(super) fn read_error(capture_id: Uuid, error: ReadError) -> ApiError {
     match error {
         ReadError::Catalog(error) => {
             tracing::debug!(%capture_id, %error, "read: catalog unavailable");
@@ -66,7 +66,7 @@ fn read_error(capture_id: Uuid, error: ReadError) -> ApiError {
     }
 }
 
-fn parse_capture_id(field: &'static str, text: &str) -> Result<Uuid, ApiError> {
+pub(super) fn parse_capture_id(field: &'static str, text: &str) -> Result<Uuid, ApiError> {
     let id = Uuid::parse_str(text).map_err(|_| ApiError::bad(field, format!("{field} = {text:?} is not a UUID")))?;
     if id.is_nil() {
         return Err(ApiError::bad(field, format!("{field} = {text:?}: the nil UUID is not a capture id")));
