@@ -105,6 +105,18 @@ fn start_under_systemd(dir: &Path, env: DaemonEnv) -> (Daemon, Notifications, St
     (Daemon::spawn(command, log_path), notifications, format!("http://127.0.0.1:{port}"))
 }
 
+/// READY=1 on the socket, then the HTTP listener (it follows READY=1 within moments); returns when READY=1 came.
+async fn wait_for_ready(daemon: &mut Daemon, notifications: &Notifications, base: &str) -> Instant {
+    let ready_at = notifications.wait_for("READY=1", Duration::from_secs(20), daemon, |l| l == "READY=1").await;
+    let client = reqwest::Client::new();
+    let started = Instant::now();
+    while client.get(format!("{base}/healthz")).send().await.is_err() {
+        assert!(started.elapsed() < Duration::from_secs(10), "HTTP never came up after READY=1:\n{}", daemon.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    ready_at
+}
+
 async fn post_capture(client: &reqwest::Client, base: &str, stream: &str) -> reqwest::StatusCode {
     let url = format!("{base}/v1/captures?stream={stream}");
     client.post(url).body(vec![7u8; 1000]).send().await.unwrap().status()
@@ -118,14 +130,9 @@ async fn under_systemd_the_daemon_is_ready_reports_status_pings_the_watchdog_and
         .set("CAPSTORE_SPOOL_PACK_MAX_AGE", "1h")
         .set("CAPSTORE_SHUTDOWN_GRACE", "20s");
     let (mut daemon, notifications, base) = start_under_systemd(dir.path(), env);
-    let ready_at = notifications.wait_for("READY=1", Duration::from_secs(20), &mut daemon, |l| l == "READY=1").await;
-    // READY=1 means ingest is up: the spool accepts captures (the HTTP listener follows within moments).
+    // READY=1 means ingest is up: the spool accepts captures.
+    let ready_at = wait_for_ready(&mut daemon, &notifications, &base).await;
     let client = reqwest::Client::new();
-    let started = Instant::now();
-    while client.get(format!("{base}/healthz")).send().await.is_err() {
-        assert!(started.elapsed() < Duration::from_secs(10), "HTTP never came up after READY=1:\n{}", daemon.log());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
     for _ in 0..3 {
         assert_eq!(post_capture(&client, &base, "cam/1").await, reqwest::StatusCode::CREATED, "{}", daemon.log());
     }
@@ -172,13 +179,8 @@ async fn the_watchdog_stops_pinging_once_the_pipeline_hangs_in_an_upload() {
     let dir = tempfile::tempdir().unwrap();
     let env = DaemonEnv::live("watchdog", dir.path()).set("CAPSTORE_FAILPOINTS", "stall_upload");
     let (mut daemon, notifications, base) = start_under_systemd(dir.path(), env);
-    notifications.wait_for("READY=1", Duration::from_secs(20), &mut daemon, |l| l == "READY=1").await;
+    wait_for_ready(&mut daemon, &notifications, &base).await;
     let client = reqwest::Client::new();
-    let started = Instant::now();
-    while client.get(format!("{base}/healthz")).send().await.is_err() {
-        assert!(started.elapsed() < Duration::from_secs(10), "HTTP never came up:\n{}", daemon.log());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
     let publishing = |line: &str| line.starts_with("STATUS=publishing");
     let publishing_at = notifications.wait_for("publishing", Duration::from_secs(20), &mut daemon, publishing).await;
     // Appends still work (ingest is not the pipeline); the first upload hangs.
@@ -202,13 +204,8 @@ async fn the_watchdog_stops_pinging_once_the_spool_writer_wedges_and_not_before(
     // The second append's fsync never returns: a wedged disk.
     let env = DaemonEnv::live("watchdog", dir.path()).set("CAPSTORE_FAILPOINTS", "stall_before_fsync@2");
     let (mut daemon, notifications, base) = start_under_systemd(dir.path(), env);
-    notifications.wait_for("READY=1", Duration::from_secs(20), &mut daemon, |l| l == "READY=1").await;
+    wait_for_ready(&mut daemon, &notifications, &base).await;
     let client = reqwest::Client::new();
-    let started = Instant::now();
-    while client.get(format!("{base}/healthz")).send().await.is_err() {
-        assert!(started.elapsed() < Duration::from_secs(10), "HTTP never came up:\n{}", daemon.log());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
     assert_eq!(post_capture(&client, &base, "cam/1").await, reqwest::StatusCode::CREATED);
     // Healthy and idle for 2 s after the first append: pings go on.
     let healthy_from = Instant::now();

@@ -5,7 +5,7 @@
 //! container and reading a blob's committed block list (proof that a large pack went up in blocks).
 
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -86,18 +86,12 @@ impl AzuriteServer {
 }
 
 fn find_azurite() -> PathBuf {
-    if let Some(explicit) = std::env::var_os("CAPSTORE_AZURITE") {
-        let path = PathBuf::from(explicit);
-        assert!(path.is_file(), "CAPSTORE_AZURITE={} is not a file. {INSTALL_HINT}", path.display());
-        return path;
-    }
-    let path_var = std::env::var_os("PATH").unwrap_or_default();
-    let on_path =
-        std::env::split_paths(&path_var).map(|dir| dir.join("azurite-blob")).find(|candidate| candidate.is_file());
-    let in_cache = std::env::var_os("HOME")
-        .map(|home| PathBuf::from(home).join(".cache/capstore-azurite/node_modules/.bin/azurite-blob"))
-        .filter(|candidate| candidate.is_file());
-    on_path.or(in_cache).unwrap_or_else(|| panic!("{INSTALL_HINT}"))
+    super::find_service_binary(
+        "CAPSTORE_AZURITE",
+        "azurite-blob",
+        "capstore-azurite/node_modules/.bin/azurite-blob",
+        INSTALL_HINT,
+    )
 }
 
 /// The server shared by every test of this process, started on first use, its container created.
@@ -107,21 +101,14 @@ pub fn shared_azurite() -> &'static AzuriteServer {
 }
 
 fn start_server() -> AzuriteServer {
-    let binary = find_azurite();
-    let dir = super::scratch_dir("azurite");
     let port = super::free_port(false);
-    let log_file = std::fs::File::create(dir.join("azurite.log")).unwrap();
-    let mut command = Command::new(&binary);
-    command
-        .args(["--blobHost", "127.0.0.1", "--blobPort", &port.to_string(), "--inMemoryPersistence"])
+    let args = ["--blobHost", "127.0.0.1", "--blobPort", &port.to_string(), "--inMemoryPersistence"]
+        .into_iter()
         // Without --disableTelemetry Azurite tries to reach the internet.
-        .arg("--disableTelemetry")
-        .current_dir(&dir)
-        .stdin(Stdio::null())
-        .stdout(log_file.try_clone().unwrap())
-        .stderr(log_file);
-    let child = super::spawn_tied_to_process(command)
-        .unwrap_or_else(|error| panic!("cannot run {}: {error}", binary.display()));
+        .chain(["--disableTelemetry"])
+        .map(str::to_string)
+        .collect::<Vec<_>>();
+    let (child, dir) = super::spawn_service(&find_azurite(), &args, "azurite");
     let server = AzuriteServer { port, container: "capstore-test".into(), dir: dir.clone(), _child: Mutex::new(child) };
     let deadline = Instant::now() + READY_TIMEOUT;
     loop {

@@ -4,7 +4,7 @@
 //! so objects are seeded through the emulator's own JSON upload API and `gs://` is tested for reads only.
 
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -63,15 +63,12 @@ fn request(method: reqwest::Method, url: String, body: Vec<u8>) -> (u16, String)
 }
 
 fn find_fake_gcs() -> PathBuf {
-    if let Some(explicit) = std::env::var_os("CAPSTORE_FAKE_GCS") {
-        let path = PathBuf::from(explicit);
-        assert!(path.is_file(), "CAPSTORE_FAKE_GCS={} is not a file. {INSTALL_HINT}", path.display());
-        return path;
-    }
-    std::env::var_os("HOME")
-        .map(|home| PathBuf::from(home).join(".cache/capstore-gcs-venv").join(WHEEL_PATH))
-        .filter(|candidate| candidate.is_file())
-        .unwrap_or_else(|| panic!("{INSTALL_HINT}"))
+    super::find_service_binary(
+        "CAPSTORE_FAKE_GCS",
+        "fake-gcs-server",
+        &format!("capstore-gcs-venv/{WHEEL_PATH}"),
+        INSTALL_HINT,
+    )
 }
 
 /// The server shared by every test of this process, started on first use, its bucket created.
@@ -81,20 +78,13 @@ pub fn shared_gcs() -> &'static GcsServer {
 }
 
 fn start_server() -> GcsServer {
-    let binary = find_fake_gcs();
-    let dir = super::scratch_dir("gcs");
     let port = super::free_port(false);
-    let log_file = std::fs::File::create(dir.join("fake-gcs.log")).unwrap();
-    let mut command = Command::new(&binary);
-    command
-        .args(["-scheme", "http", "-host", "127.0.0.1", "-port", &port.to_string(), "-backend", "memory"])
-        .args(["-public-host", &format!("127.0.0.1:{port}"), "-log-level", "warn"])
-        .current_dir(&dir)
-        .stdin(Stdio::null())
-        .stdout(log_file.try_clone().unwrap())
-        .stderr(log_file);
-    let child = super::spawn_tied_to_process(command)
-        .unwrap_or_else(|error| panic!("cannot run {}: {error}", binary.display()));
+    let args = ["-scheme", "http", "-host", "127.0.0.1", "-port", &port.to_string(), "-backend", "memory"]
+        .into_iter()
+        .map(str::to_string)
+        .chain(["-public-host".to_string(), format!("127.0.0.1:{port}"), "-log-level".into(), "warn".into()])
+        .collect::<Vec<_>>();
+    let (child, dir) = super::spawn_service(&find_fake_gcs(), &args, "gcs");
     let server = GcsServer { port, bucket: "capstore-test".into(), _child: Mutex::new(child) };
     let deadline = Instant::now() + READY_TIMEOUT;
     loop {
@@ -105,11 +95,7 @@ fn start_server() -> GcsServer {
         match status {
             200 | 409 => return server,
             _ if exited.is_some() => {
-                panic!(
-                    "fake-gcs-server exited ({}):\n{}",
-                    exited.unwrap(),
-                    super::log_tail(&dir.join("fake-gcs.log"), 30)
-                )
+                panic!("fake-gcs-server exited ({}):\n{}", exited.unwrap(), super::log_tail(&dir.join("gcs.log"), 30))
             }
             _ if Instant::now() >= deadline => {
                 panic!("fake-gcs-server not ready after {READY_TIMEOUT:?} ({status} {text})")

@@ -35,6 +35,39 @@ struct SpawnRequest {
     reply_tx: mpsc::Sender<io::Result<Child>>,
 }
 
+/// A service binary: `$<env_var>` if set (it must exist), else `name` on PATH, else `cached` (an install under
+/// `~/.cache`); panics with `hint` (the install command) when none is there.
+pub fn find_service_binary(env_var: &str, name: &str, cached: &str, hint: &str) -> PathBuf {
+    if let Some(explicit) = std::env::var_os(env_var) {
+        let path = PathBuf::from(explicit);
+        assert!(path.is_file(), "{env_var}={} is not a file. {hint}", path.display());
+        return path;
+    }
+    let path_var = std::env::var_os("PATH").unwrap_or_default();
+    let on_path = std::env::split_paths(&path_var).map(|dir| dir.join(name)).find(|candidate| candidate.is_file());
+    let in_cache = std::env::var_os("HOME")
+        .map(|home| PathBuf::from(home).join(".cache").join(cached))
+        .filter(|candidate| candidate.is_file());
+    on_path.or(in_cache).unwrap_or_else(|| panic!("{hint}"))
+}
+
+/// Start a service `binary ARGS` in its own scratch directory (`kind`), its output in `<dir>/<kind>.log`, tied to
+/// this process; returns the child and the directory.
+pub fn spawn_service(binary: &Path, args: &[String], kind: &str) -> (Child, PathBuf) {
+    let dir = scratch_dir(kind);
+    let log_file = std::fs::File::create(dir.join(format!("{kind}.log"))).unwrap();
+    let mut command = Command::new(binary);
+    command
+        .args(args)
+        .current_dir(&dir)
+        .stdin(std::process::Stdio::null())
+        .stdout(log_file.try_clone().unwrap())
+        .stderr(log_file);
+    let child =
+        spawn_tied_to_process(command).unwrap_or_else(|error| panic!("cannot run {}: {error}", binary.display()));
+    (child, dir)
+}
+
 /// Spawn `command` so that the kernel SIGKILLs it when this test process dies, however it dies.
 pub fn spawn_tied_to_process(command: Command) -> io::Result<Child> {
     static SPAWNER_TX: OnceLock<Mutex<mpsc::Sender<SpawnRequest>>> = OnceLock::new();
