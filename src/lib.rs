@@ -14,6 +14,7 @@
 //! - [`http`]: the HTTP API of `capstore run`: server and token check, capture endpoints, metrics.
 //! - [`pipeline`]: the stages from sealed pack to published capture: uploader, indexer (`pending_index`), reconcile,
 //!   and the status board.
+//! - [`export`]: bulk reads page by page (a listing query or a list of ids), and the directory and tar framings.
 //! - [`reader`]: reading captures back (catalog location, one range read, CRC), from the spool when still local.
 //! - [`spool`]: the durable local buffer: open and recovery, the group-commit writer, inbox ingest, the owner lock,
 //!   and [`spool::layout`], the only code that renames or deletes spool files.
@@ -49,6 +50,7 @@ pub mod config;
 pub mod daemon;
 pub mod durable;
 pub mod exit_code;
+pub mod export;
 pub mod failpoint;
 pub mod http;
 pub mod pack;

@@ -104,15 +104,25 @@ impl Reader {
         let mut seen = HashSet::new();
         unique.retain(|id| seen.insert(*id));
         let mut locations = self.catalog.get_many(&unique).await?;
+        let located = unique.into_iter().map(|id| (id, locations.remove(&id))).collect();
+        self.read_located(located).await
+    }
+
+    /// Captures whose catalog locations are known already (a listing page's, or `None` for ids the catalog does not
+    /// know, which are looked for in the spool): read as [`Reader::get_many`] reads them, in the order given.
+    pub async fn read_located(
+        &self,
+        located: Vec<(Uuid, Option<CaptureLocation>)>,
+    ) -> Result<Vec<(Uuid, Option<ReadCapture>)>, ReadError> {
+        let order: Vec<Uuid> = located.iter().map(|(id, _)| *id).collect();
         let mut found: HashMap<Uuid, ReadCapture> = HashMap::new();
         let mut from_bucket: BTreeMap<String, Vec<(Uuid, CaptureLocation)>> = BTreeMap::new();
-        for id in &unique {
-            let location = locations.remove(id);
+        for (id, location) in located {
             let pack_id = location.as_ref().and_then(|location| Uuid::parse_str(&location.pack_id).ok());
-            if let Some(local) = self.read_from_spool(*id, pack_id).await? {
-                found.insert(*id, ReadCapture { version: location.map(|location| location.version), ..local });
+            if let Some(local) = self.read_from_spool(id, pack_id).await? {
+                found.insert(id, ReadCapture { version: location.map(|location| location.version), ..local });
             } else if let Some(location) = location {
-                from_bucket.entry(location.object_key.clone()).or_default().push((*id, location));
+                from_bucket.entry(location.object_key.clone()).or_default().push((id, location));
             }
         }
         let packs: Vec<Result<Vec<(Uuid, ReadCapture)>, ReadError>> = futures::stream::iter(from_bucket)
@@ -123,7 +133,7 @@ impl Reader {
         for pack in packs {
             found.extend(pack?);
         }
-        Ok(unique.into_iter().map(|id| (id, found.remove(&id))).collect())
+        Ok(order.into_iter().map(|id| (id, found.remove(&id))).collect())
     }
 
     /// The records of one bucket pack, fetched together.

@@ -14,6 +14,8 @@ const MIB: usize = 1024 * 1024;
 struct HttpDaemon {
     daemon: Daemon,
     base: String,
+    /// The daemon's environment, for CLI commands against the same catalog and bucket.
+    env: DaemonEnv,
     _dir: tempfile::TempDir,
 }
 
@@ -28,7 +30,7 @@ impl HttpDaemon {
             .set("CAPSTORE_SHUTDOWN_GRACE", "5s");
         let env = extra_env.iter().fold(env, |env, (key, value)| env.set(key, value.clone()));
         let daemon = env.start(dir.path().join("daemon.log"));
-        let mut daemon = HttpDaemon { daemon, base: format!("http://127.0.0.1:{port}"), _dir: dir };
+        let mut daemon = HttpDaemon { daemon, base: format!("http://127.0.0.1:{port}"), env, _dir: dir };
         let client = reqwest::Client::new();
         let started = Instant::now();
         loop {
@@ -335,4 +337,121 @@ async fn multi_get_answers_many_ids_with_one_tar_and_a_manifest_in_the_order_ask
         assert_eq!(answer["field"], "ids", "{answer}");
         assert!(answer["error"].as_str().unwrap().contains(needle), "{answer}");
     }
+}
+
+/// The files (name -> bytes) of a tar.
+fn tar_files(bytes: &[u8]) -> std::collections::BTreeMap<String, Vec<u8>> {
+    let mut files = std::collections::BTreeMap::new();
+    for entry in tar::Archive::new(bytes).entries().unwrap() {
+        let mut entry = entry.unwrap();
+        let name = entry.path().unwrap().display().to_string();
+        let mut content = Vec::new();
+        std::io::Read::read_to_end(&mut entry, &mut content).unwrap();
+        assert!(files.insert(name.clone(), content).is_none(), "{name} twice in the tar");
+    }
+    files
+}
+
+#[tokio::test]
+async fn export_writes_each_selected_capture_once_resumes_and_streams_the_same_over_http() {
+    let daemon = HttpDaemon::start(&[]).await;
+    let client = reqwest::Client::new();
+    // 1,100 captures of cam/x (three export pages of 500) and 20 of another stream, which the export leaves out.
+    let mut wanted: std::collections::BTreeMap<String, Vec<u8>> = std::collections::BTreeMap::new();
+    for index in 0..1120u32 {
+        let stream = if index % 56 == 0 { "other/s" } else { "cam/x" };
+        let body = payload([0, 100, 5000][index as usize % 3], index as u8);
+        let response =
+            client.post(daemon.url(&format!("/v1/captures?stream={stream}"))).body(body.clone()).send().await.unwrap();
+        assert_eq!(response.status(), StatusCode::CREATED);
+        if stream == "cam/x" {
+            wanted.insert(json(response).await["capture_id"].as_str().unwrap().to_string(), body);
+        }
+    }
+    assert_eq!(wanted.len(), 1100);
+    let started = Instant::now();
+    loop {
+        let page = json(daemon.get_ok(&client, "/v1/captures?stream=cam/x&limit=10000").await).await;
+        if page["captures"].as_array().unwrap().len() == wanted.len() {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "not all published:\n{}", daemon.log());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // Into a directory, stopped after the first page, then resumed.
+    let out = daemon._dir.path().join("export");
+    let export = |extra: &[&str]| {
+        let mut command = daemon.env.command();
+        command.args(["export", "--stream", "cam/x", "--out"]).arg(&out).args(extra);
+        let output = command.output().unwrap();
+        (output.status.code().unwrap_or(-1), String::from_utf8_lossy(&output.stderr).into_owned())
+    };
+    let (code, stderr) = export(&["--max-captures", "400"]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stderr.contains("500 captures written") && stderr.contains("--resume continues"), "{stderr}");
+    let (code, stderr) = export(&[]);
+    assert_eq!(code, 2, "a second export into the same directory needs --resume: {stderr}");
+    let (code, stderr) = export(&["--resume"]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        stderr.contains("600 captures written") && stderr.contains("1100 in all") && stderr.contains("complete"),
+        "{stderr}"
+    );
+    for (id, body) in &wanted {
+        assert!(std::fs::read(out.join(id)).unwrap() == *body, "capture {id} differs");
+    }
+    let manifest = std::fs::read_to_string(out.join("manifest.jsonl")).unwrap();
+    let ids: Vec<String> = manifest
+        .lines()
+        .map(|line| serde_json::from_str::<Value>(line).unwrap()["capture_id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(ids.len(), wanted.len(), "every capture in the manifest once");
+    assert_eq!(ids.iter().collect::<std::collections::BTreeSet<_>>(), wanted.keys().collect());
+    let files = std::fs::read_dir(&out).unwrap().count();
+    assert_eq!(files, wanted.len() + 2, "the captures, manifest.jsonl and the export state, nothing else");
+
+    // As a tar on standard output: the same captures, a manifest per page, resume tokens between pages.
+    let output = daemon.env.command().args(["export", "--stream", "cam/x", "--tar"]).output().unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(output.stderr.is_empty(), "piped: no progress bar");
+    let files = tar_files(&output.stdout);
+    for (id, body) in &wanted {
+        assert!(files[id] == *body, "tar capture {id} differs");
+    }
+    let manifests: Vec<&String> = files.keys().filter(|name| name.starts_with("manifest/")).collect();
+    assert_eq!(manifests, ["manifest/000001.jsonl", "manifest/000002.jsonl", "manifest/000003.jsonl"]);
+
+    // Over HTTP: the same, and a resume token gives the rest of the same snapshot.
+    let response = client.get(daemon.url("/v1/export?stream=cam/x")).send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(response.headers()["content-type"], "application/x-tar");
+    let files = tar_files(&response.bytes().await.unwrap());
+    assert_eq!(files.len(), wanted.len() + 3);
+    for (id, body) in &wanted {
+        assert!(files[id] == *body, "http capture {id} differs");
+    }
+    let first_page = std::str::from_utf8(&files["manifest/000001.jsonl"]).unwrap();
+    let resume: Value = serde_json::from_str(first_page.lines().last().unwrap()).unwrap();
+    let cursor = resume["resume"].as_str().expect("a resume token after a page that is not the last");
+    let url = format!(
+        "/v1/export?stream=cam/x&cursor={}",
+        form_urlencoded::byte_serialize(cursor.as_bytes()).collect::<String>()
+    );
+    let rest = tar_files(&client.get(daemon.url(&url)).send().await.unwrap().bytes().await.unwrap());
+    assert_eq!(rest.keys().filter(|name| !name.starts_with("manifest/")).count(), wanted.len() - 500);
+
+    // Bad input names what is wrong.
+    let response = client.get(daemon.url("/v1/export?stream=cam/x&limit=5")).send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(json(response).await["field"], "limit");
+    let ids_file = daemon._dir.path().join("ids.txt");
+    std::fs::write(&ids_file, format!("{}\nnot-an-id\n", wanted.keys().next().unwrap())).unwrap();
+    let output = daemon.env.command().args(["export", "--tar", "--ids"]).arg(&ids_file).output().unwrap();
+    assert_eq!(output.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("line 2: \"not-an-id\""),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
 }

@@ -6,6 +6,7 @@ mod catalog_cmd;
 mod config_cmd;
 mod daemon_cmd;
 mod debug;
+mod export_cmd;
 mod put;
 mod read_cmd;
 mod spool_cmd;
@@ -41,6 +42,8 @@ enum Command {
     Get(read_cmd::GetArgs),
     /// List published captures by stream, time range and labels.
     Ls(read_cmd::LsArgs),
+    /// Export captures (a query or a list of ids) into a directory (resumable) or as a tar on standard output.
+    Export(export_cmd::ExportArgs),
     /// Print published captures in version order (after version N), optionally following new publishes.
     Tail(read_cmd::TailArgs),
     /// The running daemon's status snapshot.
@@ -91,6 +94,7 @@ pub fn main() -> i32 {
         Command::Spool(command) => spool_cmd::run(&config, command),
         Command::Get(args) => read_cmd::get(&config, args),
         Command::Ls(args) => read_cmd::ls(&config, args),
+        Command::Export(args) => export_cmd::export(&config, args),
         Command::Tail(args) => read_cmd::tail(&config, args),
         Command::Status { json } => daemon_cmd::status(&config, json),
         Command::Reconcile(args) => catalog_cmd::reconcile(&config, args),

@@ -75,7 +75,7 @@ pub(super) fn parse_capture_id(field: &'static str, text: &str) -> Result<Uuid, 
 }
 
 /// The query string as ordered pairs (repeated keys such as `label` keep every value).
-fn query_pairs(raw_opt: Option<String>) -> Vec<(String, String)> {
+pub(super) fn query_pairs(raw_opt: Option<String>) -> Vec<(String, String)> {
     let raw = raw_opt.unwrap_or_default();
     form_urlencoded::parse(raw.as_bytes()).into_owned().collect()
 }
@@ -334,7 +334,7 @@ pub(super) async fn get_capture(
     Ok(response)
 }
 
-fn list_query(pairs: Vec<(String, String)>) -> Result<ListQuery, ApiError> {
+pub(super) fn list_query(pairs: Vec<(String, String)>) -> Result<ListQuery, ApiError> {
     let mut query = ListQuery { limit: LIST_LIMIT_DEFAULT, ..Default::default() };
     for (key, value) in pairs {
         match key.as_str() {

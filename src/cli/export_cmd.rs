@@ -1,0 +1,245 @@
+//! `capstore export`: published captures (by stream, time range and labels) or a list of ids, out of the catalog and
+//! bucket, into a directory or as a tar stream on standard output. Byte-identical (every record's CRC checked), one
+//! catalog statement and one coalesced ranged read per bucket pack per page of [`capstore::export::EXPORT_PAGE`] captures, memory one
+//! page, progress on a terminal.
+//!
+//! A directory export is resumable: after each page its files are written, then the page's manifest lines appended
+//! to `manifest.jsonl`, then `.capstore-export` records the resume token and the manifest's length. `--resume`
+//! truncates the manifest to that length (a page written after the last record is written again) and goes on from
+//! the token, so every capture is in the manifest once however often the export was stopped.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::Args;
+use uuid::Uuid;
+
+use capstore::bucket::Bucket;
+use capstore::catalog::query::ListQuery;
+use capstore::config::Config;
+use capstore::exit_code;
+use capstore::export::{
+    manifest_line, not_found_line, page_manifest_name, tar_end, tar_file, Export, ExportPage, Selection,
+};
+use capstore::reader::Reader;
+
+const STATE_FILE: &str = ".capstore-export";
+
+#[derive(Args)]
+pub struct ExportArgs {
+    #[arg(long, conflicts_with = "ids")]
+    stream: Option<String>,
+    /// Captured at or after: RFC 3339, a date (YYYY-MM-DD) or nanoseconds since the epoch.
+    #[arg(long, value_parser = super::read_cmd::parse_time, conflicts_with = "ids")]
+    since: Option<u64>,
+    /// Captured before: RFC 3339, a date or nanoseconds since the epoch.
+    #[arg(long, value_parser = super::read_cmd::parse_time, conflicts_with = "ids")]
+    until: Option<u64>,
+    /// Only captures with this label; repeatable (all must match).
+    #[arg(long = "label", value_name = "KEY=VALUE", value_parser = capstore::capture::parse_label, conflicts_with = "ids")]
+    labels: Vec<(String, String)>,
+    /// Export the capture ids in this file (one per line) instead of a query; ids nothing knows are listed in the
+    /// manifest as not found.
+    #[arg(long, value_name = "FILE")]
+    ids: Option<PathBuf>,
+    /// Write into this directory: one file per capture, named by its id, and manifest.jsonl.
+    #[arg(long, value_name = "DIR", required_unless_present = "tar", conflicts_with = "tar")]
+    out: Option<PathBuf>,
+    /// Write a tar stream to standard output instead (the files, and manifest/<page>.jsonl per page).
+    #[arg(long)]
+    tar: bool,
+    /// With --out: go on from where an earlier export into the same directory stopped.
+    #[arg(long, requires = "out")]
+    resume: bool,
+    /// Stop after about this many captures (whole pages); --resume continues.
+    #[arg(long, value_name = "N")]
+    max_captures: Option<u64>,
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct ExportState {
+    /// Where the next page starts; `None` when the export is complete.
+    resume: Option<String>,
+    /// Bytes of manifest.jsonl that belong to pages finished.
+    manifest_bytes: u64,
+    exported: u64,
+}
+
+pub fn export(config: &Config, args: ExportArgs) -> anyhow::Result<i32> {
+    let selection = match &args.ids {
+        Some(path) => {
+            let text =
+                std::fs::read_to_string(path).with_context(|| format!("cannot read --ids {}", path.display()))?;
+            let mut ids = Vec::new();
+            for (number, line) in text.lines().enumerate().filter(|(_, line)| !line.trim().is_empty()) {
+                match Uuid::parse_str(line.trim()) {
+                    Ok(id) => ids.push(id),
+                    Err(_) => {
+                        eprintln!(
+                            "capstore export: --ids {} line {}: {:?} is not a UUID",
+                            path.display(),
+                            number + 1,
+                            line.trim()
+                        );
+                        return Ok(exit_code::CONFIG_OR_USAGE);
+                    }
+                }
+            }
+            Selection::Ids(ids)
+        }
+        None => {
+            if let Some(stream) = &args.stream {
+                if let Err(problem) = capstore::capture::validate_stream(stream) {
+                    eprintln!("capstore export: --stream {stream:?}: {problem}");
+                    return Ok(exit_code::CONFIG_OR_USAGE);
+                }
+            }
+            Selection::Query(ListQuery {
+                stream: args.stream.clone(),
+                since_ns: args.since,
+                until_ns: args.until,
+                labels: args.labels.iter().cloned().collect(),
+                ..Default::default()
+            })
+        }
+    };
+    let runtime = super::runtime()?;
+    runtime.block_on(async {
+        let catalog = capstore::catalog::connect_reader(config).await?;
+        // Published captures are all in the bucket: the spool is not scanned.
+        let reader = Reader::new(catalog, Arc::new(Bucket::from_config(config)?), None);
+        match &args.out {
+            Some(dir) => export_to_dir(&reader, selection, dir, &args).await,
+            None => export_to_tar(&reader, selection, &args).await,
+        }
+    })
+}
+
+async fn export_to_dir(reader: &Reader, selection: Selection, dir: &Path, args: &ExportArgs) -> anyhow::Result<i32> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let state_path = dir.join(STATE_FILE);
+    let manifest_path = dir.join("manifest.jsonl");
+    let mut state = if args.resume {
+        let text = std::fs::read_to_string(&state_path)
+            .with_context(|| format!("--resume: no earlier export in {} ({STATE_FILE} missing)", dir.display()))?;
+        let state: ExportState =
+            serde_json::from_str(&text).with_context(|| format!("--resume: {STATE_FILE} is damaged"))?;
+        if state.resume.is_none() {
+            eprintln!("capstore export: the export in {} is complete already", dir.display());
+            return Ok(exit_code::CLEAN);
+        }
+        state
+    } else {
+        if state_path.exists() {
+            eprintln!("capstore export: {} holds an export already; add --resume to continue it", dir.display());
+            return Ok(exit_code::CONFIG_OR_USAGE);
+        }
+        ExportState { resume: None, manifest_bytes: 0, exported: 0 }
+    };
+    // Lines of a page written after the last recorded one are written again: drop them.
+    std::fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .truncate(false)
+        .open(&manifest_path)
+        .and_then(|file| file.set_len(state.manifest_bytes))
+        .with_context(|| format!("cannot open {}", manifest_path.display()))?;
+    let mut manifest = std::io::BufWriter::new(std::fs::OpenOptions::new().append(true).open(&manifest_path)?);
+    let mut export = Export::new(reader, selection, state.resume.take()).map_err(anyhow::Error::msg)?;
+    let bar = super::progress(None, "export");
+    let mut this_run = 0u64;
+    let mut missing = 0u64;
+    while let Some(ExportPage { captures, resume }) = export.next_page().await? {
+        let mut lines = String::new();
+        let mut page_written = 0;
+        for (id, capture) in captures {
+            let line = match capture {
+                Some(capture) => {
+                    let path = dir.join(id.to_string());
+                    std::fs::write(&path, &capture.payload)
+                        .with_context(|| format!("cannot write {}", path.display()))?;
+                    page_written += 1;
+                    manifest_line(id, &capture)
+                }
+                None => {
+                    missing += 1;
+                    not_found_line(id)
+                }
+            };
+            lines.push_str(&line.to_string());
+            lines.push('\n');
+        }
+        manifest.write_all(lines.as_bytes())?;
+        manifest.flush()?;
+        state.manifest_bytes += lines.len() as u64;
+        state.exported += page_written;
+        this_run += page_written;
+        state.resume = resume;
+        write_state(&state_path, &state)?;
+        bar.set_message(format!("{this_run} captures"));
+        if args.max_captures.is_some_and(|max| this_run >= max) {
+            break;
+        }
+    }
+    bar.finish_and_clear();
+    let complete = state.resume.is_none();
+    eprintln!(
+        "capstore export: {this_run} captures written to {} ({} in all){}{}",
+        dir.display(),
+        state.exported,
+        if missing > 0 { format!(", {missing} ids not found") } else { String::new() },
+        if complete { "; complete" } else { "; stopped early: --resume continues" }
+    );
+    Ok(if missing > 0 { exit_code::FATAL } else { exit_code::CLEAN })
+}
+
+fn write_state(path: &Path, state: &ExportState) -> anyhow::Result<()> {
+    let text = serde_json::to_string(state)?;
+    std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))
+}
+
+async fn export_to_tar(reader: &Reader, selection: Selection, args: &ExportArgs) -> anyhow::Result<i32> {
+    let mut out = std::io::BufWriter::with_capacity(1 << 20, std::io::stdout().lock());
+    let mut export = Export::new(reader, selection, None).map_err(anyhow::Error::msg)?;
+    let bar = super::progress(None, "export");
+    let (mut written, mut missing, mut page_number) = (0u64, 0u64, 0u64);
+    while let Some(ExportPage { captures, resume }) = export.next_page().await? {
+        page_number += 1;
+        let mut lines = String::new();
+        for (id, capture) in captures {
+            let line = match capture {
+                Some(capture) => {
+                    let line = manifest_line(id, &capture);
+                    for chunk in tar_file(&id.to_string(), capture.meta.captured_at_ns, capture.payload.into()) {
+                        out.write_all(&chunk)?;
+                    }
+                    written += 1;
+                    line
+                }
+                None => {
+                    missing += 1;
+                    not_found_line(id)
+                }
+            };
+            lines.push_str(&line.to_string());
+            lines.push('\n');
+        }
+        if let Some(resume) = &resume {
+            lines.push_str(&serde_json::json!({ "resume": resume }).to_string());
+            lines.push('\n');
+        }
+        for chunk in tar_file(&page_manifest_name(page_number), capstore::util::now_ns(), lines.into()) {
+            out.write_all(&chunk)?;
+        }
+        bar.set_message(format!("{written} captures"));
+        if args.max_captures.is_some_and(|max| written >= max) {
+            break;
+        }
+    }
+    out.write_all(&tar_end())?;
+    out.flush()?;
+    bar.finish_and_clear();
+    Ok(if missing > 0 { exit_code::FATAL } else { exit_code::CLEAN })
+}

@@ -1,0 +1,214 @@
+//! Many captures in one request, as a tar stream: `POST /v1/captures/multi-get` (a list of ids) and `GET /v1/export`
+//! (everything a listing query selects). Tar because every platform reads it (`tar -x`, Python's `tarfile`, Go's
+//! `archive/tar`) and it streams: the daemon holds only the page being read ([`crate::export`]).
+//!
+//! Multi-get: the body is JSON, `{"ids": ["<capture id>", ...]}` (at most [`MULTI_GET_MAX_IDS`]; an id asked twice is
+//! answered once). The tar holds one file per capture found, named by its id (its bytes, CRC-checked as every read),
+//! then `manifest.jsonl`: one line per id asked, in the order asked ([`crate::export::manifest_line`], or
+//! `"error": "not found"`).
+//!
+//! Export: the listing's parameters (`stream`, `since`, `until`, `label`, and `cursor` to resume). Pages of
+//! [`crate::export::EXPORT_PAGE`] captures: each page's files, then `manifest/<page>.jsonl` with a line per capture
+//! and, when more follows, a last line `{"resume": "<cursor>"}`: a client that lost the stream asks again with
+//! `cursor=` that token and gets the rest of the same snapshot.
+//!
+//! Both: a failure before the first byte (the catalog away, too many reads running) is an ordinary error answer; after
+//! it the stream is cut, so the tar is visibly incomplete (no end-of-archive blocks) rather than silently short.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{RawQuery, Request, State};
+use axum::http::{header, HeaderValue};
+use axum::response::Response;
+use futures::channel::mpsc;
+use futures::SinkExt;
+use uuid::Uuid;
+
+use super::{ApiError, HttpState};
+use crate::export::{manifest_line, not_found_line, page_manifest_name, tar_end, tar_file, Export, Selection};
+
+/// Ids one multi-get may ask for.
+pub const MULTI_GET_MAX_IDS: usize = 10_000;
+/// The multi-get body's limit: 10,000 ids in JSON are about 400 KB.
+const BODY_LIMIT: usize = 1 << 20;
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MultiGetRequest {
+    ids: Vec<String>,
+}
+
+type Chunk = Result<Bytes, std::io::Error>;
+type Started = tokio::sync::oneshot::Sender<Result<(), ApiError>>;
+
+pub(super) async fn multi_get(State(state): State<Arc<HttpState>>, request: Request) -> Result<Response, ApiError> {
+    let body = axum::body::to_bytes(request.into_body(), BODY_LIMIT)
+        .await
+        .map_err(|_| ApiError::bad("ids", format!("the request body must be JSON of at most {BODY_LIMIT} bytes")))?;
+    let parsed: MultiGetRequest = serde_json::from_slice(&body)
+        .map_err(|error| ApiError::bad("ids", format!("expected {{\"ids\": [capture ids]}}: {error}")))?;
+    if parsed.ids.len() > MULTI_GET_MAX_IDS {
+        return Err(ApiError::bad("ids", format!("{} ids; at most {MULTI_GET_MAX_IDS} per request", parsed.ids.len())));
+    }
+    let mut ids = Vec::with_capacity(parsed.ids.len());
+    for text in &parsed.ids {
+        ids.push(super::captures::parse_capture_id("ids", text)?);
+    }
+    let mut seen = std::collections::HashSet::new();
+    let unique: Vec<Uuid> = ids.iter().copied().filter(|id| seen.insert(*id)).collect();
+    stream_tar(state, Selection::Ids(unique), None, Framing::OneManifest { asked: ids }).await
+}
+
+pub(super) async fn export(
+    State(state): State<Arc<HttpState>>,
+    RawQuery(raw_query): RawQuery,
+) -> Result<Response, ApiError> {
+    let mut pairs = super::captures::query_pairs(raw_query);
+    let cursor = pairs.iter().position(|(key, _)| key == "cursor").map(|at| pairs.remove(at).1);
+    if pairs.iter().any(|(key, _)| key == "limit") {
+        return Err(ApiError::bad("limit", "an export has no limit: it pages through everything the query selects"));
+    }
+    let query = super::captures::list_query(pairs)?;
+    if let Some(cursor) = &cursor {
+        crate::catalog::query::validate_cursor(cursor).map_err(|problem| ApiError::bad("cursor", problem))?;
+    }
+    stream_tar(state, Selection::Query(query), cursor, Framing::PageManifests).await
+}
+
+/// How the manifest is written: one at the end in the order asked (multi-get), or one per page (export).
+enum Framing {
+    OneManifest { asked: Vec<Uuid> },
+    PageManifests,
+}
+
+async fn stream_tar(
+    state: Arc<HttpState>,
+    selection: Selection,
+    resume: Option<String>,
+    framing: Framing,
+) -> Result<Response, ApiError> {
+    if state.reader.get().is_none() {
+        return Err(ApiError::unavailable("the catalog is not connected yet"));
+    }
+    let (tx, rx) = mpsc::channel::<Chunk>(4);
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(send_pages(state, selection, resume, framing, tx, started_tx));
+    started_rx.await.map_err(|_| ApiError::unavailable("the read ended early; retry"))??;
+    let mut response = Response::new(Body::from_stream(rx));
+    let headers = response.headers_mut();
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/x-tar"));
+    headers.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
+    headers.insert(header::CONTENT_DISPOSITION, HeaderValue::from_static("attachment; filename=\"captures.tar\""));
+    Ok(response)
+}
+
+/// Reads the pages and sends the tar. `started` learns, after the first page, whether the answer can begin.
+async fn send_pages(
+    state: Arc<HttpState>,
+    selection: Selection,
+    resume: Option<String>,
+    framing: Framing,
+    mut tx: mpsc::Sender<Chunk>,
+    started: Started,
+) {
+    let Some(reader) = state.reader.get() else { return };
+    let Ok(_permit) = state.reads.try_acquire() else {
+        let _ = started.send(Err(ApiError::busy("busy: http.max_concurrent_reads reads are running; retry shortly")));
+        return;
+    };
+    let mut export = match Export::new(reader, selection, resume) {
+        Ok(export) => export,
+        Err(problem) => {
+            let _ = started.send(Err(ApiError::bad("cursor", problem)));
+            return;
+        }
+    };
+    let mut started = Some(started);
+    let mut lines: HashMap<Uuid, serde_json::Value> = HashMap::new();
+    let mut page_number = 0u64;
+    loop {
+        let page = match export.next_page().await {
+            Ok(Some(page)) => page,
+            Ok(None) => break,
+            Err(error) => {
+                match started.take() {
+                    Some(started) => {
+                        let _ = started.send(Err(super::captures::read_error(Uuid::nil(), error)));
+                    }
+                    None => {
+                        tracing::warn!(%error, "tar answer cut short");
+                        let _ = tx.send(Err(std::io::Error::other("read failed"))).await;
+                    }
+                }
+                return;
+            }
+        };
+        if let Some(started) = started.take() {
+            if started.send(Ok(())).is_err() {
+                return;
+            }
+        }
+        page_number += 1;
+        let mut page_lines = String::new();
+        for (id, capture) in page.captures {
+            let line = match capture {
+                Some(capture) => {
+                    let line = manifest_line(id, &capture);
+                    for chunk in tar_file(&id.to_string(), capture.meta.captured_at_ns, capture.payload.into()) {
+                        if tx.send(Ok(chunk)).await.is_err() {
+                            return;
+                        }
+                    }
+                    line
+                }
+                None => not_found_line(id),
+            };
+            match framing {
+                Framing::OneManifest { .. } => {
+                    lines.insert(id, line);
+                }
+                Framing::PageManifests => {
+                    page_lines.push_str(&line.to_string());
+                    page_lines.push('\n');
+                }
+            }
+        }
+        if let Framing::PageManifests = framing {
+            if let Some(resume) = &page.resume {
+                page_lines.push_str(&serde_json::json!({ "resume": resume }).to_string());
+                page_lines.push('\n');
+            }
+            let name = page_manifest_name(page_number);
+            if !send_file(&mut tx, &name, page_lines).await {
+                return;
+            }
+        }
+    }
+    if let Some(started) = started.take() {
+        let _ = started.send(Ok(()));
+    }
+    if let Framing::OneManifest { asked } = &framing {
+        let mut text = String::new();
+        for id in asked {
+            if let Some(line) = lines.get(id) {
+                text.push_str(&line.to_string());
+                text.push('\n');
+            }
+        }
+        if !send_file(&mut tx, "manifest.jsonl", text).await {
+            return;
+        }
+    }
+    let _ = tx.send(Ok(tar_end())).await;
+}
+
+async fn send_file(tx: &mut mpsc::Sender<Chunk>, name: &str, text: String) -> bool {
+    for chunk in tar_file(name, crate::util::now_ns(), Bytes::from(text)) {
+        if tx.send(Ok(chunk)).await.is_err() {
+            return false;
+        }
+    }
+    true
+}
