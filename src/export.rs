@@ -1,7 +1,7 @@
 //! Exporting captures in bulk, and the framings exports and multi-gets are written in.
 //!
 //! An [`Export`] walks a selection (a listing query, or a list of ids) page by page: each page is at most
-//! [`EXPORT_PAGE`] captures, costs one catalog statement (the listing page, or one multi-get statement) and one
+//! [`EXPORT_PAGE`] captures and [`EXPORT_PAGE_BYTES`] of payload (one capture at least), costs one catalog statement (the listing page, or one multi-get statement) and one
 //! coalesced ranged read per bucket pack ([`Reader::read_located`]), and is handed over whole, so memory is one page
 //! whatever the export's size. After each page the export reports where it stands as a resume token: the listing's
 //! cursor (which pins the catalog's watermark, so a resumed export continues the same snapshot), or `ids:<n>` for an
@@ -19,6 +19,8 @@ use crate::reader::{ReadCapture, ReadError, Reader, GET_MANY_MAX};
 
 /// Captures per page of an export (one catalog statement each).
 pub const EXPORT_PAGE: usize = GET_MANY_MAX;
+/// Payload bytes per page, at most (one capture at least): what an export or a multi-get holds in memory at once.
+pub const EXPORT_PAGE_BYTES: usize = 64 << 20;
 const TAR_BLOCK: usize = 512;
 
 /// What to export.
@@ -71,6 +73,7 @@ impl<'a> Export<'a> {
                 let page_query =
                     ListQuery { limit: EXPORT_PAGE as u64, cursor: self.position.clone(), ..query.clone() };
                 let page = self.reader.catalog().list(&page_query).await?;
+                let page = page.cut_by(EXPORT_PAGE_BYTES, |location| location.payload_len as usize);
                 let located = page
                     .captures
                     .into_iter()
@@ -80,9 +83,22 @@ impl<'a> Export<'a> {
             }
             Selection::Ids(ids) => {
                 let start = self.position.as_deref().and_then(|t| t.strip_prefix("ids:")?.parse().ok()).unwrap_or(0);
-                let end = (start + EXPORT_PAGE).min(ids.len());
-                let read = self.reader.get_many(&ids[start.min(end)..end]).await?;
-                (read, (end < ids.len()).then(|| format!("ids:{end}")))
+                let start = start.min(ids.len());
+                let batch = &ids[start..(start + EXPORT_PAGE).min(ids.len())];
+                let mut locations = self.reader.catalog().get_many(batch).await?;
+                // Cut the batch where its payloads pass the page's bytes (one capture at least).
+                let (mut kept, mut bytes) = (0, 0usize);
+                for id in batch {
+                    let size = locations.get(id).map_or(0, |location| location.payload_len as usize);
+                    if kept > 0 && bytes + size > EXPORT_PAGE_BYTES {
+                        break;
+                    }
+                    bytes += size;
+                    kept += 1;
+                }
+                let located = batch[..kept].iter().map(|id| (*id, locations.remove(id))).collect();
+                let end = start + kept;
+                (self.reader.read_located(located).await?, (end < ids.len()).then(|| format!("ids:{end}")))
             }
         };
         self.done = resume.is_none();

@@ -271,6 +271,14 @@ async fn multi_get_answers_many_ids_with_one_tar_and_a_manifest_in_the_order_ask
         assert_eq!(response.status(), StatusCode::CREATED, "{}", daemon.log());
         posted.push((json(response).await["capture_id"].as_str().unwrap().to_string(), body, stream));
     }
+    // An id posted again is answered with its newest bytes and version.
+    let reposted = posted[3].0.clone();
+    let url = daemon.url(&format!("/v1/captures?stream=cam/9&id={reposted}&label=n=again&wait=published"));
+    let response = client.post(url).body("the second version").send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::CREATED);
+    let newest_version = json(response).await["version"].as_u64().unwrap();
+    posted[3].1 = b"the second version".to_vec();
+    posted[3].2 = "cam/9".to_string();
     let unknown = uuid::Uuid::now_v7().to_string();
     let mut asked: Vec<String> = posted.iter().rev().map(|(id, _, _)| id.clone()).collect();
     asked.insert(5, unknown.clone());
@@ -319,6 +327,9 @@ async fn multi_get_answers_many_ids_with_one_tar_and_a_manifest_in_the_order_ask
         assert_eq!(line["crc32c"], crc32c::crc32c(body), "{line}");
         assert!(line["labels"]["n"].is_string(), "{line}");
         assert!(["bucket", "spool"].contains(&line["source"].as_str().unwrap()), "{line}");
+        if id == reposted {
+            assert_eq!(line["version"], newest_version, "{line}");
+        }
     }
     let from_bucket = manifest.iter().filter(|line| line["source"] == "bucket").count();
     assert!(from_bucket >= 30, "published captures come from the bucket: {from_bucket}");
@@ -392,6 +403,14 @@ async fn export_writes_each_selected_capture_once_resumes_and_streams_the_same_o
     assert!(stderr.contains("500 captures written") && stderr.contains("--resume continues"), "{stderr}");
     let (code, stderr) = export(&[]);
     assert_eq!(code, 2, "a second export into the same directory needs --resume: {stderr}");
+    // Lines written after the last recorded page (a crash between the manifest and the state) are dropped.
+    let mut manifest_file = std::fs::OpenOptions::new().append(true).open(out.join("manifest.jsonl")).unwrap();
+    std::io::Write::write_all(&mut manifest_file, b"{\"capture_id\": \"from a page never recorded\"}\n").unwrap();
+    let mut other = daemon.env.command();
+    other.args(["export", "--stream", "other/s", "--resume", "--out"]).arg(&out);
+    let output = other.output().unwrap();
+    assert_eq!(output.status.code(), Some(2), "a resume of another selection is refused");
+    assert!(String::from_utf8_lossy(&output.stderr).contains("must ask for the same"));
     let (code, stderr) = export(&["--resume"]);
     assert_eq!(code, 0, "{stderr}");
     assert!(
@@ -439,7 +458,15 @@ async fn export_writes_each_selected_capture_once_resumes_and_streams_the_same_o
         form_urlencoded::byte_serialize(cursor.as_bytes()).collect::<String>()
     );
     let rest = tar_files(&client.get(daemon.url(&url)).send().await.unwrap().bytes().await.unwrap());
-    assert_eq!(rest.keys().filter(|name| !name.starts_with("manifest/")).count(), wanted.len() - 500);
+    let first_ids: std::collections::BTreeSet<String> = first_page
+        .lines()
+        .filter_map(|line| serde_json::from_str::<Value>(line).ok()?["capture_id"].as_str().map(str::to_string))
+        .collect();
+    let rest_ids: std::collections::BTreeSet<String> =
+        rest.keys().filter(|name| !name.starts_with("manifest/")).cloned().collect();
+    assert_eq!(first_ids.len(), 500);
+    assert!(first_ids.is_disjoint(&rest_ids), "the resumed export repeats captures of the first page");
+    assert_eq!(first_ids.union(&rest_ids).cloned().collect::<Vec<_>>(), wanted.keys().cloned().collect::<Vec<_>>());
 
     // Bad input names what is wrong.
     let response = client.get(daemon.url("/v1/export?stream=cam/x&limit=5")).send().await.unwrap();

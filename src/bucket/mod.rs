@@ -101,6 +101,33 @@ use error::permanent;
 
 /// Parts of one multipart upload that may be in flight at once.
 pub const MULTIPART_PARTS_IN_FLIGHT: usize = 2;
+/// Ranges closer than this are read with one request: a GET costs more than a megabyte of transfer on every backend.
+pub const COALESCE_GAP: u64 = 1 << 20;
+/// The most one coalesced read fetches (a record larger than this is read alone, whole).
+pub const COALESCE_MAX: u64 = 16 << 20;
+/// Coalesced reads of one object in flight at once.
+pub const COALESCED_READS_IN_FLIGHT: usize = 4;
+
+/// `ranges` sorted and merged where they are less than [`COALESCE_GAP`] apart, each merged read at most
+/// [`COALESCE_MAX`] long (unless one range alone is longer).
+fn coalesce_ranges(ranges: &[Range<u64>]) -> Vec<Range<u64>> {
+    let mut sorted = ranges.to_vec();
+    sorted.sort_by_key(|range| (range.start, range.end));
+    let mut merged: Vec<Range<u64>> = Vec::new();
+    for range in sorted {
+        match merged.last_mut() {
+            Some(last)
+                if range.start <= last.end.saturating_add(COALESCE_GAP)
+                    && range.end.max(last.end) - last.start <= COALESCE_MAX =>
+            {
+                last.end = last.end.max(range.end);
+            }
+            _ => merged.push(range),
+        }
+    }
+    merged
+}
+
 /// The object metadata names of a pack's SHA-256 (hex) and record count on a backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MetadataNames {
@@ -280,18 +307,28 @@ impl Bucket {
         .await
     }
 
-    /// Several ranges of the object at `key`, in the order given, in as few requests as object_store makes of them:
-    /// `get_ranges` merges ranges less than 1 MiB apart and fetches the merged ones concurrently.
+    /// Several ranges of the object at `key`, in the order given, in few requests: ranges less than
+    /// [`COALESCE_GAP`] apart are read as one, up to [`COALESCE_MAX`] per read (so one read stays well inside the
+    /// request timeout and bounds what is in flight), [`COALESCED_READS_IN_FLIGHT`] reads at a time.
     pub async fn read_ranges(&self, key: &str, ranges: &[Range<u64>]) -> Result<Vec<Bytes>, BucketError> {
-        let path = parse_key(key)?;
-        let path_ref = &path;
-        self.with_retries("read ranges", &path, || async move {
-            self.store
-                .get_ranges(path_ref, ranges)
-                .await
-                .map_err(|error| BucketError::from_store(format_args!("read {} ranges of {key}", ranges.len()), error))
-        })
-        .await
+        let merged = coalesce_ranges(ranges);
+        let reads: Vec<Result<Bytes, BucketError>> = futures::stream::iter(merged.iter().cloned())
+            .map(|range| self.read_range(key, range))
+            .buffered(COALESCED_READS_IN_FLIGHT)
+            .collect()
+            .await;
+        let reads = reads.into_iter().collect::<Result<Vec<Bytes>, BucketError>>()?;
+        ranges
+            .iter()
+            .map(|range| {
+                let at = merged.partition_point(|read| read.start <= range.start).saturating_sub(1);
+                let (read, bytes) = (&merged[at], &reads[at]);
+                let (start, end) = ((range.start - read.start) as usize, (range.end - read.start) as usize);
+                bytes.get(start..end).map(|slice| bytes.slice_ref(slice)).ok_or_else(|| {
+                    BucketError::new(BucketErrorKind::Transient, format!("{key}: a short read of bytes {read:?}"))
+                })
+            })
+            .collect()
     }
 
     /// The size of the object at `key`.
@@ -617,6 +654,25 @@ mod tests {
         config.bucket.options.insert("bogus".into(), "1".into());
         let error = Bucket::from_config(&config).unwrap_err();
         assert!(error.message.contains("bucket.options.bogus"), "{error}");
+    }
+
+    #[test]
+    fn ranges_coalesce_across_small_gaps_up_to_the_cap() {
+        let mib = 1 << 20;
+        let merged = coalesce_ranges(&[10..20, 0..5, 30..40]);
+        assert_eq!(merged.len(), 1);
+        assert_eq!((merged[0].start, merged[0].end), (0, 40));
+        // A gap of more than COALESCE_GAP splits; a merged read never passes COALESCE_MAX.
+        assert_eq!(coalesce_ranges(&[0..10, (10 + 2 * mib)..(11 + 2 * mib)]).len(), 2);
+        let many: Vec<Range<u64>> = (0..40).map(|i| (i * mib)..((i + 1) * mib)).collect();
+        let merged = coalesce_ranges(&many);
+        assert!(merged.iter().all(|read| read.end - read.start <= COALESCE_MAX), "{merged:?}");
+        assert_eq!(merged.first().unwrap().start, 0);
+        assert_eq!(merged.last().unwrap().end, 40 * mib);
+        assert_eq!(merged.len(), 3);
+        // One range larger than the cap is read alone, whole.
+        let whole = 0..(20 * mib);
+        assert_eq!(coalesce_ranges(std::slice::from_ref(&whole)), [whole]);
     }
 
     #[test]

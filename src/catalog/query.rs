@@ -104,11 +104,17 @@ impl Page {
     /// The page cut after the last capture that keeps its JSON within about `max_bytes` (one capture at least), with
     /// the cursor of that capture, so the next page goes on right after it. Labels can make rows large: this bounds a
     /// response's size whatever its `limit`.
-    pub fn cut_to_bytes(mut self, max_bytes: usize) -> Page {
+    pub fn cut_to_bytes(self, max_bytes: usize) -> Page {
+        self.cut_by(max_bytes, |capture| serde_json::to_vec(capture).map_or(0, |row| row.len()) + 1)
+    }
+
+    /// The page cut after the last capture that keeps the sum of `size_of` within `max_bytes` (one capture at
+    /// least), with the cursor of that capture.
+    pub fn cut_by(mut self, max_bytes: usize, size_of: impl Fn(&CaptureLocation) -> usize) -> Page {
         let mut total = 0;
         let mut keep = 0;
         for capture in &self.captures {
-            let row_bytes = serde_json::to_vec(capture).map_or(0, |row| row.len()) + 1;
+            let row_bytes = size_of(capture);
             if keep > 0 && total + row_bytes > max_bytes {
                 break;
             }

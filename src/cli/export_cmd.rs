@@ -60,6 +60,8 @@ pub struct ExportArgs {
 
 #[derive(serde::Serialize, serde::Deserialize)]
 struct ExportState {
+    /// What is exported (the query, or the ids file's path and its ids' digest): a resume must ask the same.
+    selection: String,
     /// Where the next page starts; `None` when the export is complete.
     resume: Option<String>,
     /// Bytes of manifest.jsonl that belong to pages finished.
@@ -73,8 +75,19 @@ pub fn export(config: &Config, args: ExportArgs) -> anyhow::Result<i32> {
             let text =
                 std::fs::read_to_string(path).with_context(|| format!("cannot read --ids {}", path.display()))?;
             let mut ids = Vec::new();
+            let mut seen = std::collections::HashSet::new();
             for (number, line) in text.lines().enumerate().filter(|(_, line)| !line.trim().is_empty()) {
                 match Uuid::parse_str(line.trim()) {
+                    // An id listed twice is exported once.
+                    Ok(id) if id.is_nil() => {
+                        eprintln!(
+                            "capstore export: --ids {} line {}: the nil UUID is not a capture id",
+                            path.display(),
+                            number + 1
+                        );
+                        return Ok(exit_code::CONFIG_OR_USAGE);
+                    }
+                    Ok(id) if !seen.insert(id) => {}
                     Ok(id) => ids.push(id),
                     Err(_) => {
                         eprintln!(
@@ -126,6 +139,14 @@ async fn export_to_dir(reader: &Reader, selection: Selection, dir: &Path, args: 
             .with_context(|| format!("--resume: no earlier export in {} ({STATE_FILE} missing)", dir.display()))?;
         let state: ExportState =
             serde_json::from_str(&text).with_context(|| format!("--resume: {STATE_FILE} is damaged"))?;
+        if state.selection != describe(&selection) {
+            eprintln!(
+                "capstore export: {} holds an export of {}; --resume must ask for the same",
+                dir.display(),
+                state.selection
+            );
+            return Ok(exit_code::CONFIG_OR_USAGE);
+        }
         if state.resume.is_none() {
             eprintln!("capstore export: the export in {} is complete already", dir.display());
             return Ok(exit_code::CLEAN);
@@ -136,7 +157,7 @@ async fn export_to_dir(reader: &Reader, selection: Selection, dir: &Path, args: 
             eprintln!("capstore export: {} holds an export already; add --resume to continue it", dir.display());
             return Ok(exit_code::CONFIG_OR_USAGE);
         }
-        ExportState { resume: None, manifest_bytes: 0, exported: 0 }
+        ExportState { selection: describe(&selection), resume: None, manifest_bytes: 0, exported: 0 }
     };
     // Lines of a page written after the last recorded one are written again: drop them.
     std::fs::OpenOptions::new()
@@ -173,6 +194,9 @@ async fn export_to_dir(reader: &Reader, selection: Selection, dir: &Path, args: 
         }
         manifest.write_all(lines.as_bytes())?;
         manifest.flush()?;
+        // The page's files and manifest lines are on disk before the state says so (one syncfs, not a fsync each).
+        let dir_file = std::fs::File::open(dir)?;
+        nix::unistd::syncfs(&dir_file).with_context(|| format!("cannot sync {}", dir.display()))?;
         state.manifest_bytes += lines.len() as u64;
         state.exported += page_written;
         this_run += page_written;
@@ -195,9 +219,29 @@ async fn export_to_dir(reader: &Reader, selection: Selection, dir: &Path, args: 
     Ok(if missing > 0 { exit_code::FATAL } else { exit_code::CLEAN })
 }
 
+/// Replace the state atomically (temp file, fsync, rename): a crash leaves the old state or the new one.
 fn write_state(path: &Path, state: &ExportState) -> anyhow::Result<()> {
     let text = serde_json::to_string(state)?;
-    std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))
+    capstore::durable::write_file_durable(path, text.as_bytes())
+        .with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// The selection as the state records it: a resume must ask for the same.
+fn describe(selection: &Selection) -> String {
+    match selection {
+        Selection::Query(query) => format!(
+            "captures of stream {:?}, since {:?}, until {:?}, labels {:?}",
+            query.stream, query.since_ns, query.until_ns, query.labels
+        ),
+        Selection::Ids(ids) => {
+            use sha2::Digest;
+            let mut digest = sha2::Sha256::new();
+            for id in ids {
+                digest.update(id.as_bytes());
+            }
+            format!("{} listed ids (sha256 {})", ids.len(), hex::encode(digest.finalize()))
+        }
+    }
 }
 
 async fn export_to_tar(reader: &Reader, selection: Selection, args: &ExportArgs) -> anyhow::Result<i32> {

@@ -44,9 +44,12 @@ type Chunk = Result<Bytes, std::io::Error>;
 type Started = tokio::sync::oneshot::Sender<Result<(), ApiError>>;
 
 pub(super) async fn multi_get(State(state): State<Arc<HttpState>>, request: Request) -> Result<Response, ApiError> {
-    let body = axum::body::to_bytes(request.into_body(), BODY_LIMIT)
+    let body = tokio::time::timeout(state.body_timeout, axum::body::to_bytes(request.into_body(), BODY_LIMIT))
         .await
-        .map_err(|_| ApiError::bad("ids", format!("the request body must be JSON of at most {BODY_LIMIT} bytes")))?;
+        .map_err(|_| ApiError::new(axum::http::StatusCode::REQUEST_TIMEOUT, "the request body did not arrive in time"))?
+        .map_err(|_| {
+            ApiError::new(axum::http::StatusCode::PAYLOAD_TOO_LARGE, format!("the ids must fit in {BODY_LIMIT} bytes"))
+        })?;
     let parsed: MultiGetRequest = serde_json::from_slice(&body)
         .map_err(|error| ApiError::bad("ids", format!("expected {{\"ids\": [capture ids]}}: {error}")))?;
     if parsed.ids.len() > MULTI_GET_MAX_IDS {
@@ -110,10 +113,11 @@ async fn send_pages(
     selection: Selection,
     resume: Option<String>,
     framing: Framing,
-    mut tx: mpsc::Sender<Chunk>,
+    tx: mpsc::Sender<Chunk>,
     started: Started,
 ) {
     let Some(reader) = state.reader.get() else { return };
+    let mut tx = Paced { tx, within: state.body_timeout };
     let Ok(_permit) = state.reads.try_acquire() else {
         let _ = started.send(Err(ApiError::busy("busy: http.max_concurrent_reads reads are running; retry shortly")));
         return;
@@ -129,6 +133,10 @@ async fn send_pages(
     let mut lines: HashMap<Uuid, serde_json::Value> = HashMap::new();
     let mut page_number = 0u64;
     loop {
+        // A client that is gone (or stopped reading) ends the work: no more catalog or bucket reads for it.
+        if tx.tx.is_closed() {
+            return;
+        }
         let page = match export.next_page().await {
             Ok(Some(page)) => page,
             Ok(None) => break,
@@ -138,7 +146,7 @@ async fn send_pages(
                         let _ = started.send(Err(super::captures::read_error(Uuid::nil(), error)));
                     }
                     None => {
-                        tracing::warn!(%error, "tar answer cut short");
+                        tracing::warn!(%error, "tar answer cut short by a failed read");
                         let _ = tx.send(Err(std::io::Error::other("read failed"))).await;
                     }
                 }
@@ -204,7 +212,24 @@ async fn send_pages(
     let _ = tx.send(Ok(tar_end())).await;
 }
 
-async fn send_file(tx: &mut mpsc::Sender<Chunk>, name: &str, text: String) -> bool {
+/// The sending side of a tar answer: a chunk the client does not take within `within` (the same bound a slow request
+/// body gets) ends the answer, so a stalled reader cannot hold a read permit and a page for ever.
+struct Paced {
+    tx: mpsc::Sender<Chunk>,
+    within: std::time::Duration,
+}
+
+impl Paced {
+    /// Ok when the chunk was taken; Err when the client is gone or stalled.
+    async fn send(&mut self, chunk: Chunk) -> Result<(), ()> {
+        match tokio::time::timeout(self.within, self.tx.send(chunk)).await {
+            Ok(Ok(())) => Ok(()),
+            _ => Err(()),
+        }
+    }
+}
+
+async fn send_file(tx: &mut Paced, name: &str, text: String) -> bool {
     for chunk in tar_file(name, crate::util::now_ns(), Bytes::from(text)) {
         if tx.send(Ok(chunk)).await.is_err() {
             return false;
