@@ -3,10 +3,11 @@
 //! catalog statement and one coalesced ranged read per bucket pack per page of [`capstore::export::EXPORT_PAGE`] captures, memory one
 //! page, progress on a terminal.
 //!
-//! A directory export is resumable: after each page its files are written, then the page's manifest lines appended
-//! to `manifest.jsonl`, then `.capstore-export` records the resume token and the manifest's length. `--resume`
-//! truncates the manifest to that length (a page written after the last record is written again) and goes on from
-//! the token, so every capture is in the manifest once however often the export was stopped.
+//! A directory export is resumable: each page's files are written, then its manifest lines appended to
+//! `manifest.jsonl`; at most once a second (and at the end), after one syncfs of all that, `.capstore-export` is
+//! replaced atomically with the resume token and the manifest's length. `--resume` truncates the manifest to that
+//! length (pages written after the last recorded one are written again) and goes on from the token, so every
+//! capture is in the manifest once however often, and however abruptly, the export was stopped.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -26,6 +27,8 @@ use capstore::export::{
 use capstore::reader::Reader;
 
 const STATE_FILE: &str = ".capstore-export";
+/// How often the resume state advances (after a sync of the directory's filesystem).
+const STATE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
 
 #[derive(Args)]
 pub struct ExportArgs {
@@ -172,6 +175,7 @@ async fn export_to_dir(reader: &Reader, selection: Selection, dir: &Path, args: 
     let bar = super::progress(None, "export");
     let mut this_run = 0u64;
     let mut missing = 0u64;
+    let mut last_sync = std::time::Instant::now();
     while let Some(ExportPage { captures, resume }) = export.next_page().await? {
         let mut lines = String::new();
         let mut page_written = 0;
@@ -194,16 +198,21 @@ async fn export_to_dir(reader: &Reader, selection: Selection, dir: &Path, args: 
         }
         manifest.write_all(lines.as_bytes())?;
         manifest.flush()?;
-        // The page's files and manifest lines are on disk before the state says so (one syncfs, not a fsync each).
-        let dir_file = std::fs::File::open(dir)?;
-        nix::unistd::syncfs(&dir_file).with_context(|| format!("cannot sync {}", dir.display()))?;
         state.manifest_bytes += lines.len() as u64;
         state.exported += page_written;
         this_run += page_written;
         state.resume = resume;
-        write_state(&state_path, &state)?;
         bar.set_message(format!("{this_run} captures"));
-        if args.max_captures.is_some_and(|max| this_run >= max) {
+        let stopping = state.resume.is_none() || args.max_captures.is_some_and(|max| this_run >= max);
+        // The state advances only right after a sync of everything before it, at most once a second (a crash
+        // re-exports the pages since): one syncfs, not a fsync per file.
+        if stopping || last_sync.elapsed() >= STATE_INTERVAL {
+            let dir_file = std::fs::File::open(dir)?;
+            nix::unistd::syncfs(&dir_file).with_context(|| format!("cannot sync {}", dir.display()))?;
+            write_state(&state_path, &state)?;
+            last_sync = std::time::Instant::now();
+        }
+        if stopping {
             break;
         }
     }
