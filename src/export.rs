@@ -146,9 +146,48 @@ pub fn tar_end() -> Bytes {
     Bytes::from(vec![0u8; 2 * TAR_BLOCK])
 }
 
-/// The tar name of a page's manifest in an export stream.
-pub fn page_manifest_name(page: u64) -> String {
-    format!("manifest/{page:06}.jsonl")
+/// One page in tar framing: its captures' files, and their manifest lines in page order.
+pub struct TarPage {
+    pub chunks: Vec<Bytes>,
+    pub lines: Vec<(Uuid, serde_json::Value)>,
+    /// Captures written, and ids asked that nothing knows.
+    pub written: u64,
+    pub missing: u64,
+    pub resume: Option<String>,
+}
+
+/// The page's captures as tar files (the payloads are not copied) and their manifest lines.
+pub fn tar_page(page: ExportPage) -> TarPage {
+    let mut tar = TarPage { chunks: Vec::new(), lines: Vec::new(), written: 0, missing: 0, resume: page.resume };
+    for (id, capture) in page.captures {
+        let line = match capture {
+            Some(capture) => {
+                let line = manifest_line(id, &capture);
+                tar.chunks.extend(tar_file(&id.to_string(), capture.meta.captured_at_ns, capture.payload.into()));
+                tar.written += 1;
+                line
+            }
+            None => {
+                tar.missing += 1;
+                not_found_line(id)
+            }
+        };
+        tar.lines.push((id, line));
+    }
+    tar
+}
+
+impl TarPage {
+    /// `manifest/<number>.jsonl`: the page's lines and, when more follows, `{"resume": token}`.
+    pub fn manifest(&self, number: u64) -> [Bytes; 3] {
+        let mut text = String::new();
+        let resume = self.resume.iter().map(|token| serde_json::json!({ "resume": token }));
+        for line in self.lines.iter().map(|(_, line)| line.clone()).chain(resume) {
+            text.push_str(&line.to_string());
+            text.push('\n');
+        }
+        tar_file(&format!("manifest/{number:06}.jsonl"), crate::util::now_ns(), Bytes::from(text))
+    }
 }
 
 #[cfg(test)]

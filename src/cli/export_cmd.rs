@@ -21,9 +21,7 @@ use capstore::bucket::Bucket;
 use capstore::catalog::query::ListQuery;
 use capstore::config::Config;
 use capstore::exit_code;
-use capstore::export::{
-    manifest_line, not_found_line, page_manifest_name, tar_end, tar_file, Export, ExportPage, Selection,
-};
+use capstore::export::{manifest_line, not_found_line, tar_end, tar_page, Export, ExportPage, Selection};
 use capstore::reader::Reader;
 
 const STATE_FILE: &str = ".capstore-export";
@@ -258,34 +256,14 @@ async fn export_to_tar(reader: &Reader, selection: Selection, args: &ExportArgs)
     let mut export = Export::new(reader, selection, None).map_err(anyhow::Error::msg)?;
     let bar = super::progress(None, "export");
     let (mut written, mut missing, mut page_number) = (0u64, 0u64, 0u64);
-    while let Some(ExportPage { captures, resume }) = export.next_page().await? {
+    while let Some(page) = export.next_page().await? {
         page_number += 1;
-        let mut lines = String::new();
-        for (id, capture) in captures {
-            let line = match capture {
-                Some(capture) => {
-                    let line = manifest_line(id, &capture);
-                    for chunk in tar_file(&id.to_string(), capture.meta.captured_at_ns, capture.payload.into()) {
-                        out.write_all(&chunk)?;
-                    }
-                    written += 1;
-                    line
-                }
-                None => {
-                    missing += 1;
-                    not_found_line(id)
-                }
-            };
-            lines.push_str(&line.to_string());
-            lines.push('\n');
+        let tar = tar_page(page);
+        for chunk in tar.chunks.iter().chain(&tar.manifest(page_number)) {
+            out.write_all(chunk)?;
         }
-        if let Some(resume) = &resume {
-            lines.push_str(&serde_json::json!({ "resume": resume }).to_string());
-            lines.push('\n');
-        }
-        for chunk in tar_file(&page_manifest_name(page_number), capstore::util::now_ns(), lines.into()) {
-            out.write_all(&chunk)?;
-        }
+        written += tar.written;
+        missing += tar.missing;
         bar.set_message(format!("{written} captures"));
         if args.max_captures.is_some_and(|max| written >= max) {
             break;

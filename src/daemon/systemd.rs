@@ -203,10 +203,7 @@ async fn status_line(board: &Arc<StatusBoard>, phase: Phase, stalled: &[String])
     if let Some(lease) = &lease {
         let state = match lease.lease_state {
             LeaseState::Held => format!("lease held (term {})", lease.lease_term),
-            other => format!(
-                "lease {}",
-                serde_json::to_value(other).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default()
-            ),
+            other => format!("lease {}", other.name()),
         };
         parts.push(state);
     }

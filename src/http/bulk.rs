@@ -27,7 +27,7 @@ use futures::SinkExt;
 use uuid::Uuid;
 
 use super::{ApiError, HttpState};
-use crate::export::{manifest_line, not_found_line, page_manifest_name, tar_end, tar_file, Export, Selection};
+use crate::export::{tar_end, tar_file, tar_page, Export, Selection};
 
 /// Ids one multi-get may ask for.
 pub const MULTI_GET_MAX_IDS: usize = 10_000;
@@ -159,38 +159,20 @@ async fn send_pages(
             }
         }
         page_number += 1;
-        let mut page_lines = String::new();
-        for (id, capture) in page.captures {
-            let line = match capture {
-                Some(capture) => {
-                    let line = manifest_line(id, &capture);
-                    for chunk in tar_file(&id.to_string(), capture.meta.captured_at_ns, capture.payload.into()) {
-                        if tx.send(Ok(chunk)).await.is_err() {
-                            return;
-                        }
-                    }
-                    line
-                }
-                None => not_found_line(id),
-            };
-            match framing {
-                Framing::OneManifest { .. } => {
-                    lines.insert(id, line);
-                }
-                Framing::PageManifests => {
-                    page_lines.push_str(&line.to_string());
-                    page_lines.push('\n');
-                }
+        let tar = tar_page(page);
+        for chunk in tar.chunks.iter().cloned() {
+            if tx.send(Ok(chunk)).await.is_err() {
+                return;
             }
         }
-        if let Framing::PageManifests = framing {
-            if let Some(resume) = &page.resume {
-                page_lines.push_str(&serde_json::json!({ "resume": resume }).to_string());
-                page_lines.push('\n');
-            }
-            let name = page_manifest_name(page_number);
-            if !send_file(&mut tx, &name, page_lines).await {
-                return;
+        match framing {
+            Framing::OneManifest { .. } => lines.extend(tar.lines),
+            Framing::PageManifests => {
+                for chunk in tar.manifest(page_number) {
+                    if tx.send(Ok(chunk)).await.is_err() {
+                        return;
+                    }
+                }
             }
         }
     }

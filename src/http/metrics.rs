@@ -81,10 +81,6 @@ const LEASE_STATES: [LeaseState; 6] = [
     LeaseState::Released,
 ];
 
-fn lease_state_name(state: LeaseState) -> String {
-    serde_json::to_value(state).ok().and_then(|value| value.as_str().map(str::to_string)).unwrap_or_default()
-}
-
 /// Every metric's value at one scrape; counters are monotonic since the process started.
 #[derive(Debug)]
 struct MetricsSample {
@@ -226,7 +222,7 @@ impl Collector for MetricsSample {
         )?;
         for state in LEASE_STATES {
             let gauge = ConstGauge::new(i64::from(state == self.lease_state));
-            gauge.encode(family.encode_family(&[("state", lease_state_name(state))])?)?;
+            gauge.encode(family.encode_family(&[("state", state.name())])?)?;
         }
         let by_state: Vec<(&String, i64, i64)> = self
             .spool

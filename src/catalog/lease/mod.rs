@@ -145,6 +145,20 @@ pub enum LeaseState {
     Released,
 }
 
+impl LeaseState {
+    /// The name status, metrics and the systemd status line show (the same as its JSON form).
+    pub fn name(self) -> &'static str {
+        match self {
+            LeaseState::None => "none",
+            LeaseState::Held => "held",
+            LeaseState::Quarantined => "quarantined",
+            LeaseState::Reacquiring => "reacquiring",
+            LeaseState::Failed => "failed",
+            LeaseState::Released => "released",
+        }
+    }
+}
+
 /// The right to publish (or upload) now: held, with enough time left for one publishing statement.
 #[derive(Debug, Clone)]
 pub struct PublishPermit {
