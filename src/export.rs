@@ -1,11 +1,11 @@
 //! Exporting captures in bulk, and the framings exports and multi-gets are written in.
 //!
-//! An [`Export`] walks a selection (a listing query, or a list of ids) page by page: each page is at most
+//! An [`Export`] walks a selection (a listing query, a list of ids, or a range of versions) page by page: each page is at most
 //! [`EXPORT_PAGE`] captures and [`EXPORT_PAGE_BYTES`] of payload (one capture at least), costs one catalog statement (the listing page, or one multi-get statement) and one
 //! coalesced ranged read per bucket pack ([`Reader::read_located`]), and is handed over whole, so memory is one page
 //! whatever the export's size. After each page the export reports where it stands as a resume token: the listing's
-//! cursor (which pins the catalog's watermark, so a resumed export continues the same snapshot), or `ids:<n>` for an
-//! id list. States: `next page` -> `page handed over` (resume token advanced) -> ... -> `done` (no token).
+//! cursor (which pins the catalog's watermark, so a resumed export continues the same snapshot), `ids:<n>` for an
+//! id list, or `versions:<through>/<tail position>` for a version range (pinned at its last version likewise). States: `next page` -> `page handed over` (resume token advanced) -> ... -> `done` (no token).
 //!
 //! Framings: a directory (one file per capture, named by its id, and `manifest.jsonl`), or a tar stream (the same
 //! files; the manifest split per page, `manifest/<page>.jsonl`, so nothing accumulates). A manifest line is
@@ -14,7 +14,7 @@
 use bytes::Bytes;
 use uuid::Uuid;
 
-use crate::catalog::query::ListQuery;
+use crate::catalog::query::{ListQuery, TailPosition};
 use crate::reader::{ReadCapture, ReadError, Reader, GET_MANY_MAX};
 
 /// Captures per page of an export (one catalog statement each).
@@ -30,6 +30,9 @@ pub enum Selection {
     Query(ListQuery),
     /// These ids, in this order.
     Ids(Vec<Uuid>),
+    /// The captures published after `after` up to version `through` (the watermark when the export starts, if
+    /// not given), in tail order, each version as published (an id posted again appears at each of its versions).
+    Versions { after: TailPosition, through: Option<u64> },
 }
 
 /// One page of an export.
@@ -59,6 +62,9 @@ impl<'a> Export<'a> {
         }
         if let (Selection::Query(_), Some(token)) = (&selection, &resume) {
             crate::catalog::query::validate_cursor(token)?;
+        }
+        if let (Selection::Versions { .. }, Some(token)) = (&selection, &resume) {
+            versions_token(token)?;
         }
         Ok(Export { reader, selection, position: resume, done: false })
     }
@@ -100,11 +106,38 @@ impl<'a> Export<'a> {
                 let end = start + kept;
                 (self.reader.read_located(located).await?, (end < ids.len()).then(|| format!("ids:{end}")))
             }
+            Selection::Versions { after, through } => {
+                // The snapshot is pinned in the token, as a listing cursor pins its watermark.
+                let (through, from) = match &self.position {
+                    Some(token) => versions_token(token).expect("checked by Export::new, or written by this export"),
+                    None => match through {
+                        Some(through) => (*through, *after),
+                        None => (self.reader.catalog().watermark().await?, *after),
+                    },
+                };
+                let page = self.reader.catalog().tail_page(from, Some(through), EXPORT_PAGE as u64).await?;
+                let page = page.cut_by(EXPORT_PAGE_BYTES, |location| location.payload_len as usize);
+                let done = page.caught_up() || page.next.version >= through;
+                let resume = (!done).then(|| format!("versions:{through}/{}", page.next));
+                let located = page
+                    .captures
+                    .into_iter()
+                    .filter_map(|location| Some((Uuid::parse_str(&location.capture_id).ok()?, Some(location))))
+                    .collect();
+                (self.reader.read_located(located).await?, resume)
+            }
         };
         self.done = resume.is_none();
         self.position = resume.clone();
         Ok(Some(ExportPage { captures, resume }))
     }
+}
+
+/// The last version and the position in a resume token of a version-range export, `versions:<through>/<position>`.
+fn versions_token(token: &str) -> Result<(u64, TailPosition), String> {
+    let bad = || format!("resume token {token:?} is not one of a version-range export");
+    let (through, position) = token.strip_prefix("versions:").and_then(|rest| rest.split_once('/')).ok_or_else(bad)?;
+    Ok((through.parse().map_err(|_| bad())?, TailPosition::parse(position).map_err(|_| bad())?))
 }
 
 /// The manifest line of a capture read back.

@@ -482,3 +482,119 @@ async fn export_writes_each_selected_capture_once_resumes_and_streams_the_same_o
         String::from_utf8_lossy(&output.stderr)
     );
 }
+
+/// Posts `count` captures of `stream` at once, each waiting until published; returns (capture_id, version, body).
+async fn post_batch_published(
+    daemon: &HttpDaemon,
+    client: &reqwest::Client,
+    stream: &str,
+    count: usize,
+    seed: u8,
+) -> Vec<(String, u64, Vec<u8>)> {
+    let posts = (0..count).map(|index| {
+        let body = payload(100 + index, seed.wrapping_add(index as u8));
+        let url = daemon.url(&format!("/v1/captures?stream={stream}&wait=published"));
+        async move {
+            let response = client.post(url).body(body.clone()).send().await.unwrap();
+            assert_eq!(response.status(), StatusCode::CREATED);
+            let answer = json(response).await;
+            (answer["capture_id"].as_str().unwrap().to_string(), answer["version"].as_u64().unwrap(), body)
+        }
+    });
+    futures::future::join_all(posts).await
+}
+
+#[tokio::test]
+async fn tail_pages_through_every_publish_once_splits_large_versions_and_long_polls_for_the_next() {
+    let daemon = HttpDaemon::start(&[]).await;
+    let client = reqwest::Client::new();
+    daemon.get_ok(&client, "/v1/tail").await;
+    let mut published = Vec::new();
+    for round in 0..4u8 {
+        published.extend(post_batch_published(&daemon, &client, "log/a", 12, round * 16).await);
+    }
+    published.sort_by_key(|(id, version, _)| (*version, id.clone()));
+    let versions: std::collections::BTreeSet<u64> = published.iter().map(|(_, version, _)| *version).collect();
+    assert!(versions.len() < published.len(), "some publish holds several captures: {versions:?}");
+
+    // Pages of 5: every capture once, in version order, and a page may end inside a version.
+    let (mut after, mut seen, mut split_inside_a_version) = ("0".to_string(), Vec::new(), false);
+    loop {
+        let page = json(daemon.get_ok(&client, &format!("/v1/tail?after={after}&limit=5")).await).await;
+        let captures = page["captures"].as_array().unwrap();
+        assert!(captures.len() <= 5);
+        for capture in captures {
+            seen.push((capture["capture_id"].as_str().unwrap().to_string(), capture["version"].as_u64().unwrap()));
+            assert_eq!(capture["stream"], "log/a");
+        }
+        let next = page["next"].as_str().unwrap().to_string();
+        split_inside_a_version |= next.contains(':');
+        if captures.is_empty() {
+            assert_eq!(next, after, "an empty page does not move");
+            break;
+        }
+        after = next;
+    }
+    assert!(split_inside_a_version, "no page ended inside a version: {versions:?}");
+    let mut seen_sorted = seen.clone();
+    seen_sorted.sort_by_key(|(id, version)| (*version, id.clone()));
+    assert_eq!(
+        seen.iter().map(|(_, v)| *v).collect::<Vec<_>>(),
+        seen_sorted.iter().map(|(_, v)| *v).collect::<Vec<_>>()
+    );
+    let expected: Vec<(String, u64)> = published.iter().map(|(id, version, _)| (id.clone(), *version)).collect();
+    assert_eq!(seen_sorted, expected, "every published capture exactly once");
+
+    // At the end, a long poll answers with the next publish.
+    let watermark = *versions.last().unwrap();
+    let poll = client.get(daemon.url(&format!("/v1/tail?after={watermark}&wait_ms=30000"))).send();
+    let (answer, posted) = tokio::join!(poll, async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        post_batch_published(&daemon, &client, "log/b", 1, 99).await
+    });
+    let answer = json(answer.unwrap()).await;
+    let captures = answer["captures"].as_array().unwrap();
+    assert_eq!(captures.len(), 1, "{answer}");
+    assert_eq!(captures[0]["capture_id"].as_str().unwrap(), posted[0].0);
+    // A long poll with nothing to come ends empty at its deadline.
+    let next = answer["next"].as_str().unwrap();
+    let started = Instant::now();
+    let empty = json(daemon.get_ok(&client, &format!("/v1/tail?after={next}&wait_ms=500")).await).await;
+    assert!(empty["captures"].as_array().unwrap().is_empty());
+    assert!(started.elapsed() >= Duration::from_millis(500), "answered before the wait ended");
+
+    // Export by version range: exactly the captures published after the first version through the last of log/a.
+    let first = *versions.first().unwrap();
+    let url = format!("/v1/export?after_version={first}&through_version={watermark}");
+    let files = tar_files(&daemon.get_ok(&client, &url).await.bytes().await.unwrap());
+    let wanted: std::collections::BTreeMap<&String, &Vec<u8>> =
+        published.iter().filter(|(_, version, _)| *version > first).map(|(id, _, body)| (id, body)).collect();
+    let exported: std::collections::BTreeMap<&String, &Vec<u8>> =
+        files.iter().filter(|(name, _)| !name.starts_with("manifest/")).collect();
+    assert_eq!(exported, wanted, "the version range, byte-identical");
+    // The CLI the same, into a directory.
+    let out = daemon._dir.path().join("by-version");
+    let output = daemon
+        .env
+        .command()
+        .args(["export", "--after-version", &first.to_string(), "--through-version", &watermark.to_string(), "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    for (id, body) in &wanted {
+        assert!(std::fs::read(out.join(id)).unwrap() == **body, "capture {id} differs");
+    }
+    assert_eq!(std::fs::read_to_string(out.join("manifest.jsonl")).unwrap().lines().count(), wanted.len());
+
+    // Bad input names the field.
+    for (query, field) in [("after=x", "after"), ("limit=0", "limit"), ("wait_ms=600000", "wait_ms")] {
+        let response = client.get(daemon.url(&format!("/v1/tail?{query}"))).send().await.unwrap();
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{query}");
+        assert_eq!(json(response).await["field"], field, "{query}");
+    }
+    let response = client.get(daemon.url("/v1/export?after_version=1&stream=log/a")).send().await.unwrap();
+    assert_eq!(json(response).await["field"], "query");
+    let response = client.get(daemon.url("/v1/export?after_version=0&cursor=ids:3")).send().await.unwrap();
+    assert_eq!(json(response).await["field"], "cursor");
+}

@@ -15,7 +15,8 @@
 //! - the watermark: `max(version)` over the publishes at or above the `watermark` table's lower bound, O(1);
 //! - `get`: the committed versions holding the id (`by_id`, and `publishes` at exactly those versions), then the row
 //!   from `by_version`: two queries of primary-key lookups, O(versions of the id);
-//! - `captures_of_version`: `by_version` at one version, O(captures of that version);
+//! - `captures_of_version`: `by_version` at one version, O(captures of that version); `tail_page`: the publishes
+//!   after a position and one `by_version` range up to the version the page reaches, O(page);
 //! - `list`: time windows of `captures` (see [`CatalogReader::list`]), each a primary-key range, visibility against
 //!   the publishes at the versions of the window's rows, and one `by_id` lookup for the page's ids (checked against
 //!   `publishes` only for ids with a newer row): about O(page) per page. Every read is bounded by `catalog.read_max_memory` and the request timeout.
@@ -50,6 +51,19 @@ pub struct CaptureLocation {
 impl CaptureLocation {
     pub fn labels_map(&self) -> BTreeMap<String, String> {
         self.label_keys.iter().cloned().zip(self.label_values.iter().cloned()).collect()
+    }
+
+    /// The capture as an entry of the log of publishes: a line of `capstore tail`, an entry of `GET /v1/tail`.
+    pub fn tail_entry(&self) -> serde_json::Value {
+        serde_json::json!({
+            "version": self.version,
+            "capture_id": self.capture_id,
+            "stream": self.stream,
+            "captured_at_ns": self.captured_at_ns,
+            "size": self.payload_len,
+            "labels": self.labels_map(),
+            "content_type": self.content_type,
+        })
     }
 }
 
@@ -111,16 +125,7 @@ impl Page {
     /// The page cut after the last capture that keeps the sum of `size_of` within `max_bytes` (one capture at
     /// least), with the cursor of that capture.
     pub fn cut_by(mut self, max_bytes: usize, size_of: impl Fn(&CaptureLocation) -> usize) -> Page {
-        let mut total = 0;
-        let mut keep = 0;
-        for capture in &self.captures {
-            let row_bytes = size_of(capture);
-            if keep > 0 && total + row_bytes > max_bytes {
-                break;
-            }
-            total += row_bytes;
-            keep += 1;
-        }
+        let keep = keep_within(&self.captures, max_bytes, size_of);
         if keep < self.captures.len() {
             self.captures.truncate(keep);
             let last = self.captures.last().expect("at least one capture is kept");
@@ -185,6 +190,91 @@ pub const MULTI_GET_BATCH: usize = 500;
 /// The columns of [`CaptureLocation`], read from `by_version` (whose rows are whole).
 const LOCATION_COLUMNS: &str = "capture_id, stream, captured_at_ns, pack_id, object_key, record_offset, record_len, \
      payload_offset, payload_len, crc32c, label_keys, label_values, content_type, version";
+
+/// Captures per [`CatalogReader::tail_page`], at most.
+pub const TAIL_PAGE_MAX: u64 = 100_000;
+
+/// A position in the log of publishes: every capture of the versions up to `version` has been read, and the first
+/// `skip` captures (in tail order) of the next version. Written `<version>` or `<version>:<skip>`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct TailPosition {
+    pub version: u64,
+    pub skip: u64,
+}
+
+impl TailPosition {
+    /// Right after version `version`.
+    pub fn after_version(version: u64) -> TailPosition {
+        TailPosition { version, skip: 0 }
+    }
+
+    /// The position right after `rows`, a page read from `from` (not empty).
+    fn after_rows(from: TailPosition, rows: &[CaptureLocation]) -> TailPosition {
+        let last_version = rows.last().map_or(from.version + 1, |row| row.version);
+        let of_last = rows.iter().rev().take_while(|row| row.version == last_version).count() as u64;
+        let skip = if last_version == from.version + 1 { from.skip + of_last } else { of_last };
+        TailPosition { version: last_version - 1, skip }
+    }
+
+    pub fn parse(text: &str) -> Result<TailPosition, String> {
+        let bad = || format!("{text:?} is not a tail position (a version, or <version>:<skip>)");
+        let (version, skip) = text.split_once(':').unwrap_or((text, "0"));
+        Ok(TailPosition { version: version.parse().map_err(|_| bad())?, skip: skip.parse().map_err(|_| bad())? })
+    }
+}
+
+impl std::fmt::Display for TailPosition {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.skip {
+            0 => write!(f, "{}", self.version),
+            skip => write!(f, "{}:{skip}", self.version),
+        }
+    }
+}
+
+/// One page of the log of publishes ([`CatalogReader::tail_page`]).
+#[derive(Debug, Clone)]
+pub struct TailPage {
+    pub captures: Vec<CaptureLocation>,
+    /// Where this page started.
+    pub from: TailPosition,
+    /// Where the next page starts.
+    pub next: TailPosition,
+}
+
+impl TailPage {
+    /// True when the page holds nothing and the position did not move: nothing is published after it (up to the
+    /// page's `through`).
+    pub fn caught_up(&self) -> bool {
+        self.captures.is_empty() && self.next == self.from
+    }
+
+    /// The page cut after the last capture that keeps the sum of `size_of` within `max_bytes` (one capture at
+    /// least), with the position after it.
+    pub fn cut_by(mut self, max_bytes: usize, size_of: impl Fn(&CaptureLocation) -> usize) -> TailPage {
+        let keep = keep_within(&self.captures, max_bytes, size_of);
+        if keep < self.captures.len() {
+            self.captures.truncate(keep);
+            self.next = TailPosition::after_rows(self.from, &self.captures);
+        }
+        self
+    }
+}
+
+/// How many of `captures`, from the first, keep the sum of `size_of` within `max_bytes` (one at least).
+fn keep_within(captures: &[CaptureLocation], max_bytes: usize, size_of: impl Fn(&CaptureLocation) -> usize) -> usize {
+    let mut total = 0;
+    let mut keep = 0;
+    for capture in captures {
+        let row_bytes = size_of(capture);
+        if keep > 0 && total + row_bytes > max_bytes {
+            break;
+        }
+        total += row_bytes;
+        keep += 1;
+    }
+    keep
+}
 
 /// Position after the last row of a page, with the pinned watermark and the time window the next page starts with:
 /// `<W>.<captured_at_ns>.<capture_id>.<window_ns>` (a cursor of three parts, from an older build, starts afresh).
@@ -567,6 +657,60 @@ impl CatalogReader {
         self.client.fetch_all(&sql).await
     }
 
+    /// The next captures of the log of publishes after `from`, in tail order ((version, captured_at_ns,
+    /// capture_id), each version as published), at most `limit` of them and none above `through` when given; and the
+    /// position after them. Whole versions or part of one: a publish of 100,000 captures is read in pages too.
+    ///
+    /// Two statements, each bounded by the page: the publishes after `from.version` (at most `limit`, each holds a
+    /// capture at least) give the last version the page can reach by their capture counts, then one primary-key
+    /// range of `by_version` up to it, visible against just those publishes. An empty page with `next == from` means
+    /// caught up.
+    pub async fn tail_page(
+        &self,
+        from: TailPosition,
+        through: Option<u64>,
+        limit: u64,
+    ) -> Result<TailPage, CatalogError> {
+        let limit = limit.clamp(1, TAIL_PAGE_MAX);
+        let mut publishes = self.publishes_after(from.version, limit).await?;
+        if let Some(end) = through {
+            publishes.retain(|publish| publish.version <= end);
+        }
+        let Some(last) = publishes.last() else {
+            return Ok(TailPage { captures: Vec::new(), from, next: from });
+        };
+        // The version where the counts reach the page (an estimate: an id a producer re-posted into the same pack
+        // is counted twice by its publish and listed once).
+        let wanted = limit + from.skip;
+        let mut upto = last.version;
+        let mut counted = 0;
+        for publish in &publishes {
+            counted += publish.captures;
+            if counted >= wanted {
+                upto = publish.version;
+                break;
+            }
+        }
+        let sql = format!(
+            "SELECT {LOCATION_COLUMNS} FROM {by_version} WHERE catalog = {catalog} AND \
+             version > {after} AND version <= {upto} AND (version, publish_id) IN (SELECT version, publish_id \
+             FROM {publishes} WHERE catalog = {catalog} AND version > {after} AND version <= {upto}) \
+             ORDER BY version, captured_at_ns, capture_id LIMIT 1 BY version, capture_id LIMIT {skip}, {limit}",
+            by_version = self.tables.by_version,
+            publishes = self.tables.publishes,
+            catalog = self.catalog_literal(),
+            after = from.version,
+            skip = from.skip,
+        );
+        let captures: Vec<CaptureLocation> = self.client.fetch_all(&sql).await?;
+        let next = if captures.len() as u64 == limit {
+            TailPosition::after_rows(from, &captures)
+        } else {
+            TailPosition { version: upto, skip: 0 }
+        };
+        Ok(TailPage { captures, from, next })
+    }
+
     /// The captures published at exactly `version`, in (captured_at_ns, capture_id) order.
     pub async fn captures_of_version(&self, version: u64) -> Result<Vec<CaptureLocation>, CatalogError> {
         self.captures_of_versions(version.saturating_sub(1), version).await
@@ -659,6 +803,46 @@ mod tests {
         assert_eq!((cursor.watermark, cursor.captured_at_ns), (7, 2));
         assert_eq!(page.clone().cut_to_bytes(usize::MAX).captures.len(), 10, "within the budget: untouched");
         assert_eq!(page.cut_to_bytes(1).captures.len(), 1, "one capture at least");
+    }
+
+    #[test]
+    fn a_tail_position_counts_into_the_version_a_page_ends_in() {
+        let row = |version: u64| CaptureLocation {
+            capture_id: Uuid::now_v7().to_string(),
+            stream: "s".into(),
+            captured_at_ns: 0,
+            pack_id: String::new(),
+            object_key: String::new(),
+            record_offset: 0,
+            record_len: 0,
+            payload_offset: 0,
+            payload_len: 10,
+            crc32c: 0,
+            label_keys: Vec::new(),
+            label_values: Vec::new(),
+            content_type: String::new(),
+            version,
+        };
+        let from = TailPosition { version: 4, skip: 3 };
+        // The page goes on inside version 5, where it started: the skip grows.
+        assert_eq!(TailPosition::after_rows(from, &[row(5), row(5)]), TailPosition { version: 4, skip: 5 });
+        // It ends inside version 7: the captures of 7 on the page are skipped next time.
+        assert_eq!(
+            TailPosition::after_rows(from, &[row(5), row(6), row(7), row(7)]),
+            TailPosition { version: 6, skip: 2 }
+        );
+        let page =
+            TailPage { captures: vec![row(5), row(6), row(6), row(7)], from, next: TailPosition::after_version(7) };
+        let cut = page.clone().cut_by(25, |capture| capture.payload_len as usize);
+        assert_eq!((cut.captures.len(), cut.next), (2, TailPosition { version: 5, skip: 1 }));
+        assert_eq!(page.clone().cut_by(1, |_| 100).captures.len(), 1, "one capture at least");
+        assert_eq!(page.cut_by(usize::MAX, |_| 1).next, TailPosition::after_version(7), "within the budget: untouched");
+        for text in ["7", "6:2", "0"] {
+            assert_eq!(TailPosition::parse(text).unwrap().to_string(), text);
+        }
+        for bad in ["", "x", "1:", "1:2:3", "-1"] {
+            assert!(TailPosition::parse(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

@@ -18,7 +18,7 @@ use clap::Args;
 use uuid::Uuid;
 
 use capstore::bucket::Bucket;
-use capstore::catalog::query::ListQuery;
+use capstore::catalog::query::{ListQuery, TailPosition};
 use capstore::config::Config;
 use capstore::exit_code;
 use capstore::export::{manifest_line, not_found_line, tar_end, tar_page, Export, ExportPage, Selection};
@@ -41,6 +41,13 @@ pub struct ExportArgs {
     /// Only captures with this label; repeatable (all must match).
     #[arg(long = "label", value_name = "KEY=VALUE", value_parser = capstore::capture::parse_label, conflicts_with = "ids")]
     labels: Vec<(String, String)>,
+    /// Export what was published after this version (or `<version>:<skip>` tail position), in version order, each
+    /// version as published, instead of a query.
+    #[arg(long, value_name = "VERSION", value_parser = TailPosition::parse, conflicts_with_all = ["ids", "stream", "since", "until", "labels"])]
+    after_version: Option<TailPosition>,
+    /// With --after-version: up to and including this version (default: the watermark when the export starts).
+    #[arg(long, value_name = "VERSION", requires = "after_version")]
+    through_version: Option<u64>,
     /// Export the capture ids in this file (one per line) instead of a query; ids nothing knows are listed in the
     /// manifest as not found.
     #[arg(long, value_name = "FILE")]
@@ -102,6 +109,9 @@ pub fn export(config: &Config, args: ExportArgs) -> anyhow::Result<i32> {
                 }
             }
             Selection::Ids(ids)
+        }
+        None if args.after_version.is_some() => {
+            Selection::Versions { after: args.after_version.unwrap_or_default(), through: args.through_version }
         }
         None => {
             if let Some(stream) = &args.stream {
@@ -248,6 +258,10 @@ fn describe(selection: &Selection) -> String {
             }
             format!("{} listed ids (sha256 {})", ids.len(), hex::encode(digest.finalize()))
         }
+        Selection::Versions { after, through } => match through {
+            Some(through) => format!("captures published after {after} through version {through}"),
+            None => format!("captures published after {after} through the watermark at its start"),
+        },
     }
 }
 

@@ -10,7 +10,7 @@ use clap::Args;
 use uuid::Uuid;
 
 use capstore::bucket::Bucket;
-use capstore::catalog::query::{ListQuery, PublishRecord};
+use capstore::catalog::query::{ListQuery, TailPosition};
 use capstore::config::Config;
 use capstore::exit_code;
 use capstore::reader::{LocalSpool, Reader};
@@ -148,9 +148,9 @@ pub fn ls(config: &Config, args: LsArgs) -> anyhow::Result<i32> {
 
 #[derive(Args)]
 pub struct TailArgs {
-    /// Print publishes after this version (0 = from the beginning).
-    #[arg(long, default_value_t = 0)]
-    after: u64,
+    /// Print publishes after this version (0 = from the beginning), or after a `<version>:<skip>` position.
+    #[arg(long, default_value = "0", value_parser = TailPosition::parse)]
+    after: TailPosition,
     /// Keep polling for new publishes.
     #[arg(long)]
     follow: bool,
@@ -161,64 +161,28 @@ pub fn tail(config: &Config, args: TailArgs) -> anyhow::Result<i32> {
     let runtime = crate::cli::runtime()?;
     runtime.block_on(async {
         let reader = reader(config).await?;
-        let mut after = args.after;
+        let mut position = args.after;
         // Without --follow: everything committed when the command started, however many reads that takes.
         let end_opt = if args.follow { None } else { Some(reader.catalog().watermark().await?) };
         loop {
-            let mut publishes = reader.catalog().publishes_after(after, 1000).await?;
-            if let Some(end) = end_opt {
-                publishes.retain(|publish| publish.version <= end);
+            let page = reader.catalog().tail_page(position, end_opt, TAIL_CAPTURES_PER_READ).await?;
+            // Buffered: stdout is line-buffered, and a catching-up tail prints millions of lines.
+            let mut out = std::io::BufWriter::with_capacity(1 << 16, std::io::stdout().lock());
+            for capture in &page.captures {
+                writeln!(out, "{}", capture.tail_entry())?;
             }
-            // Consecutive publishes of up to TAIL_CAPTURES_PER_READ captures (one publish at least) per read.
-            for chunk in chunks_by_captures(&publishes, TAIL_CAPTURES_PER_READ) {
-                let through = chunk.last().expect("chunks are not empty").version;
-                let captures = reader.catalog().captures_of_versions(after, through).await?;
-                // Buffered: stdout is line-buffered, and a catching-up tail prints millions of lines.
-                let mut out = std::io::BufWriter::with_capacity(1 << 16, std::io::stdout().lock());
-                for capture in captures {
-                    let line = serde_json::json!({
-                        "version": capture.version,
-                        "capture_id": capture.capture_id,
-                        "stream": capture.stream,
-                        "captured_at_ns": capture.captured_at_ns,
-                        "size": capture.payload_len,
-                        "labels": capture.labels_map(),
-                    });
-                    writeln!(out, "{line}")?;
-                }
-                out.flush()?;
-                after = through;
-            }
-            match end_opt {
-                Some(end) if after >= end || publishes.is_empty() => return Ok(exit_code::CLEAN),
-                None if publishes.is_empty() => tokio::time::sleep(std::time::Duration::from_secs(1)).await,
-                _ => {}
+            out.flush()?;
+            match (page.caught_up(), end_opt) {
+                (true, Some(_)) => return Ok(exit_code::CLEAN),
+                (true, None) => tokio::time::sleep(std::time::Duration::from_secs(1)).await,
+                (false, _) => position = page.next,
             }
         }
     })
 }
 
-/// How many captures one catalog read of a catching-up tail covers, about: whole publishes are read, so a single
-/// publish larger than this (up to `catalog.batch_max_rows`) is one read.
+/// Captures per catalog read of a catching-up tail.
 const TAIL_CAPTURES_PER_READ: u64 = 20_000;
-
-/// `publishes` cut into runs of consecutive publishes whose capture counts add up to at most `budget` (a publish
-/// larger than `budget` is a run of its own).
-fn chunks_by_captures(publishes: &[PublishRecord], budget: u64) -> Vec<&[PublishRecord]> {
-    let mut chunks = Vec::new();
-    let (mut start, mut captures) = (0, 0);
-    for (index, publish) in publishes.iter().enumerate() {
-        if index > start && captures + publish.captures > budget {
-            chunks.push(&publishes[start..index]);
-            (start, captures) = (index, 0);
-        }
-        captures += publish.captures;
-    }
-    if start < publishes.len() {
-        chunks.push(&publishes[start..]);
-    }
-    chunks
-}
 
 /// `text` with control characters escaped (`\u{1b}`, `\n`), so a label value cannot drive the terminal it is
 /// printed on (escape sequences that move the cursor, retitle the window, or hide lines).
@@ -229,27 +193,6 @@ fn printable(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn tail_reads_whole_publishes_of_at_most_the_budget_together() {
-        let publish = |version: u64, captures: u64| PublishRecord {
-            version,
-            publish_id: String::new(),
-            holder: String::new(),
-            lease_term: 1,
-            packs: 1,
-            captures,
-            published_at_ms: 0,
-        };
-        let publishes = vec![publish(1, 40), publish(2, 60), publish(3, 1), publish(4, 500), publish(5, 10)];
-        let versions = |chunks: Vec<&[PublishRecord]>| -> Vec<Vec<u64>> {
-            chunks.iter().map(|chunk| chunk.iter().map(|p| p.version).collect()).collect()
-        };
-        assert_eq!(versions(chunks_by_captures(&publishes, 100)), vec![vec![1, 2], vec![3], vec![4], vec![5]]);
-        assert_eq!(versions(chunks_by_captures(&publishes, 10_000)), vec![vec![1, 2, 3, 4, 5]]);
-        assert_eq!(versions(chunks_by_captures(&publishes, 1)), vec![vec![1], vec![2], vec![3], vec![4], vec![5]]);
-        assert!(chunks_by_captures(&[], 100).is_empty());
-    }
 
     #[test]
     fn control_characters_are_escaped_for_the_terminal() {

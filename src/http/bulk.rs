@@ -27,6 +27,7 @@ use futures::SinkExt;
 use uuid::Uuid;
 
 use super::{ApiError, HttpState};
+use crate::catalog::query::TailPosition;
 use crate::export::{tar_end, tar_file, tar_page, Export, Selection};
 
 /// Ids one multi-get may ask for.
@@ -73,11 +74,26 @@ pub(super) async fn export(
     if pairs.iter().any(|(key, _)| key == "limit") {
         return Err(ApiError::bad("limit", "an export has no limit: it pages through everything the query selects"));
     }
-    let query = super::captures::list_query(pairs)?;
-    if let Some(cursor) = &cursor {
-        crate::catalog::query::validate_cursor(cursor).map_err(|problem| ApiError::bad("cursor", problem))?;
-    }
-    stream_tar(state, Selection::Query(query), cursor, Framing::PageManifests).await
+    let mut take = |name: &str| pairs.iter().position(|(key, _)| key == name).map(|at| pairs.remove(at).1);
+    let after_version = take("after_version");
+    let through_version = take("through_version");
+    let selection = match (after_version, through_version) {
+        (None, None) => Selection::Query(super::captures::list_query(pairs)?),
+        (None, Some(_)) => return Err(ApiError::bad("through_version", "through_version needs after_version")),
+        (Some(after), through) => {
+            if let Some((key, _)) = pairs.first() {
+                return Err(ApiError::bad("query", format!("{key:?} does not go with after_version")));
+            }
+            let after = TailPosition::parse(&after).map_err(|problem| ApiError::bad("after_version", problem))?;
+            let through = match through {
+                Some(text) => Some(super::captures::parse_u64("through_version", &text)?),
+                None => None,
+            };
+            Selection::Versions { after, through }
+        }
+    };
+    // (The cursor is checked against the selection by `Export::new`.)
+    stream_tar(state, selection, cursor, Framing::PageManifests).await
 }
 
 /// How the manifest is written: one at the end in the order asked (multi-get), or one per page (export).

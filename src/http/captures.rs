@@ -80,7 +80,7 @@ pub(super) fn query_pairs(raw_opt: Option<String>) -> Vec<(String, String)> {
     form_urlencoded::parse(raw.as_bytes()).into_owned().collect()
 }
 
-fn parse_u64(field: &'static str, text: &str) -> Result<u64, ApiError> {
+pub(super) fn parse_u64(field: &'static str, text: &str) -> Result<u64, ApiError> {
     text.parse().map_err(|_| ApiError::bad(field, format!("{field} = {text:?} is not a non-negative integer")))
 }
 

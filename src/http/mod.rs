@@ -8,8 +8,9 @@
 //! | `POST /v1/captures?stream=S[&id=UUID][&label=k=v ...][&content_type=T][&captured_at_ns=N][&wait=published][&timeout_ms=N]`, payload as body | 201 `{capture_id, pack_id}` once the record is fsynced (with `wait=published`: once the catalog shows it, plus `version`); 202 when `wait=published` timed out (durable, not yet published); 400 bad parameter (JSON names the `field`); 408 body not received within `http.body_timeout`; 413 larger than `spool.max_capture_bytes`; 503 spool full, spool I/O error, request bodies in flight over `http.max_inflight_bytes` (all with `Retry-After: 1`), or shutting down |
 //! | `GET /v1/captures/{id}[?disposition=inline]` | 200 the payload (`content-type` of the capture, `x-capstore-stream`, `x-capstore-captured-at-ns`, `x-capstore-version` when published; served as an attachment with `nosniff` and a `sandbox` CSP unless `disposition=inline`); 400 bad id; 404 unknown; 503 catalog not connected or unreachable, or `http.max_concurrent_reads` busy; 500 a record that fails its checks |
 //! | `POST /v1/captures/multi-get`, body `{"ids": [...]}` (at most 10,000) | 200 `application/x-tar`, streamed: a file per capture found (named by its id) and `manifest.jsonl` last, one line per id asked, in order (metadata, or `"error": "not found"`); one catalog statement per 500 ids, bucket records of a pack fetched together ([`bulk`]); 400 naming `ids`; 503 as a GET |
-//! | `GET /v1/export?stream=&since=&until=&label=k=v[&cursor=]` | 200 `application/x-tar`, streamed: everything the query selects, pages of 500 captures, each page's files then `manifest/<page>.jsonl` (a line per capture, and `{"resume": cursor}` while more follows: ask again with `cursor=` to resume the same snapshot); 400 bad parameter; 503 as a GET |
+//! | `GET /v1/export?stream=&since=&until=&label=k=v[&cursor=]` or `?after_version=V[&through_version=M][&cursor=]` | 200 `application/x-tar`, streamed: everything the query selects (or what was published after version V, through M or the watermark, in version order), pages of 500 captures, each page's files then `manifest/<page>.jsonl` (a line per capture, and `{"resume": cursor}` while more follows: ask again with `cursor=` to resume the same snapshot); 400 bad parameter; 503 as a GET |
 //! | `GET /v1/captures?stream=&since=&until=&label=k=v&limit=&cursor=` | 200 `{captures, next_cursor, watermark}` (`since`/`until`: ns or RFC 3339; `limit` default 100, at most 10000; at most 64 labels; a page is cut short at about 8 MiB of JSON, with a `next_cursor`); 400 bad parameter; 503 catalog not connected or unreachable, or busy |
+//! | `GET /v1/tail?after=V[:K][&limit=N][&wait_ms=T]` | 200 `{captures, next, watermark}`: the published captures after position `after` in version order (entries as `capstore tail` prints them), at most `limit` (default 1000, at most 10,000); ask again with `after=next`; when none follows, waits up to `wait_ms` (at most 60,000) for a publish ([`tail`]); 400 bad parameter; 503 as a GET |
 //! | `GET /status` | 200 the status snapshot (the same JSON as `<spool>/status.json`) |
 //! | `GET /metrics` | 200 Prometheus text (OpenMetrics when the `Accept` header asks for it) |
 //! | `GET /healthz` | 200 while the process runs |
@@ -33,13 +34,14 @@
 //!
 //! Files: this one holds the server's state, routes and errors; `serve.rs` the accept loop and its limits;
 //! `guard.rs` the token, Origin and Host checks; `captures.rs` the capture endpoints and their parameters;
-//! `bulk.rs` the tar answers of many captures (multi-get, export); `metrics.rs` the Prometheus text.
+//! `bulk.rs` the tar answers of many captures (multi-get, export); `tail.rs` the log of publishes; `metrics.rs` the Prometheus text.
 
 mod bulk;
 mod captures;
 mod guard;
 mod metrics;
 mod serve;
+mod tail;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -174,6 +176,7 @@ fn router(state: Arc<HttpState>, config: &HttpConfig) -> Router {
         .route("/v1/captures/multi-get", post(bulk::multi_get))
         .route("/v1/export", get(bulk::export))
         .route("/v1/captures/{id}", get(captures::get_capture))
+        .route("/v1/tail", get(tail::tail))
         .route("/status", get(status))
         .route("/metrics", get(metrics::metrics))
         .route_layer(middleware::from_fn_with_state(state.clone(), guard::require_token));
