@@ -192,7 +192,6 @@ fn printable(text: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
 
     #[test]
     fn control_characters_are_escaped_for_the_terminal() {
