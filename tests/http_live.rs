@@ -89,7 +89,7 @@ async fn post_get_list_status_metrics() {
     let mut posted = Vec::new();
     for (len, seed, content_type) in [(0, 0, None), (1000, 1, Some("text/plain")), (2 * MIB, 2, None)] {
         let body = payload(len, seed);
-        let mut url = daemon.url("/v1/captures?stream=cam/1&label=site=berlin");
+        let mut url = daemon.url("/v1/captures?stream=cam/1&label=site=berlin&label=note=a%26b%3Dc%20%C3%BC");
         if let Some(content_type) = content_type {
             url.push_str(&format!("&content_type={content_type}"));
         }
@@ -103,6 +103,9 @@ async fn post_get_list_status_metrics() {
         let response = daemon.get_ok(&client, &format!("/v1/captures/{capture_id}")).await;
         let headers = response.headers().clone();
         assert_eq!(headers["x-capstore-stream"], "cam/1");
+        let labels: Vec<(String, String)> =
+            form_urlencoded::parse(headers["x-capstore-labels"].as_bytes()).into_owned().collect();
+        assert_eq!(labels, [("note".to_string(), "a&b=c ü".to_string()), ("site".to_string(), "berlin".to_string())]);
         assert_eq!(headers["content-type"], content_type.unwrap_or("application/octet-stream"));
         assert_eq!(&response.bytes().await.unwrap()[..], &body[..], "capture {capture_id}");
     }

@@ -328,6 +328,13 @@ pub(super) async fn get_capture(
         headers.insert("x-capstore-stream", stream);
     }
     headers.insert("x-capstore-captured-at-ns", HeaderValue::from(capture.meta.captured_at_ns));
+    if !capture.meta.labels.is_empty() {
+        // Form-encoded (`k=v&k2=v2`, as the POST's query takes them): ASCII, whatever the labels hold.
+        let labels = form_urlencoded::Serializer::new(String::new()).extend_pairs(&capture.meta.labels).finish();
+        if let Ok(labels) = HeaderValue::from_str(&labels) {
+            headers.insert("x-capstore-labels", labels);
+        }
+    }
     if let Some(version) = capture.version {
         headers.insert("x-capstore-version", HeaderValue::from(version));
     }
