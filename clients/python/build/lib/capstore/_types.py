@@ -1,0 +1,108 @@
+"""The values the client returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, Optional
+
+
+@dataclass(frozen=True)
+class PutReceipt:
+    """A capture the daemon acknowledged: fsynced in its spool, and with ``wait="published"`` listed too.
+
+    `published` is False when ``wait="published"`` ran out of time: the capture is durable and will be published;
+    `version` is the catalog version it was published at, when known.
+    """
+
+    capture_id: str
+    pack_id: str
+    version: Optional[int] = None
+    published: bool = False
+
+
+@dataclass(frozen=True)
+class CaptureInfo:
+    """A published capture as a listing shows it (no payload)."""
+
+    capture_id: str
+    stream: str
+    captured_at_ns: int
+    size: int
+    labels: Dict[str, str]
+    content_type: Optional[str]
+    version: int
+    crc32c: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Capture:
+    """A capture read back, byte-identical (the daemon checked its record's CRC)."""
+
+    capture_id: str
+    stream: str
+    captured_at_ns: int
+    labels: Dict[str, str]
+    content_type: Optional[str]
+    payload: bytes = field(repr=False)
+    #: The catalog version it was published at; None while it is only in the daemon's spool.
+    version: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class TailEntry:
+    """One capture of the log of publishes, in version order.
+
+    `after` is the position right after this entry: give it to :meth:`Client.tail` as `after` to go on from here.
+    """
+
+    version: int
+    capture_id: str
+    stream: str
+    captured_at_ns: int
+    size: int
+    labels: Dict[str, str]
+    content_type: Optional[str]
+    after: str
+
+
+class Export(Iterator[Capture]):
+    """The captures of an export, as they stream in, page by page.
+
+    `resume` is the token to resume with after the last page whose captures were all handed out (the `cursor`
+    given at the start before the first one; None once the export is complete): pass it as `cursor` to
+    :meth:`Client.export` with the same selection to go on from there. :meth:`close` ends the transfer early.
+    """
+
+    def __init__(self, pages: Iterator[Capture], state: "ExportState") -> None:
+        self._pages = pages
+        self._state = state
+
+    @property
+    def resume(self) -> Optional[str]:
+        return self._state.resume
+
+    @property
+    def complete(self) -> bool:
+        return self._state.complete
+
+    def __iter__(self) -> "Export":
+        return self
+
+    def __next__(self) -> Capture:
+        return next(self._pages)
+
+    def close(self) -> None:
+        self._state.close()
+
+    def __enter__(self) -> "Export":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class ExportState:
+    resume: Optional[str]
+    complete: bool = False
+    close: Callable[[], None] = lambda: None

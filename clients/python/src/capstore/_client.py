@@ -1,0 +1,464 @@
+"""The client: one keep-alive connection pool to one daemon, and a method per API endpoint."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import io
+import json
+import os
+import tarfile
+import time
+import uuid
+from typing import IO, Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit
+
+import urllib3
+
+from ._types import Capture, CaptureInfo, Export, ExportState, PutReceipt, TailEntry
+from .errors import CapstoreError, ConnectionFailed, NotFound, Unavailable, error_for
+
+#: What :meth:`Client.put` takes as a payload: bytes, a path to a file, or a binary file object.
+Payload = Union[bytes, bytearray, memoryview, str, "os.PathLike[str]", IO[bytes]]
+#: A point in time: nanoseconds since the epoch, a datetime (naive ones are UTC), or an RFC 3339 string.
+Time = Union[int, _dt.datetime, str]
+CaptureId = Union[str, uuid.UUID]
+
+#: Ids per multi-get request: the daemon reads 500 ids per catalog statement.
+GET_MANY_BATCH = 500
+
+
+class Client:
+    """A client of one capstore daemon (``capstore run``'s ``http.listen``, ``http://127.0.0.1:9464`` by default).
+
+    Connections are kept alive and reused; a client is safe to share between threads. `token` is the content of the
+    daemon's ``http.token_file`` when it has one. `retries` is how often an answer of 503 with ``Retry-After`` (a
+    full spool, a busy daemon: the request was not carried out) is retried, after the pause the daemon asks for;
+    nothing else is retried, since a request whose answer was lost may have been carried out.
+    """
+
+    def __init__(
+        self,
+        url: str = "http://127.0.0.1:9464",
+        *,
+        token: Optional[str] = None,
+        timeout: float = 60.0,
+        connect_timeout: float = 5.0,
+        retries: int = 3,
+        max_connections: int = 8,
+    ) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"url = {url!r}: expected http://host:port")
+        self._base = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
+        self._headers: Dict[str, str] = {}
+        if token is not None:
+            self._headers["Authorization"] = f"Bearer {token.strip()}"
+        self._retries = retries
+        self._timeout = urllib3.Timeout(connect=connect_timeout, read=timeout)
+        self._pool = urllib3.PoolManager(maxsize=max_connections, block=False, retries=False, timeout=self._timeout)
+
+    def close(self) -> None:
+        """Close the pooled connections."""
+        self._pool.clear()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- writing -------------------------------------------------------------------------------------------------
+
+    def put(
+        self,
+        stream: str,
+        payload: Payload,
+        *,
+        labels: Optional[Mapping[str, str]] = None,
+        content_type: Optional[str] = None,
+        capture_id: Optional[CaptureId] = None,
+        captured_at: Optional[Time] = None,
+        wait: str = "durable",
+        wait_timeout: Optional[float] = None,
+    ) -> PutReceipt:
+        """Store one capture; returns once the daemon has fsynced it (``wait="durable"``) or listed it
+        (``wait="published"``, up to `wait_timeout` seconds, 30 by default; on time-out the receipt says
+        ``published=False`` and the capture is still durable).
+
+        `payload` is bytes, a path, or a binary file (read from its current position; streamed, not loaded).
+        Posting a `capture_id` again replaces that capture (its newest version is what reads show).
+        """
+        if wait not in ("durable", "published"):
+            raise ValueError(f"wait = {wait!r}: 'durable' or 'published'")
+        query: List[Tuple[str, str]] = [("stream", stream)]
+        query += [("label", f"{key}={value}") for key, value in (labels or {}).items()]
+        if content_type is not None:
+            query.append(("content_type", content_type))
+        if capture_id is not None:
+            query.append(("id", str(capture_id)))
+        if captured_at is not None:
+            query.append(("captured_at_ns", str(_time_ns(captured_at, "captured_at"))))
+        if wait == "published":
+            query.append(("wait", "published"))
+            if wait_timeout is not None:
+                query.append(("timeout_ms", str(int(wait_timeout * 1000))))
+        opened: Optional[IO[bytes]] = None
+        body: Union[bytes, IO[bytes]]
+        if isinstance(payload, (str, os.PathLike)):
+            opened = open(payload, "rb")
+            body = opened
+        elif isinstance(payload, (bytearray, memoryview)):
+            body = bytes(payload)
+        else:
+            body = payload
+        try:
+            response = self._request("POST", "/v1/captures", query, body=body)
+            answer = _json(response.data)
+        finally:
+            if opened is not None:
+                opened.close()
+        return PutReceipt(
+            capture_id=answer["capture_id"],
+            pack_id=answer["pack_id"],
+            version=answer.get("version"),
+            published=response.status == 201 and wait == "published",
+        )
+
+    # --- reading -------------------------------------------------------------------------------------------------
+
+    def get(self, capture_id: CaptureId) -> Capture:
+        """One capture, byte-identical. Raises :class:`NotFound` for an id nothing knows."""
+        response = self._request("GET", f"/v1/captures/{quote(str(capture_id), safe='')}")
+        headers = response.headers
+        version = headers.get("x-capstore-version")
+        return Capture(
+            capture_id=str(capture_id),
+            stream=headers.get("x-capstore-stream", ""),
+            captured_at_ns=int(headers.get("x-capstore-captured-at-ns", "0")),
+            labels=dict(parse_qsl(headers.get("x-capstore-labels", ""), keep_blank_values=True)),
+            content_type=headers.get("content-type"),
+            payload=response.data,
+            version=int(version) if version is not None else None,
+        )
+
+    def get_many(
+        self, capture_ids: Iterable[CaptureId], *, missing_ok: bool = False, batch_size: int = GET_MANY_BATCH
+    ) -> Iterator[Capture]:
+        """The captures of `capture_ids`, in that order, `batch_size` per request (one catalog statement each on
+        the daemon; a batch's captures are held in memory at once). An id nothing knows raises :class:`NotFound`,
+        or is left out with `missing_ok`."""
+        if not 1 <= batch_size <= 10_000:
+            raise ValueError(f"batch_size = {batch_size}: 1-10000")
+        batch: List[str] = []
+        for capture_id in capture_ids:
+            batch.append(str(capture_id))
+            if len(batch) == batch_size:
+                yield from self._multi_get(batch, missing_ok)
+                batch = []
+        if batch:
+            yield from self._multi_get(batch, missing_ok)
+
+    def _multi_get(self, ids: List[str], missing_ok: bool) -> Iterator[Capture]:
+        body = json.dumps({"ids": ids}).encode()
+        response = self._request("POST", "/v1/captures/multi-get", body=body, stream=True,
+                                 headers={"Content-Type": "application/json"})
+        files: Dict[str, bytes] = {}
+        manifest: List[Dict[str, Any]] = []
+        with _TarReader(response) as entries:
+            for name, content in entries:
+                if name == "manifest.jsonl":
+                    manifest = [json.loads(line) for line in content.splitlines() if line.strip()]
+                else:
+                    files[name] = content
+        for line in manifest:
+            if "error" in line:
+                if not missing_ok:
+                    raise NotFound(404, f"capture {line['capture_id']} is unknown", "ids")
+                continue
+            yield _capture(line, files.pop(line["capture_id"]))
+
+    def list(
+        self,
+        stream: Optional[str] = None,
+        *,
+        since: Optional[Time] = None,
+        until: Optional[Time] = None,
+        labels: Optional[Mapping[str, str]] = None,
+        page_size: int = 1000,
+    ) -> Iterator[CaptureInfo]:
+        """Published captures (of `stream`, captured in [`since`, `until`), with all of `labels`) in
+        (captured_at, capture_id) order, fetched a page at a time; one consistent snapshot however long it runs."""
+        query = _selection(stream, since, until, labels) + [("limit", str(page_size))]
+        cursor: Optional[str] = None
+        while True:
+            page = _json(self._request("GET", "/v1/captures", query + ([("cursor", cursor)] if cursor else [])).data)
+            for row in page["captures"]:
+                yield CaptureInfo(
+                    capture_id=row["capture_id"],
+                    stream=row["stream"],
+                    captured_at_ns=row["captured_at_ns"],
+                    size=row["payload_len"],
+                    labels=dict(zip(row["label_keys"], row["label_values"])),
+                    content_type=row["content_type"] or None,
+                    version=row["version"],
+                    crc32c=row["crc32c"],
+                )
+            cursor = page.get("next_cursor")
+            if not cursor:
+                return
+
+    def export(
+        self,
+        stream: Optional[str] = None,
+        *,
+        since: Optional[Time] = None,
+        until: Optional[Time] = None,
+        labels: Optional[Mapping[str, str]] = None,
+        after_version: Optional[Union[int, str]] = None,
+        through_version: Optional[int] = None,
+        cursor: Optional[str] = None,
+    ) -> Export:
+        """Every capture a query selects (as :meth:`list`), or every capture published after `after_version`
+        (through `through_version`, or the watermark when the export starts) in version order, with payloads, in
+        one streamed answer: pages of up to 500 captures, a page held in memory at once. The returned
+        :class:`Export` iterates the captures and knows the token to resume from (`cursor`)."""
+        if after_version is not None:
+            if stream is not None or since is not None or until is not None or labels:
+                raise ValueError("after_version selects by version: stream, since, until and labels do not go with it")
+            query = [("after_version", str(after_version))]
+            if through_version is not None:
+                query.append(("through_version", str(through_version)))
+        elif through_version is not None:
+            raise ValueError("through_version needs after_version")
+        else:
+            query = _selection(stream, since, until, labels)
+        if cursor is not None:
+            query.append(("cursor", cursor))
+        response = self._request("GET", "/v1/export", query, stream=True)
+        reader = _TarReader(response)
+        state = ExportState(resume=cursor, close=reader.close)
+        return Export(self._export_pages(reader, state), state)
+
+    @staticmethod
+    def _export_pages(reader: "_TarReader", state: ExportState) -> Iterator[Capture]:
+        with reader:
+            files: Dict[str, bytes] = {}
+            for name, content in reader:
+                if not name.startswith("manifest/"):
+                    files[name] = content
+                    continue
+                lines = [json.loads(line) for line in content.splitlines() if line.strip()]
+                resume = next((line["resume"] for line in lines if "resume" in line), None)
+                captures = [_capture(line, files.pop(line["capture_id"])) for line in lines if "capture_id" in line]
+                files.clear()
+                # The page counts as handed out once its last capture is: the token moves on before that one.
+                for index, capture in enumerate(captures):
+                    if index == len(captures) - 1:
+                        state.resume, state.complete = resume, resume is None
+                    yield capture
+                if not captures:
+                    state.resume, state.complete = resume, resume is None
+
+    def tail(
+        self, after: Union[int, str] = 0, *, follow: bool = False, wait: float = 30.0, page_size: int = 1000
+    ) -> Iterator[TailEntry]:
+        """Every capture published after position `after` (a version, or an entry's `after`), once each, in version
+        order. Without `follow` it ends once caught up; with it, it waits for new publishes (long polls of up to
+        `wait` seconds) until the consumer stops iterating."""
+        position = str(after)
+        version, skip = _position(position)
+        while True:
+            query = [("after", position), ("limit", str(page_size))]
+            if follow:
+                query.append(("wait_ms", str(int(min(wait, 60.0) * 1000))))
+            page = _json(self._request("GET", "/v1/tail", query).data)
+            for row in page["captures"]:
+                # The position after each entry, as the daemon counts it (see TailPosition).
+                if row["version"] == version + 1:
+                    skip += 1
+                else:
+                    version, skip = row["version"] - 1, 1
+                yield TailEntry(
+                    version=row["version"],
+                    capture_id=row["capture_id"],
+                    stream=row["stream"],
+                    captured_at_ns=row["captured_at_ns"],
+                    size=row["size"],
+                    labels=row["labels"],
+                    content_type=row.get("content_type") or None,
+                    after=f"{version}:{skip}" if skip else str(version),
+                )
+            caught_up = not page["captures"] and page["next"] == position
+            position = page["next"]
+            version, skip = _position(position)
+            if caught_up and not follow:
+                return
+
+    def status(self) -> Dict[str, Any]:
+        """The daemon's status snapshot (lease, spool, pipeline)."""
+        answer: Dict[str, Any] = _json(self._request("GET", "/status").data)
+        return answer
+
+    def ready(self) -> bool:
+        """True while the daemon takes captures and its lease is not latched."""
+        try:
+            self._request("GET", "/readyz")
+            return True
+        except CapstoreError:
+            return False
+
+    # --- transport -----------------------------------------------------------------------------------------------
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        query: Sequence[Tuple[str, str]] = (),
+        *,
+        body: Optional[Union[bytes, IO[bytes]]] = None,
+        headers: Optional[Mapping[str, str]] = None,
+        stream: bool = False,
+    ) -> urllib3.BaseHTTPResponse:
+        url = self._base + path + ("?" + urlencode(query, quote_via=quote) if query else "")
+        all_headers = dict(self._headers)
+        all_headers.update(headers or {})
+        start: Optional[int] = None
+        if body is not None and not isinstance(body, bytes):
+            start = body.tell() if body.seekable() else None
+            size = _remaining(body)
+            if size is not None:
+                all_headers["Content-Length"] = str(size)
+        attempt = 0
+        while True:
+            try:
+                response = self._pool.request(
+                    method, url, body=body, headers=all_headers, preload_content=not stream, redirect=False
+                )
+            except urllib3.exceptions.HTTPError as error:
+                raise ConnectionFailed(f"{method} {path}: {error}") from error
+            if response.status < 300:
+                return response
+            retry_after = _retry_after(response)
+            failure = _error(response, retry_after)
+            rewindable = start is not None or body is None or isinstance(body, bytes)
+            if isinstance(failure, Unavailable) and retry_after is not None and attempt < self._retries and rewindable:
+                attempt += 1
+                time.sleep(min(retry_after, 10.0))
+                if start is not None and body is not None and not isinstance(body, bytes):
+                    body.seek(start)
+                continue
+            raise failure
+
+
+class _TarReader:
+    """The regular files of a streamed tar answer, as (name, bytes), one at a time; closing it early drops the
+    connection (the rest of the answer is not read)."""
+
+    def __init__(self, response: urllib3.BaseHTTPResponse) -> None:
+        self._response = response
+        self._finished = False
+
+    def __iter__(self) -> Iterator[Tuple[str, bytes]]:
+        try:
+            with tarfile.open(fileobj=self._response, mode="r|") as archive:  # type: ignore[call-overload]
+                for member in archive:
+                    if not member.isfile():
+                        continue
+                    extracted = archive.extractfile(member)
+                    yield member.name, extracted.read() if extracted else b""
+        except (tarfile.TarError, urllib3.exceptions.HTTPError, OSError) as error:
+            raise ConnectionFailed(f"the answer broke off: {error}") from error
+        self._finished = True
+
+    def close(self) -> None:
+        if not self._finished:
+            self._response.close()
+        self._response.release_conn()
+
+    def __enter__(self) -> "_TarReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _capture(line: Mapping[str, Any], payload: bytes) -> Capture:
+    if len(payload) != line["size"]:
+        raise ConnectionFailed(f"capture {line['capture_id']}: {len(payload)} bytes arrived of {line['size']}")
+    return Capture(
+        capture_id=line["capture_id"],
+        stream=line["stream"],
+        captured_at_ns=line["captured_at_ns"],
+        labels=line.get("labels") or {},
+        content_type=line.get("content_type") or None,
+        payload=payload,
+        version=line.get("version"),
+    )
+
+
+def _selection(
+    stream: Optional[str], since: Optional[Time], until: Optional[Time], labels: Optional[Mapping[str, str]]
+) -> List[Tuple[str, str]]:
+    query: List[Tuple[str, str]] = []
+    if stream is not None:
+        query.append(("stream", stream))
+    if since is not None:
+        query.append(("since", str(_time_ns(since, "since"))))
+    if until is not None:
+        query.append(("until", str(_time_ns(until, "until"))))
+    query += [("label", f"{key}={value}") for key, value in (labels or {}).items()]
+    return query
+
+
+def _time_ns(value: Time, name: str) -> Union[int, str]:
+    if isinstance(value, bool):
+        raise TypeError(f"{name}: a time, not a bool")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, _dt.datetime):
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=_dt.timezone.utc)
+        delta = value - _dt.datetime(1970, 1, 1, tzinfo=_dt.timezone.utc)
+        return (delta.days * 86_400 + delta.seconds) * 1_000_000_000 + delta.microseconds * 1000
+    if isinstance(value, str):
+        return value  # RFC 3339 or a date: the daemon parses it and names the field when it cannot.
+    raise TypeError(f"{name}: nanoseconds, a datetime or an RFC 3339 string, not {type(value).__name__}")
+
+
+def _position(text: str) -> Tuple[int, int]:
+    version, _, skip = text.partition(":")
+    try:
+        return int(version), int(skip or 0)
+    except ValueError:
+        raise ValueError(f"after = {text!r}: a version, or <version>:<skip>") from None
+
+
+def _remaining(file: IO[bytes]) -> Optional[int]:
+    try:
+        return os.fstat(file.fileno()).st_size - file.tell()
+    except (OSError, AttributeError, io.UnsupportedOperation):
+        return None
+
+
+def _retry_after(response: urllib3.BaseHTTPResponse) -> Optional[float]:
+    value = response.headers.get("retry-after")
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _error(response: urllib3.BaseHTTPResponse, retry_after: Optional[float]) -> CapstoreError:
+    data = response.data
+    message, field = data.decode("utf-8", "replace").strip(), None
+    try:
+        answer = json.loads(data)
+        if isinstance(answer, dict):
+            message, field = str(answer.get("error", message)), answer.get("field")
+    except ValueError:
+        pass
+    return error_for(response.status, message or response.reason or "", field, retry_after)
+
+
+def _json(data: bytes) -> Any:
+    return json.loads(data)
