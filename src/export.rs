@@ -15,7 +15,7 @@ use bytes::Bytes;
 use uuid::Uuid;
 
 use crate::catalog::query::{ListQuery, TailPosition};
-use crate::reader::{ReadCapture, ReadError, Reader, GET_MANY_MAX};
+use crate::reader::{Found, ReadCapture, ReadError, Reader, GET_MANY_MAX};
 
 /// Captures per page of an export (one catalog statement each).
 pub const EXPORT_PAGE: usize = GET_MANY_MAX;
@@ -30,16 +30,18 @@ pub enum Selection {
     Query(ListQuery),
     /// These ids, in this order.
     Ids(Vec<Uuid>),
-    /// The captures published after `after` up to version `through` (the watermark when the export starts, if
-    /// not given), in tail order, each version as published (an id posted again appears at each of its versions).
+    /// The captures published after `after` up to version `through` (or the watermark when the export starts, if
+    /// lower or not given), in tail order, each version as published (an id posted again appears at each of its
+    /// versions).
     Versions { after: TailPosition, through: Option<u64> },
 }
 
 /// One page of an export.
 #[derive(Debug)]
 pub struct ExportPage {
-    /// In selection order; `None` for an id asked that nothing knows (only with [`Selection::Ids`]).
-    pub captures: Vec<(Uuid, Option<ReadCapture>)>,
+    /// In selection order; [`Found::Unknown`] for an id asked that nothing knows (only with [`Selection::Ids`]),
+    /// [`Found::Unreadable`] for a damaged record or a lost pack object (the export goes on with the others).
+    pub captures: Vec<(Uuid, Found)>,
     /// Where the next page starts: give it to [`Export::new`] to resume after this page. `None` once done.
     pub resume: Option<String>,
 }
@@ -63,8 +65,14 @@ impl<'a> Export<'a> {
         if let (Selection::Query(_), Some(token)) = (&selection, &resume) {
             crate::catalog::query::validate_cursor(token)?;
         }
-        if let (Selection::Versions { .. }, Some(token)) = (&selection, &resume) {
-            versions_token(token)?;
+        if let (Selection::Versions { after, through }, Some(token)) = (&selection, &resume) {
+            let (token_through, position) = versions_token(token)?;
+            if through.is_some_and(|through| through < token_through) {
+                return Err(format!("resume token {token:?} is of an export through version {token_through}"));
+            }
+            if position.version < after.version {
+                return Err(format!("resume token {token:?} is before version {}", after.version));
+            }
         }
         Ok(Export { reader, selection, position: resume, done: false })
     }
@@ -110,10 +118,12 @@ impl<'a> Export<'a> {
                 // The snapshot is pinned in the token, as a listing cursor pins its watermark.
                 let (through, from) = match &self.position {
                     Some(token) => versions_token(token).expect("checked by Export::new, or written by this export"),
-                    None => match through {
-                        Some(through) => (*through, *after),
-                        None => (self.reader.catalog().watermark().await?, *after),
-                    },
+                    // Up to the watermark: what is not published yet is not exported (a later export after
+                    // this one's last version takes it).
+                    None => {
+                        let watermark = self.reader.catalog().watermark().await?;
+                        (through.map_or(watermark, |through| through.min(watermark)), *after)
+                    }
                 };
                 let page = self.reader.catalog().tail_page(from, Some(through), EXPORT_PAGE as u64).await?;
                 let page = page.cut_by(EXPORT_PAGE_BYTES, |location| location.payload_len as usize);
@@ -160,6 +170,11 @@ pub fn not_found_line(id: Uuid) -> serde_json::Value {
     serde_json::json!({"capture_id": id, "error": "not found"})
 }
 
+/// The manifest line of a capture whose record cannot be read (the reason goes to the log or the terminal).
+pub fn unreadable_line(id: Uuid) -> serde_json::Value {
+    serde_json::json!({"capture_id": id, "error": "unreadable"})
+}
+
 /// One regular file in ustar framing: the header block, the bytes (not copied), zero padding to a whole block.
 pub fn tar_file(name: &str, modified_ns: u64, bytes: Bytes) -> [Bytes; 3] {
     let mut header = tar::Header::new_ustar();
@@ -183,26 +198,38 @@ pub fn tar_end() -> Bytes {
 pub struct TarPage {
     pub chunks: Vec<Bytes>,
     pub lines: Vec<(Uuid, serde_json::Value)>,
-    /// Captures written, and ids asked that nothing knows.
+    /// Captures written, ids asked that nothing knows, captures that could not be read (and why).
     pub written: u64,
     pub missing: u64,
+    pub unreadable: Vec<(Uuid, String)>,
     pub resume: Option<String>,
 }
 
 /// The page's captures as tar files (the payloads are not copied) and their manifest lines.
 pub fn tar_page(page: ExportPage) -> TarPage {
-    let mut tar = TarPage { chunks: Vec::new(), lines: Vec::new(), written: 0, missing: 0, resume: page.resume };
-    for (id, capture) in page.captures {
-        let line = match capture {
-            Some(capture) => {
+    let mut tar = TarPage {
+        chunks: Vec::new(),
+        lines: Vec::new(),
+        written: 0,
+        missing: 0,
+        unreadable: Vec::new(),
+        resume: page.resume,
+    };
+    for (id, found) in page.captures {
+        let line = match found {
+            Found::Capture(capture) => {
                 let line = manifest_line(id, &capture);
                 tar.chunks.extend(tar_file(&id.to_string(), capture.meta.captured_at_ns, capture.payload.into()));
                 tar.written += 1;
                 line
             }
-            None => {
+            Found::Unknown => {
                 tar.missing += 1;
                 not_found_line(id)
+            }
+            Found::Unreadable(reason) => {
+                tar.unreadable.push((id, reason));
+                unreadable_line(id)
             }
         };
         tar.lines.push((id, line));

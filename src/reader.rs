@@ -7,7 +7,7 @@
 //! for a pack still being written, its footer and the record for a sealed one. Without it (an offline `capstore get`
 //! on a stopped daemon's spool) every local pack is looked at.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
@@ -16,7 +16,7 @@ use futures::StreamExt;
 
 use uuid::Uuid;
 
-use crate::bucket::Bucket;
+use crate::bucket::{Bucket, BucketError, BucketErrorKind};
 use crate::catalog::query::{CaptureLocation, CatalogReader, MULTI_GET_BATCH};
 use crate::pack::{self, CaptureMeta, PackFile};
 use crate::spool::index::{Candidate, RecordPlace, SpoolIndex};
@@ -39,6 +39,32 @@ pub enum ReadError {
     Spool(#[from] std::io::Error),
     #[error("capture {capture_id}: the record at its catalog location belongs to {found}")]
     WrongRecord { capture_id: Uuid, found: Uuid },
+}
+
+impl ReadError {
+    /// True for a failure of the record or its pack object alone (the object is gone or not a pack, the record
+    /// fails its checks or is another capture's): retrying cannot help, and the other captures of a bulk read are
+    /// still read. Anything else (the catalog, the bucket's service, the spool's disk) fails the whole read.
+    pub fn is_the_records_own(&self) -> bool {
+        match self {
+            // (An i/o error reading a pack is the disk's or the network's, not the record's.)
+            ReadError::Pack { source: pack::PackError::Io(_), .. } => false,
+            ReadError::Pack { .. } | ReadError::WrongRecord { .. } => true,
+            ReadError::Bucket(error) => matches!(error.kind, BucketErrorKind::NotFound | BucketErrorKind::InvalidPack),
+            ReadError::Catalog(_) | ReadError::Spool(_) => false,
+        }
+    }
+}
+
+/// What a bulk read found for one id.
+#[derive(Debug)]
+pub enum Found {
+    Capture(ReadCapture),
+    /// Neither the catalog nor the spool knows the id.
+    Unknown,
+    /// The catalog places it in a record that cannot be read ([`ReadError::is_the_records_own`]): the reason, which
+    /// names the pack's key (for the log and the CLI; never sent over HTTP).
+    Unreadable(String),
 }
 
 /// Where a capture was read from.
@@ -94,12 +120,12 @@ impl Reader {
         }
     }
 
-    /// Several captures at once, in the order asked, each id once (`None` for an id neither the catalog nor the
-    /// spool knows): one catalog statement for the whole list (at most [`GET_MANY_MAX`] ids), captures of local packs
+    /// Several captures at once, in the order asked, each id once ([`Found::Unknown`] for an id neither the catalog
+    /// nor the spool knows, [`Found::Unreadable`] for a damaged record or a lost pack object): one catalog statement for the whole list (at most [`GET_MANY_MAX`] ids), captures of local packs
     /// read from the spool, and each bucket pack's records fetched by one `get_ranges` call, which merges records
     /// less than 1 MiB apart into one ranged GET (object_store's default gap: a GET costs far more than a megabyte of
     /// transfer on every backend), [`PACKS_IN_FLIGHT`] packs at a time.
-    pub async fn get_many(&self, ids: &[Uuid]) -> Result<Vec<(Uuid, Option<ReadCapture>)>, ReadError> {
+    pub async fn get_many(&self, ids: &[Uuid]) -> Result<Vec<(Uuid, Found)>, ReadError> {
         let mut unique = ids.to_vec();
         let mut seen = HashSet::new();
         unique.retain(|id| seen.insert(*id));
@@ -109,46 +135,76 @@ impl Reader {
     }
 
     /// Captures whose catalog locations are known already (a listing page's, or `None` for ids the catalog does not
-    /// know, which are looked for in the spool): read as [`Reader::get_many`] reads them, in the order given.
+    /// know, which are looked for in the spool): read as [`Reader::get_many`] reads them, in the order given (an id
+    /// given twice, as a version-range export gives a re-posted one, is read at each of its locations).
     pub async fn read_located(
         &self,
         located: Vec<(Uuid, Option<CaptureLocation>)>,
-    ) -> Result<Vec<(Uuid, Option<ReadCapture>)>, ReadError> {
-        let order: Vec<Uuid> = located.iter().map(|(id, _)| *id).collect();
-        let mut found: HashMap<Uuid, ReadCapture> = HashMap::new();
-        let mut from_bucket: BTreeMap<String, Vec<(Uuid, CaptureLocation)>> = BTreeMap::new();
-        for (id, location) in located {
+    ) -> Result<Vec<(Uuid, Found)>, ReadError> {
+        let ids: Vec<Uuid> = located.iter().map(|(id, _)| *id).collect();
+        let mut found: Vec<Option<Found>> = (0..located.len()).map(|_| None).collect();
+        // Positions in `located`, per bucket pack.
+        let mut from_bucket: BTreeMap<String, Vec<(usize, Uuid, CaptureLocation)>> = BTreeMap::new();
+        for (position, (id, location)) in located.into_iter().enumerate() {
             let pack_id = location.as_ref().and_then(|location| Uuid::parse_str(&location.pack_id).ok());
             if let Some(local) = self.read_from_spool(id, pack_id).await? {
-                found.insert(id, ReadCapture { version: location.map(|location| location.version), ..local });
+                let version = location.map(|location| location.version);
+                found[position] = Some(Found::Capture(ReadCapture { version, ..local }));
             } else if let Some(location) = location {
-                from_bucket.entry(location.object_key.clone()).or_default().push((id, location));
+                from_bucket.entry(location.object_key.clone()).or_default().push((position, id, location));
             }
         }
-        let packs: Vec<Result<Vec<(Uuid, ReadCapture)>, ReadError>> = futures::stream::iter(from_bucket)
+        let packs: Vec<Result<Vec<(usize, Found)>, ReadError>> = futures::stream::iter(from_bucket)
             .map(|(key, records)| self.read_records_of_pack(key, records))
             .buffer_unordered(PACKS_IN_FLIGHT)
             .collect()
             .await;
         for pack in packs {
-            found.extend(pack?);
+            for (position, read) in pack? {
+                found[position] = Some(read);
+            }
         }
-        Ok(order.into_iter().map(|id| (id, found.remove(&id))).collect())
+        Ok(ids.into_iter().zip(found).map(|(id, read)| (id, read.unwrap_or(Found::Unknown))).collect())
     }
 
-    /// The records of one bucket pack, fetched together.
+    /// The records of one bucket pack, fetched together; a failure of the pack object or of one record is that
+    /// pack's or record's [`Found::Unreadable`], any other fails the read.
     async fn read_records_of_pack(
         &self,
         key: String,
-        records: Vec<(Uuid, CaptureLocation)>,
-    ) -> Result<Vec<(Uuid, ReadCapture)>, ReadError> {
-        let ranges =
-            records.iter().map(|(_, location)| record_range(location)).collect::<Result<Vec<_>, ReadError>>()?;
-        let bytes = self.bucket.read_ranges(&key, &ranges).await?;
+        records: Vec<(usize, Uuid, CaptureLocation)>,
+    ) -> Result<Vec<(usize, Found)>, ReadError> {
+        let ranges = records.iter().map(|(_, _, location)| record_range(location)).collect::<Result<Vec<_>, _>>();
+        let fetched = match ranges {
+            Ok(ranges) => self.bucket.read_ranges(&key, &ranges).await.map_err(ReadError::from),
+            Err(error) => Err(error),
+        };
+        let bytes = match fetched {
+            Ok(bytes) => bytes,
+            Err(ReadError::Bucket(error))
+                if error.kind == BucketErrorKind::NotFound && !self.bucket.holds_objects().await? =>
+            {
+                return Err(ReadError::Bucket(BucketError {
+                    kind: BucketErrorKind::Transient,
+                    message: format!("{error}; the bucket lists no object under the catalog prefix: is it mounted, the right bucket, the right prefix?"),
+                    source: None,
+                }));
+            }
+            Err(error) => {
+                let reason = own_failure(error)?;
+                return Ok(records
+                    .into_iter()
+                    .map(|(position, _, _)| (position, Found::Unreadable(reason.clone())))
+                    .collect());
+            }
+        };
         records
             .into_iter()
             .zip(bytes)
-            .map(|((id, location), bytes)| decode_located(id, &location, &bytes).map(|capture| (id, capture)))
+            .map(|((position, id, location), bytes)| match decode_located(id, &location, &bytes) {
+                Ok(capture) => Ok((position, Found::Capture(capture))),
+                Err(error) => Ok((position, Found::Unreadable(own_failure(error)?))),
+            })
             .collect()
     }
 
@@ -176,6 +232,15 @@ impl Reader {
         });
         let found = read.await.map_err(std::io::Error::other)??;
         Ok(found.map(|(meta, payload)| ReadCapture { meta, payload, source: Source::Spool, version: None }))
+    }
+}
+
+/// The reason, when `error` is the record's own ([`ReadError::is_the_records_own`]); the error itself otherwise.
+fn own_failure(error: ReadError) -> Result<String, ReadError> {
+    if error.is_the_records_own() {
+        Ok(error.to_string())
+    } else {
+        Err(error)
     }
 }
 
@@ -209,7 +274,8 @@ fn decode_located(capture_id: Uuid, location: &CaptureLocation, bytes: &[u8]) ->
     Ok(ReadCapture { meta, payload, source: Source::Bucket, version: Some(location.version) })
 }
 
-type Found = Option<(CaptureMeta, Vec<u8>)>;
+/// A capture found in the local spool, or not.
+type InSpool = Option<(CaptureMeta, Vec<u8>)>;
 
 /// Blocking: the packs the index names (only `pack_id_opt` when given), newest first.
 fn read_indexed(
@@ -217,7 +283,7 @@ fn read_indexed(
     index: &SpoolIndex,
     capture_id: Uuid,
     pack_id_opt: Option<Uuid>,
-) -> Result<Found, ReadError> {
+) -> Result<InSpool, ReadError> {
     let candidates = index.candidates(capture_id);
     for Candidate { pack_id, place_opt } in candidates {
         if pack_id_opt.is_some_and(|wanted| wanted != pack_id) {
@@ -244,7 +310,7 @@ fn read_indexed(
 }
 
 /// Blocking: every local pack (only `pack_id_opt` when given), open ones by a read-only scan.
-fn read_by_scanning(paths: &SpoolPaths, capture_id: Uuid, pack_id_opt: Option<Uuid>) -> Result<Found, ReadError> {
+fn read_by_scanning(paths: &SpoolPaths, capture_id: Uuid, pack_id_opt: Option<Uuid>) -> Result<InSpool, ReadError> {
     if !paths.packs.is_dir() {
         return Ok(None);
     }
@@ -268,7 +334,7 @@ fn read_by_scanning(paths: &SpoolPaths, capture_id: Uuid, pack_id_opt: Option<Uu
 }
 
 /// One positioned read of a record whose place the index knows.
-fn read_at_place(path: &Path, place: &RecordPlace) -> Result<Found, pack::PackError> {
+fn read_at_place(path: &Path, place: &RecordPlace) -> Result<InSpool, pack::PackError> {
     use std::os::unix::fs::FileExt;
     let file = std::fs::File::open(path)?;
     let mut bytes = vec![0u8; place.record_len as usize];
@@ -278,7 +344,7 @@ fn read_at_place(path: &Path, place: &RecordPlace) -> Result<Found, pack::PackEr
     pack::decode_record(&bytes, &entry).map(Some)
 }
 
-fn read_sealed_pack(path: &Path, capture_id: Uuid) -> Result<Found, pack::PackError> {
+fn read_sealed_pack(path: &Path, capture_id: Uuid) -> Result<InSpool, pack::PackError> {
     let pack = PackFile::open(path)?;
     match pack.find(capture_id) {
         Some(index) => pack.read_capture(index).map(Some),
@@ -286,7 +352,7 @@ fn read_sealed_pack(path: &Path, capture_id: Uuid) -> Result<Found, pack::PackEr
     }
 }
 
-fn read_open_pack(path: &Path, capture_id: Uuid) -> Result<Found, pack::PackError> {
+fn read_open_pack(path: &Path, capture_id: Uuid) -> Result<InSpool, pack::PackError> {
     use std::os::unix::fs::FileExt;
     let scan = pack::scan_file(path)?;
     let Some(entry) = scan.entries.iter().find(|entry| entry.meta.capture_id == capture_id) else { return Ok(None) };

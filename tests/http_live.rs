@@ -31,15 +31,20 @@ impl HttpDaemon {
         let env = extra_env.iter().fold(env, |env, (key, value)| env.set(key, value.clone()));
         let daemon = env.start(dir.path().join("daemon.log"));
         let mut daemon = HttpDaemon { daemon, base: format!("http://127.0.0.1:{port}"), env, _dir: dir };
-        let client = reqwest::Client::new();
+        daemon.wait_for_http(&reqwest::Client::new()).await;
+        daemon
+    }
+
+    /// Returns once /healthz answers.
+    async fn wait_for_http(&mut self, client: &reqwest::Client) {
         let started = Instant::now();
         loop {
-            if let Ok(response) = client.get(daemon.url("/healthz")).send().await {
+            if let Ok(response) = client.get(self.url("/healthz")).send().await {
                 assert_eq!(response.status(), StatusCode::OK);
-                return daemon;
+                return;
             }
-            assert!(daemon.daemon.exited().is_none(), "daemon exited:\n{}", daemon.log());
-            assert!(started.elapsed() < Duration::from_secs(20), "http never came up:\n{}", daemon.log());
+            assert!(self.daemon.exited().is_none(), "daemon exited:\n{}", self.log());
+            assert!(started.elapsed() < Duration::from_secs(20), "http never came up:\n{}", self.log());
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
@@ -590,6 +595,33 @@ async fn tail_pages_through_every_publish_once_splits_large_versions_and_long_po
     }
     assert_eq!(std::fs::read_to_string(out.join("manifest.jsonl")).unwrap().lines().count(), wanted.len());
 
+    // An id posted again inside the range is exported at each of its versions, each with its own bytes.
+    let (first_id, first_version, first_body) = published[0].clone();
+    let url = daemon.url(&format!("/v1/captures?stream=log/a&id={first_id}&wait=published"));
+    let response = client.post(url).body("the second version").send().await.unwrap();
+    let second_version = json(response).await["version"].as_u64().unwrap();
+    let url = format!("/v1/export?after_version={}&through_version={second_version}", first_version - 1);
+    let tar_bytes = daemon.get_ok(&client, &url).await.bytes().await.unwrap();
+    let (mut bodies_of_first, mut lines_of_first) = (Vec::new(), Vec::new());
+    for entry in tar::Archive::new(&tar_bytes[..]).entries().unwrap() {
+        let mut entry = entry.unwrap();
+        let name = entry.path().unwrap().display().to_string();
+        let mut content = Vec::new();
+        std::io::Read::read_to_end(&mut entry, &mut content).unwrap();
+        if name == first_id {
+            bodies_of_first.push(content);
+        } else if name.starts_with("manifest/") {
+            for line in std::str::from_utf8(&content).unwrap().lines() {
+                let line: Value = serde_json::from_str(line).unwrap();
+                if line["capture_id"] == first_id.as_str() {
+                    lines_of_first.push(line["version"].as_u64().unwrap());
+                }
+            }
+        }
+    }
+    assert_eq!(bodies_of_first, [first_body, b"the second version".to_vec()], "both versions, in version order");
+    assert_eq!(lines_of_first, [first_version, second_version]);
+
     // Bad input names the field.
     for (query, field) in [("after=x", "after"), ("limit=0", "limit"), ("wait_ms=600000", "wait_ms")] {
         let response = client.get(daemon.url(&format!("/v1/tail?{query}"))).send().await.unwrap();
@@ -600,4 +632,108 @@ async fn tail_pages_through_every_publish_once_splits_large_versions_and_long_po
     assert_eq!(json(response).await["field"], "query");
     let response = client.get(daemon.url("/v1/export?after_version=0&cursor=ids:3")).send().await.unwrap();
     assert_eq!(json(response).await["field"], "cursor");
+}
+
+#[tokio::test]
+async fn a_damaged_record_or_a_lost_pack_is_an_error_line_and_everything_else_is_still_read() {
+    let daemon = HttpDaemon::start(&[]).await;
+    let client = reqwest::Client::new();
+    let mut bodies: std::collections::BTreeMap<String, Vec<u8>> = std::collections::BTreeMap::new();
+    for index in 0..1200u32 {
+        let body = payload(2000, index as u8).into_iter().chain(index.to_le_bytes()).collect::<Vec<u8>>();
+        let wait = if index == 1199 { "?stream=d/s&wait=published" } else { "?stream=d/s" };
+        let response = client.post(daemon.url(&format!("/v1/captures{wait}"))).body(body.clone()).send().await.unwrap();
+        assert_eq!(response.status(), StatusCode::CREATED);
+        bodies.insert(json(response).await["capture_id"].as_str().unwrap().to_string(), body);
+    }
+    let started = Instant::now();
+    let listing = loop {
+        let page = json(daemon.get_ok(&client, "/v1/captures?stream=d/s&limit=10000").await).await;
+        if page["captures"].as_array().unwrap().len() == bodies.len() {
+            break page["captures"].as_array().unwrap().clone();
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "not all published:\n{}", daemon.log());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    // The daemon is stopped: no spool copy can answer for a damaged bucket object.
+    daemon.daemon.terminate();
+    let mut by_pack: std::collections::BTreeMap<String, Vec<&Value>> = std::collections::BTreeMap::new();
+    for row in &listing {
+        by_pack.entry(row["object_key"].as_str().unwrap().to_string()).or_default().push(row);
+    }
+    let mut packs = by_pack.iter().filter(|(_, rows)| rows.len() >= 2);
+    let (damaged_key, damaged_rows) = packs.next().expect("a pack of two captures at least");
+    let (lost_key, lost_rows) = packs.next().expect("a second pack of two captures at least");
+    let bucket = daemon._dir.path().join("bucket");
+    // One byte of one payload flipped in place, and one whole pack object gone.
+    let damaged = damaged_rows[0];
+    let path = bucket.join(damaged_key);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[damaged["payload_offset"].as_u64().unwrap() as usize + 7] ^= 0x40;
+    std::fs::write(&path, bytes).unwrap();
+    std::fs::remove_file(bucket.join(lost_key)).unwrap();
+    let mut unreadable: std::collections::BTreeSet<String> =
+        lost_rows.iter().map(|row| row["capture_id"].as_str().unwrap().to_string()).collect();
+    unreadable.insert(damaged["capture_id"].as_str().unwrap().to_string());
+
+    let check_manifest = |lines: Vec<Value>, files: &std::collections::BTreeMap<String, Vec<u8>>| {
+        let mut seen_unreadable = std::collections::BTreeSet::new();
+        for line in &lines {
+            let id = line["capture_id"].as_str().unwrap().to_string();
+            if unreadable.contains(&id) {
+                assert_eq!(line["error"], "unreadable", "{line}");
+                assert!(!files.contains_key(&id), "an unreadable capture has no file");
+                seen_unreadable.insert(id);
+            } else if bodies.contains_key(&id) {
+                assert!(line.get("error").is_none(), "{line}");
+                assert!(files[&id] == bodies[&id], "capture {id} differs");
+            }
+        }
+        assert_eq!(seen_unreadable, unreadable);
+        assert_eq!(lines.iter().filter(|line| line.get("error").is_none()).count(), bodies.len() - unreadable.len());
+    };
+    let lines_of = |text: &[u8]| -> Vec<Value> {
+        std::str::from_utf8(text).unwrap().lines().map(|line| serde_json::from_str(line).unwrap()).collect()
+    };
+
+    // The CLI export writes everything else, lists the unreadable ones, and exits 1.
+    let out = daemon._dir.path().join("export");
+    let output = daemon.env.command().args(["export", "--stream", "d/s", "--out"]).arg(&out).output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains(&format!("{} unreadable", unreadable.len())), "{stderr}");
+    assert!(stderr.contains(damaged_key.as_str()) && stderr.contains(lost_key.as_str()), "the reasons: {stderr}");
+    let mut files = std::collections::BTreeMap::new();
+    for id in bodies.keys() {
+        if let Ok(bytes) = std::fs::read(out.join(id)) {
+            files.insert(id.clone(), bytes);
+        }
+    }
+    check_manifest(lines_of(&std::fs::read(out.join("manifest.jsonl")).unwrap()), &files);
+
+    // The same over HTTP: a multi-get of every id (three catalog batches) and the export.
+    let mut daemon = HttpDaemon { daemon: daemon.env.start(daemon._dir.path().join("daemon2.log")), ..daemon };
+    let ids: Vec<&String> = bodies.keys().collect();
+    daemon.wait_for_http(&client).await;
+    daemon.get_ok(&client, "/v1/captures?limit=1").await;
+    let response = client
+        .post(daemon.url("/v1/captures/multi-get"))
+        .body(serde_json::json!({ "ids": ids }).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK, "{}", daemon.log());
+    let files = tar_files(&response.bytes().await.unwrap());
+    let manifest = lines_of(&files["manifest.jsonl"]);
+    assert_eq!(manifest.iter().map(|line| line["capture_id"].as_str().unwrap()).collect::<Vec<_>>(), ids);
+    check_manifest(manifest, &files);
+    let files = tar_files(&daemon.get_ok(&client, "/v1/export?stream=d/s").await.bytes().await.unwrap());
+    let lines: Vec<Value> = files
+        .iter()
+        .filter(|(name, _)| name.starts_with("manifest/"))
+        .flat_map(|(_, text)| lines_of(text))
+        .filter(|line| line.get("resume").is_none())
+        .collect();
+    check_manifest(lines, &files);
+    assert!(daemon.log().contains("unreadable"), "the daemon logs why: {}", daemon.log());
 }

@@ -38,6 +38,23 @@ fn client_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("clients/python")
 }
 
+/// `from` copied to `to`, without build output or caches.
+fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name == "build" || name.ends_with(".egg-info") || name == "__pycache__" || name.starts_with('.') {
+            continue;
+        }
+        if entry.file_type().unwrap().is_dir() {
+            copy_tree(&entry.path(), &to.join(&name));
+        } else {
+            std::fs::copy(entry.path(), to.join(&name)).unwrap();
+        }
+    }
+}
+
 fn run(command: &mut Command, what: &str) -> String {
     let output = command.output().unwrap_or_else(|error| panic!("{what}: {error}"));
     let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
@@ -49,13 +66,16 @@ fn run(command: &mut Command, what: &str) -> String {
 async fn the_python_client_installs_type_checks_and_passes_its_live_tests() {
     let python = python();
     let dir = tempfile::tempdir().unwrap();
-    // Installed as a user would (`pip install ./clients/python`), into a directory of this test.
+    // Installed as a user would (`pip install ./clients/python`), into a directory of this test, from a copy of the
+    // package (a build leaves `build/` and `*.egg-info` beside the sources).
+    let source = dir.path().join("source");
+    copy_tree(&client_dir(), &source);
     let site = dir.path().join("site");
     run(
         Command::new(&python)
             .args(["-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--target"])
             .arg(&site)
-            .arg(client_dir()),
+            .arg(&source),
         "pip install ./clients/python",
     );
     assert!(site.join("capstore/py.typed").exists(), "the package ships its type marker");
@@ -78,8 +98,7 @@ async fn the_python_client_installs_type_checks_and_passes_its_live_tests() {
     // Ready for the suite once the catalog answers a listing.
     let started = Instant::now();
     let http = reqwest::Client::new();
-    while !http.get(format!("{url}/v1/captures?limit=1")).send().await.is_ok_and(|response| response.status() == 200)
-    {
+    while !http.get(format!("{url}/v1/captures?limit=1")).send().await.is_ok_and(|response| response.status() == 200) {
         assert!(daemon.exited().is_none(), "daemon exited:\n{}", daemon.log());
         assert!(started.elapsed() < Duration::from_secs(30), "the catalog never connected:\n{}", daemon.log());
         tokio::time::sleep(Duration::from_millis(50)).await;

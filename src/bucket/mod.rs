@@ -440,6 +440,13 @@ impl Bucket {
         decode_record(&record_bytes, entry).map_err(|error| BucketError::invalid_pack(key, error))
     }
 
+    /// True when the store lists at least one object under the catalog prefix: a pack that reads as not found in a
+    /// bucket that holds others is gone; in one that lists nothing, the bucket (or its mount, or the prefix) is
+    /// what is missing.
+    pub async fn holds_objects(&self) -> Result<bool, BucketError> {
+        Ok(self.list_objects(None).next().await.transpose()?.is_some())
+    }
+
     /// Every object under the catalog prefix as (key, size), packs or not, as the store lists them (in no promised
     /// order), so reconcile can find what the catalog lacks with bounded memory. With `days`, only the prefixes of
     /// those UTC days (a pack's key is dated by its first capture).

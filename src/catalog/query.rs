@@ -194,40 +194,45 @@ const LOCATION_COLUMNS: &str = "capture_id, stream, captured_at_ns, pack_id, obj
 /// Captures per [`CatalogReader::tail_page`], at most.
 pub const TAIL_PAGE_MAX: u64 = 100_000;
 
-/// A position in the log of publishes: every capture of the versions up to `version` has been read, and the first
-/// `skip` captures (in tail order) of the next version. Written `<version>` or `<version>:<skip>`.
+/// A position in the log of publishes: every capture of the versions up to `version` has been read and, when
+/// `after_id` is set, those of the next version up to that capture id (tail order within a version is by capture_id,
+/// so a position depends only on which distinct ids a version holds, never on how its rows were inserted or merged).
+/// Written `<version>` or `<version>:<capture_id>`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct TailPosition {
     pub version: u64,
-    pub skip: u64,
+    pub after_id: Option<Uuid>,
 }
 
 impl TailPosition {
     /// Right after version `version`.
     pub fn after_version(version: u64) -> TailPosition {
-        TailPosition { version, skip: 0 }
+        TailPosition { version, after_id: None }
     }
 
-    /// The position right after `rows`, a page read from `from` (not empty).
-    fn after_rows(from: TailPosition, rows: &[CaptureLocation]) -> TailPosition {
-        let last_version = rows.last().map_or(from.version + 1, |row| row.version);
-        let of_last = rows.iter().rev().take_while(|row| row.version == last_version).count() as u64;
-        let skip = if last_version == from.version + 1 { from.skip + of_last } else { of_last };
-        TailPosition { version: last_version - 1, skip }
+    /// Right after `capture`, a row of the log.
+    fn after(capture: &CaptureLocation) -> TailPosition {
+        TailPosition {
+            version: capture.version.saturating_sub(1),
+            after_id: Some(Uuid::parse_str(&capture.capture_id).unwrap_or_default()),
+        }
     }
 
     pub fn parse(text: &str) -> Result<TailPosition, String> {
-        let bad = || format!("{text:?} is not a tail position (a version, or <version>:<skip>)");
-        let (version, skip) = text.split_once(':').unwrap_or((text, "0"));
-        Ok(TailPosition { version: version.parse().map_err(|_| bad())?, skip: skip.parse().map_err(|_| bad())? })
+        let bad = || format!("{text:?} is not a tail position (a version, or <version>:<capture_id>)");
+        let (version, after_id) = match text.split_once(':') {
+            Some((version, id)) => (version, Some(Uuid::parse_str(id).map_err(|_| bad())?)),
+            None => (text, None),
+        };
+        Ok(TailPosition { version: version.parse().map_err(|_| bad())?, after_id })
     }
 }
 
 impl std::fmt::Display for TailPosition {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self.skip {
-            0 => write!(f, "{}", self.version),
-            skip => write!(f, "{}:{skip}", self.version),
+        match self.after_id {
+            None => write!(f, "{}", self.version),
+            Some(id) => write!(f, "{}:{id}", self.version),
         }
     }
 }
@@ -255,7 +260,7 @@ impl TailPage {
         let keep = keep_within(&self.captures, max_bytes, size_of);
         if keep < self.captures.len() {
             self.captures.truncate(keep);
-            self.next = TailPosition::after_rows(self.from, &self.captures);
+            self.next = TailPosition::after(self.captures.last().expect("at least one capture is kept"));
         }
         self
     }
@@ -657,14 +662,14 @@ impl CatalogReader {
         self.client.fetch_all(&sql).await
     }
 
-    /// The next captures of the log of publishes after `from`, in tail order ((version, captured_at_ns,
-    /// capture_id), each version as published), at most `limit` of them and none above `through` when given; and the
+    /// The next captures of the log of publishes after `from`, in tail order ((version, capture_id), each version as
+    /// published), at most `limit` of them and none above `through` when given; and the
     /// position after them. Whole versions or part of one: a publish of 100,000 captures is read in pages too.
     ///
     /// Two statements, each bounded by the page: the publishes after `from.version` (at most `limit`, each holds a
     /// capture at least) give the last version the page can reach by their capture counts, then one primary-key
-    /// range of `by_version` up to it, visible against just those publishes. An empty page with `next == from` means
-    /// caught up.
+    /// range of `by_version` up to it (inside the first version, the ids after the position), visible against just
+    /// those publishes. An empty page with `next == from` means caught up.
     pub async fn tail_page(
         &self,
         from: TailPosition,
@@ -679,34 +684,35 @@ impl CatalogReader {
         let Some(last) = publishes.last() else {
             return Ok(TailPage { captures: Vec::new(), from, next: from });
         };
-        // The version where the counts reach the page (an estimate: an id a producer re-posted into the same pack
-        // is counted twice by its publish and listed once).
-        let wanted = limit + from.skip;
+        // The version where the counts reach the page (an estimate: the first version may be partly read, and an id
+        // a producer re-posted into the same pack is counted twice by its publish and listed once).
         let mut upto = last.version;
         let mut counted = 0;
         for publish in &publishes {
             counted += publish.captures;
-            if counted >= wanted {
+            if counted >= limit {
                 upto = publish.version;
                 break;
             }
         }
+        let after = from.version;
+        let inside_first = match from.after_id {
+            Some(id) => format!(" AND (version > {} OR capture_id > '{id}')", after + 1),
+            None => String::new(),
+        };
         let sql = format!(
             "SELECT {LOCATION_COLUMNS} FROM {by_version} WHERE catalog = {catalog} AND \
-             version > {after} AND version <= {upto} AND (version, publish_id) IN (SELECT version, publish_id \
-             FROM {publishes} WHERE catalog = {catalog} AND version > {after} AND version <= {upto}) \
-             ORDER BY version, captured_at_ns, capture_id LIMIT 1 BY version, capture_id LIMIT {skip}, {limit}",
+             version > {after} AND version <= {upto}{inside_first} AND (version, publish_id) IN (SELECT version, \
+             publish_id FROM {publishes} WHERE catalog = {catalog} AND version > {after} AND version <= {upto}) \
+             ORDER BY version, capture_id LIMIT 1 BY version, capture_id LIMIT {limit}",
             by_version = self.tables.by_version,
             publishes = self.tables.publishes,
             catalog = self.catalog_literal(),
-            after = from.version,
-            skip = from.skip,
         );
         let captures: Vec<CaptureLocation> = self.client.fetch_all(&sql).await?;
-        let next = if captures.len() as u64 == limit {
-            TailPosition::after_rows(from, &captures)
-        } else {
-            TailPosition { version: upto, skip: 0 }
+        let next = match captures.last() {
+            Some(last) if captures.len() as u64 == limit => TailPosition::after(last),
+            _ => TailPosition::after_version(upto),
         };
         Ok(TailPage { captures, from, next })
     }
@@ -806,9 +812,9 @@ mod tests {
     }
 
     #[test]
-    fn a_tail_position_counts_into_the_version_a_page_ends_in() {
-        let row = |version: u64| CaptureLocation {
-            capture_id: Uuid::now_v7().to_string(),
+    fn a_tail_page_cut_short_goes_on_after_its_last_capture() {
+        let row = |version: u64, id: u128| CaptureLocation {
+            capture_id: Uuid::from_u128(id).to_string(),
             stream: "s".into(),
             captured_at_ns: 0,
             pack_id: String::new(),
@@ -823,24 +829,24 @@ mod tests {
             content_type: String::new(),
             version,
         };
-        let from = TailPosition { version: 4, skip: 3 };
-        // The page goes on inside version 5, where it started: the skip grows.
-        assert_eq!(TailPosition::after_rows(from, &[row(5), row(5)]), TailPosition { version: 4, skip: 5 });
-        // It ends inside version 7: the captures of 7 on the page are skipped next time.
-        assert_eq!(
-            TailPosition::after_rows(from, &[row(5), row(6), row(7), row(7)]),
-            TailPosition { version: 6, skip: 2 }
-        );
-        let page =
-            TailPage { captures: vec![row(5), row(6), row(6), row(7)], from, next: TailPosition::after_version(7) };
+        let from = TailPosition { version: 4, after_id: Some(Uuid::from_u128(3)) };
+        let page = TailPage {
+            captures: vec![row(5, 4), row(6, 1), row(6, 2), row(7, 1)],
+            from,
+            next: TailPosition::after_version(7),
+        };
         let cut = page.clone().cut_by(25, |capture| capture.payload_len as usize);
-        assert_eq!((cut.captures.len(), cut.next), (2, TailPosition { version: 5, skip: 1 }));
+        assert_eq!(
+            (cut.captures.len(), cut.next),
+            (2, TailPosition { version: 5, after_id: Some(Uuid::from_u128(1)) })
+        );
         assert_eq!(page.clone().cut_by(1, |_| 100).captures.len(), 1, "one capture at least");
         assert_eq!(page.cut_by(usize::MAX, |_| 1).next, TailPosition::after_version(7), "within the budget: untouched");
-        for text in ["7", "6:2", "0"] {
-            assert_eq!(TailPosition::parse(text).unwrap().to_string(), text);
+        let id = Uuid::now_v7();
+        for text in ["7".to_string(), format!("6:{id}"), "0".to_string()] {
+            assert_eq!(TailPosition::parse(&text).unwrap().to_string(), text);
         }
-        for bad in ["", "x", "1:", "1:2:3", "-1"] {
+        for bad in ["", "x", "1:", "1:2", "-1", "1:2:3"] {
             assert!(TailPosition::parse(bad).is_err(), "{bad:?}");
         }
     }

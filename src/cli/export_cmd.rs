@@ -1,7 +1,8 @@
 //! `capstore export`: published captures (by stream, time range and labels) or a list of ids, out of the catalog and
 //! bucket, into a directory or as a tar stream on standard output. Byte-identical (every record's CRC checked), one
 //! catalog statement and one coalesced ranged read per bucket pack per page of [`capstore::export::EXPORT_PAGE`] captures, memory one
-//! page, progress on a terminal.
+//! page, progress on a terminal. A capture whose record cannot be read (damaged, or its pack object gone) is listed in
+//! the manifest as `"error": "unreadable"` with the reason on stderr, the others are exported, and the exit code is 1.
 //!
 //! A directory export is resumable: each page's files are written, then its manifest lines appended to
 //! `manifest.jsonl`; at most once a second (and at the end), after one syncfs of all that, `.capstore-export` is
@@ -21,7 +22,10 @@ use capstore::bucket::Bucket;
 use capstore::catalog::query::{ListQuery, TailPosition};
 use capstore::config::Config;
 use capstore::exit_code;
-use capstore::export::{manifest_line, not_found_line, tar_end, tar_page, Export, ExportPage, Selection};
+use capstore::export::{
+    manifest_line, not_found_line, tar_end, tar_page, unreadable_line, Export, ExportPage, Selection,
+};
+use capstore::reader::Found;
 use capstore::reader::Reader;
 
 const STATE_FILE: &str = ".capstore-export";
@@ -41,7 +45,7 @@ pub struct ExportArgs {
     /// Only captures with this label; repeatable (all must match).
     #[arg(long = "label", value_name = "KEY=VALUE", value_parser = capstore::capture::parse_label, conflicts_with = "ids")]
     labels: Vec<(String, String)>,
-    /// Export what was published after this version (or `<version>:<skip>` tail position), in version order, each
+    /// Export what was published after this version (or `<version>:<capture_id>` tail position), in version order, each
     /// version as published, instead of a query.
     #[arg(long, value_name = "VERSION", value_parser = TailPosition::parse, conflicts_with_all = ["ids", "stream", "since", "until", "labels"])]
     after_version: Option<TailPosition>,
@@ -182,23 +186,28 @@ async fn export_to_dir(reader: &Reader, selection: Selection, dir: &Path, args: 
     let mut export = Export::new(reader, selection, state.resume.take()).map_err(anyhow::Error::msg)?;
     let bar = super::progress(None, "export");
     let mut this_run = 0u64;
-    let mut missing = 0u64;
+    let (mut missing, mut unreadable) = (0u64, 0u64);
     let mut last_sync = std::time::Instant::now();
     while let Some(ExportPage { captures, resume }) = export.next_page().await? {
         let mut lines = String::new();
         let mut page_written = 0;
-        for (id, capture) in captures {
-            let line = match capture {
-                Some(capture) => {
+        for (id, found) in captures {
+            let line = match found {
+                Found::Capture(capture) => {
                     let path = dir.join(id.to_string());
                     std::fs::write(&path, &capture.payload)
                         .with_context(|| format!("cannot write {}", path.display()))?;
                     page_written += 1;
                     manifest_line(id, &capture)
                 }
-                None => {
+                Found::Unknown => {
                     missing += 1;
                     not_found_line(id)
+                }
+                Found::Unreadable(reason) => {
+                    unreadable += 1;
+                    bar.suspend(|| eprintln!("capstore export: capture {id} unreadable: {reason}"));
+                    unreadable_line(id)
                 }
             };
             lines.push_str(&line.to_string());
@@ -227,13 +236,14 @@ async fn export_to_dir(reader: &Reader, selection: Selection, dir: &Path, args: 
     bar.finish_and_clear();
     let complete = state.resume.is_none();
     eprintln!(
-        "capstore export: {this_run} captures written to {} ({} in all){}{}",
+        "capstore export: {this_run} captures written to {} ({} in all){}{}{}",
         dir.display(),
         state.exported,
         if missing > 0 { format!(", {missing} ids not found") } else { String::new() },
+        if unreadable > 0 { format!(", {unreadable} unreadable (listed in the manifest)") } else { String::new() },
         if complete { "; complete" } else { "; stopped early: --resume continues" }
     );
-    Ok(if missing > 0 { exit_code::FATAL } else { exit_code::CLEAN })
+    Ok(if missing + unreadable > 0 { exit_code::FATAL } else { exit_code::CLEAN })
 }
 
 /// Replace the state atomically (temp file, fsync, rename): a crash leaves the old state or the new one.
@@ -276,8 +286,11 @@ async fn export_to_tar(reader: &Reader, selection: Selection, args: &ExportArgs)
         for chunk in tar.chunks.iter().chain(&tar.manifest(page_number)) {
             out.write_all(chunk)?;
         }
+        for (id, reason) in &tar.unreadable {
+            bar.suspend(|| eprintln!("capstore export: capture {id} unreadable: {reason}"));
+        }
         written += tar.written;
-        missing += tar.missing;
+        missing += tar.missing + tar.unreadable.len() as u64;
         bar.set_message(format!("{written} captures"));
         if args.max_captures.is_some_and(|max| written >= max) {
             break;

@@ -148,7 +148,7 @@ pub fn ls(config: &Config, args: LsArgs) -> anyhow::Result<i32> {
 
 #[derive(Args)]
 pub struct TailArgs {
-    /// Print publishes after this version (0 = from the beginning), or after a `<version>:<skip>` position.
+    /// Print publishes after this version (0 = from the beginning), or after a `<version>:<capture_id>` position (the next version's captures up to that id, in id order, are skipped).
     #[arg(long, default_value = "0", value_parser = TailPosition::parse)]
     after: TailPosition,
     /// Keep polling for new publishes.

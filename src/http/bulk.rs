@@ -176,6 +176,9 @@ async fn send_pages(
         }
         page_number += 1;
         let tar = tar_page(page);
+        for (capture_id, reason) in &tar.unreadable {
+            tracing::warn!(%capture_id, %reason, "tar answer: capture unreadable (listed so in its manifest)");
+        }
         for chunk in tar.chunks.iter().cloned() {
             if tx.send(Ok(chunk)).await.is_err() {
                 return;

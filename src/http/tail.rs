@@ -2,7 +2,7 @@
 //!
 //! A consumer keeps one position (`after`, as `capstore tail --after` takes it) and asks again with each answer's
 //! `next`: every published capture comes once, in version order, whatever the pages' sizes (a publish larger than a
-//! page is split, see [`crate::catalog::query::TailPosition`]). When nothing follows the position, `wait_ms` holds
+//! page is split, see [`crate::catalog::query::TailPosition`]; an answer stops at about 8 MiB of JSON). When nothing follows the position, `wait_ms` holds
 //! the request open until a publish lands (announced by this daemon's pipeline, or seen by a poll each second, for
 //! publishes of another process) or the wait ends; it holds no read slot meanwhile.
 
@@ -20,6 +20,8 @@ use crate::catalog::query::{TailPage, TailPosition};
 const TAIL_LIMIT_DEFAULT: u64 = 1000;
 const TAIL_LIMIT_MAX: u64 = 10_000;
 const TAIL_WAIT_MAX: Duration = Duration::from_secs(60);
+/// An answer stops adding entries once its JSON passes this (labels can make entries large); `next` goes on there.
+const TAIL_RESPONSE_MAX_BYTES: usize = 8 << 20;
 /// How often a long poll looks at the catalog without an announcement (publishes of another process).
 const TAIL_POLL: Duration = Duration::from_secs(1);
 
@@ -64,26 +66,39 @@ pub(super) async fn tail(
     let mut announcements = state.published.subscribe();
     let mut stop_rx = state.stop_rx.clone();
     let deadline = tokio::time::Instant::now() + params.wait;
+    // The watermark of the last read (a read the busy server skipped answers with it).
+    let mut last_watermark = None;
     loop {
-        let (page, watermark) = {
-            let Ok(_read) = state.reads.try_acquire() else {
-                return Err(ApiError::busy("busy: http.max_concurrent_reads reads are running; retry shortly"));
-            };
-            let unavailable = |error: crate::catalog::CatalogError| {
-                tracing::debug!(%error, "tail: catalog unavailable");
-                ApiError::unavailable("the catalog is unavailable; retry later")
-            };
-            let watermark = reader.catalog().watermark().await.map_err(unavailable)?;
-            let page: TailPage =
-                reader.catalog().tail_page(params.after, Some(watermark), params.limit).await.map_err(unavailable)?;
-            (page, watermark)
+        // A read slot only for the reads, none while waiting; past the first read, a busy server is no news.
+        let read = match state.reads.try_acquire() {
+            Ok(permit) => Some(permit),
+            Err(_) if last_watermark.is_none() => {
+                return Err(ApiError::busy("busy: http.max_concurrent_reads reads are running; retry shortly"))
+            }
+            Err(_) => None,
+        };
+        let page_opt = match read {
+            Some(_permit) => {
+                let unavailable = |error: crate::catalog::CatalogError| {
+                    tracing::debug!(%error, "tail: catalog unavailable");
+                    ApiError::unavailable("the catalog is unavailable; retry later")
+                };
+                let watermark = reader.catalog().watermark().await.map_err(unavailable)?;
+                last_watermark = Some(watermark);
+                let page = reader.catalog().tail_page(params.after, Some(watermark), params.limit).await;
+                Some((page.map_err(unavailable)?.cut_by(TAIL_RESPONSE_MAX_BYTES, entry_bytes), watermark))
+            }
+            None => None,
         };
         let now = tokio::time::Instant::now();
-        if !page.caught_up() || now >= deadline || *stop_rx.borrow() {
-            let captures: Vec<serde_json::Value> = page.captures.iter().map(|capture| capture.tail_entry()).collect();
-            let body =
-                serde_json::json!({ "captures": captures, "next": page.next.to_string(), "watermark": watermark });
-            return Ok(Json(body).into_response());
+        let done = now >= deadline || *stop_rx.borrow();
+        match page_opt {
+            Some((page, watermark)) if !page.caught_up() || done => return Ok(answer(&page, watermark)),
+            None if done => {
+                let page = TailPage { captures: Vec::new(), from: params.after, next: params.after };
+                return Ok(answer(&page, last_watermark.unwrap_or_default()));
+            }
+            _ => {}
         }
         tokio::select! {
             _ = announcements.recv() => {}
@@ -93,6 +108,17 @@ pub(super) async fn tail(
     }
 }
 
+/// What a tail entry costs in the answer, about.
+fn entry_bytes(capture: &crate::catalog::query::CaptureLocation) -> usize {
+    capture.tail_entry().to_string().len() + 1
+}
+
+fn answer(page: &TailPage, watermark: u64) -> Response {
+    let captures: Vec<serde_json::Value> = page.captures.iter().map(|capture| capture.tail_entry()).collect();
+    Json(serde_json::json!({ "captures": captures, "next": page.next.to_string(), "watermark": watermark }))
+        .into_response()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -100,13 +126,13 @@ mod tests {
     #[test]
     fn tail_parameters_name_the_bad_field() {
         let pairs = |query: &str| query_pairs(Some(query.to_string()));
-        let params = tail_params(pairs("after=12:3&limit=50&wait_ms=2000")).unwrap();
-        assert_eq!(
-            (params.after, params.limit, params.wait),
-            (TailPosition { version: 12, skip: 3 }, 50, Duration::from_secs(2))
-        );
+        let id = uuid::Uuid::now_v7();
+        let params = tail_params(pairs(&format!("after=12:{id}&limit=50&wait_ms=2000"))).unwrap();
+        let after = TailPosition { version: 12, after_id: Some(id) };
+        assert_eq!((params.after, params.limit, params.wait), (after, 50, Duration::from_secs(2)));
         for (query, field) in [
             ("after=x", "after"),
+            ("after=3:7", "after"),
             ("limit=0", "limit"),
             ("limit=10001", "limit"),
             ("wait_ms=60001", "wait_ms"),

@@ -18,6 +18,7 @@ from .errors import (
     PayloadTooLarge,
     Unauthorized,
     Unavailable,
+    Unreadable,
 )
 
 __all__ = [
@@ -35,5 +36,6 @@ __all__ = [
     "TailEntry",
     "Unauthorized",
     "Unavailable",
+    "Unreadable",
 ]
 __version__ = "0.1.0"

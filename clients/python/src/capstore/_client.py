@@ -15,7 +15,7 @@ from urllib.parse import parse_qsl, quote, urlencode, urlsplit
 import urllib3
 
 from ._types import Capture, CaptureInfo, Export, ExportState, PutReceipt, TailEntry
-from .errors import CapstoreError, ConnectionFailed, NotFound, Unavailable, error_for
+from .errors import CapstoreError, ConnectionFailed, NotFound, Unavailable, Unreadable, error_for
 
 #: What :meth:`Client.put` takes as a payload: bytes, a path to a file, or a binary file object.
 Payload = Union[bytes, bytearray, memoryview, str, "os.PathLike[str]", IO[bytes]]
@@ -86,7 +86,8 @@ class Client:
         ``published=False`` and the capture is still durable).
 
         `payload` is bytes, a path, or a binary file (read from its current position; streamed, not loaded).
-        Posting a `capture_id` again replaces that capture (its newest version is what reads show).
+        Posting a `capture_id` again replaces that capture (its newest version is what reads show); without one,
+        the client makes one (a UUIDv7), so that its own retries never store a capture twice.
         """
         if wait not in ("durable", "published"):
             raise ValueError(f"wait = {wait!r}: 'durable' or 'published'")
@@ -94,8 +95,8 @@ class Client:
         query += [("label", f"{key}={value}") for key, value in (labels or {}).items()]
         if content_type is not None:
             query.append(("content_type", content_type))
-        if capture_id is not None:
-            query.append(("id", str(capture_id)))
+        # An id of the client's own makes the put idempotent, so a retry after a 503 cannot store it twice.
+        query.append(("id", str(capture_id) if capture_id is not None else str(uuid7())))
         if captured_at is not None:
             query.append(("captured_at_ns", str(_time_ns(captured_at, "captured_at"))))
         if wait == "published":
@@ -127,8 +128,14 @@ class Client:
     # --- reading -------------------------------------------------------------------------------------------------
 
     def get(self, capture_id: CaptureId) -> Capture:
-        """One capture, byte-identical. Raises :class:`NotFound` for an id nothing knows."""
-        response = self._request("GET", f"/v1/captures/{quote(str(capture_id), safe='')}")
+        """One capture, byte-identical. Raises :class:`NotFound` for an id nothing knows, :class:`Unreadable` for
+        one whose record fails its checks."""
+        try:
+            response = self._request("GET", f"/v1/captures/{quote(str(capture_id), safe='')}")
+        except CapstoreError as error:
+            if error.status == 500:  # the record fails its checks
+                raise Unreadable(error.status, error.message, error.field) from None
+            raise
         headers = response.headers
         version = headers.get("x-capstore-version")
         return Capture(
@@ -146,7 +153,7 @@ class Client:
     ) -> Iterator[Capture]:
         """The captures of `capture_ids`, in that order, `batch_size` per request (one catalog statement each on
         the daemon; a batch's captures are held in memory at once). An id nothing knows raises :class:`NotFound`,
-        or is left out with `missing_ok`."""
+        one whose record cannot be read :class:`Unreadable`; with `missing_ok` both are left out."""
         if not 1 <= batch_size <= 10_000:
             raise ValueError(f"batch_size = {batch_size}: 1-10000")
         batch: List[str] = []
@@ -171,11 +178,15 @@ class Client:
                 else:
                     files[name] = content
         for line in manifest:
-            if "error" in line:
-                if not missing_ok:
+            error = line.get("error")
+            if error is not None:
+                if missing_ok:
+                    continue
+                if error == "not found":
                     raise NotFound(404, f"capture {line['capture_id']} is unknown", "ids")
-                continue
-            yield _capture(line, files.pop(line["capture_id"]))
+                raise Unreadable(500, f"capture {line['capture_id']} is {error} (the daemon's log says why)", "ids")
+            # (An id asked twice has one file and two lines.)
+            yield _capture(line, files[line["capture_id"]])
 
     def list(
         self,
@@ -221,7 +232,8 @@ class Client:
         """Every capture a query selects (as :meth:`list`), or every capture published after `after_version`
         (through `through_version`, or the watermark when the export starts) in version order, with payloads, in
         one streamed answer: pages of up to 500 captures, a page held in memory at once. The returned
-        :class:`Export` iterates the captures and knows the token to resume from (`cursor`)."""
+        :class:`Export` iterates the captures and knows the token to resume from (`cursor`). A capture the daemon
+        cannot read (a damaged record, a lost pack object) is left out and its id listed in `Export.unreadable`."""
         if after_version is not None:
             if stream is not None or since is not None or until is not None or labels:
                 raise ValueError("after_version selects by version: stream, since, until and labels do not go with it")
@@ -249,7 +261,8 @@ class Client:
                     continue
                 lines = [json.loads(line) for line in content.splitlines() if line.strip()]
                 resume = next((line["resume"] for line in lines if "resume" in line), None)
-                captures = [_capture(line, files.pop(line["capture_id"])) for line in lines if "capture_id" in line]
+                state.unreadable += [line["capture_id"] for line in lines if "error" in line]
+                captures = [_capture(line, files[line["capture_id"]]) for line in lines if "size" in line]
                 files.clear()
                 # The page counts as handed out once its last capture is: the token moves on before that one.
                 for index, capture in enumerate(captures):
@@ -266,18 +279,13 @@ class Client:
         order. Without `follow` it ends once caught up; with it, it waits for new publishes (long polls of up to
         `wait` seconds) until the consumer stops iterating."""
         position = str(after)
-        version, skip = _position(position)
+        wait = min(wait, 60.0)
         while True:
             query = [("after", position), ("limit", str(page_size))]
             if follow:
-                query.append(("wait_ms", str(int(min(wait, 60.0) * 1000))))
-            page = _json(self._request("GET", "/v1/tail", query).data)
+                query.append(("wait_ms", str(int(wait * 1000))))
+            page = _json(self._request("GET", "/v1/tail", query, extra_read_timeout=wait if follow else 0.0).data)
             for row in page["captures"]:
-                # The position after each entry, as the daemon counts it (see TailPosition).
-                if row["version"] == version + 1:
-                    skip += 1
-                else:
-                    version, skip = row["version"] - 1, 1
                 yield TailEntry(
                     version=row["version"],
                     capture_id=row["capture_id"],
@@ -286,11 +294,11 @@ class Client:
                     size=row["size"],
                     labels=row["labels"],
                     content_type=row.get("content_type") or None,
-                    after=f"{version}:{skip}" if skip else str(version),
+                    # The daemon's position right after this entry (tail order within a version is by id).
+                    after=f"{row['version'] - 1}:{row['capture_id']}",
                 )
             caught_up = not page["captures"] and page["next"] == position
             position = page["next"]
-            version, skip = _position(position)
             if caught_up and not follow:
                 return
 
@@ -318,6 +326,7 @@ class Client:
         body: Optional[Union[bytes, IO[bytes]]] = None,
         headers: Optional[Mapping[str, str]] = None,
         stream: bool = False,
+        extra_read_timeout: float = 0.0,
     ) -> urllib3.BaseHTTPResponse:
         url = self._base + path + ("?" + urlencode(query, quote_via=quote) if query else "")
         all_headers = dict(self._headers)
@@ -332,7 +341,13 @@ class Client:
         while True:
             try:
                 response = self._pool.request(
-                    method, url, body=body, headers=all_headers, preload_content=not stream, redirect=False
+                    method,
+                    url,
+                    body=body,
+                    headers=all_headers,
+                    preload_content=not stream,
+                    redirect=False,
+                    timeout=self._timeout_for(extra_read_timeout),
                 )
             except urllib3.exceptions.HTTPError as error:
                 raise ConnectionFailed(f"{method} {path}: {error}") from error
@@ -348,6 +363,13 @@ class Client:
                     body.seek(start)
                 continue
             raise failure
+
+
+    def _timeout_for(self, extra_read: float) -> urllib3.Timeout:
+        if not extra_read:
+            return self._timeout
+        read = self._timeout.read_timeout
+        return urllib3.Timeout(connect=self._timeout.connect_timeout, read=(read or 0.0) + extra_read)
 
 
 class _TarReader:
@@ -371,7 +393,11 @@ class _TarReader:
         self._finished = True
 
     def close(self) -> None:
-        if not self._finished:
+        if self._finished:
+            # The archive's end may leave the chunked body's last bytes unread: read them, so the connection can
+            # serve the next request.
+            self._response.drain_conn()
+        else:
             self._response.close()
         self._response.release_conn()
 
@@ -380,6 +406,14 @@ class _TarReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def uuid7() -> uuid.UUID:
+    """A UUIDv7 (RFC 9562): 48 bits of Unix milliseconds, then random bits; the kind of id the daemon makes."""
+    value = (time.time_ns() // 1_000_000) << 80 | int.from_bytes(os.urandom(10), "big")
+    value = (value & ~(0xF << 76)) | (0x7 << 76)  # version 7
+    value = (value & ~(0x3 << 62)) | (0x2 << 62)  # the RFC 4122 variant
+    return uuid.UUID(int=value)
 
 
 def _capture(line: Mapping[str, Any], payload: bytes) -> Capture:
@@ -423,14 +457,6 @@ def _time_ns(value: Time, name: str) -> Union[int, str]:
     if isinstance(value, str):
         return value  # RFC 3339 or a date: the daemon parses it and names the field when it cannot.
     raise TypeError(f"{name}: nanoseconds, a datetime or an RFC 3339 string, not {type(value).__name__}")
-
-
-def _position(text: str) -> Tuple[int, int]:
-    version, _, skip = text.partition(":")
-    try:
-        return int(version), int(skip or 0)
-    except ValueError:
-        raise ValueError(f"after = {text!r}: a version, or <version>:<skip>") from None
 
 
 def _remaining(file: IO[bytes]) -> Optional[int]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,11 @@ class Export(Iterator[Capture]):
     def complete(self) -> bool:
         return self._state.complete
 
+    @property
+    def unreadable(self) -> List[str]:
+        """Ids of captures the daemon could not read so far (left out of the iteration)."""
+        return self._state.unreadable
+
     def __iter__(self) -> "Export":
         return self
 
@@ -106,3 +111,4 @@ class ExportState:
     resume: Optional[str]
     complete: bool = False
     close: Callable[[], None] = lambda: None
+    unreadable: List[str] = field(default_factory=list)

@@ -39,6 +39,11 @@ class PayloadTooLarge(CapstoreError):
     """413: the capture is larger than the daemon's ``spool.max_capture_bytes``."""
 
 
+class Unreadable(CapstoreError):
+    """500 (or a manifest's ``"error": "unreadable"``): the capture's record fails its checks or its pack object is
+    gone from the bucket; the daemon's log says which."""
+
+
 class Unavailable(CapstoreError):
     """503: the spool is full, the catalog is not connected or unreachable, the daemon is busy or stopping.
 
