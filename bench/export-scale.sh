@@ -11,12 +11,14 @@
 # stopped once the catalog has published all. Timed with farm-bench (RUNS pairs, default 3; medians; peak RSS of each
 # command), each run into a fresh output directory: capstore export --out vs rclone copy, capstore export --tar into
 # one file vs rclone copy, then a daemon serving GET /v1/export into `tar -x` vs rclone copy. Every run's output is checked: COUNT files, byte-identical to the
-# source (the first run of each, by checksum of the sorted content digests).
+# source (the first run of each, by checksum of the sorted content digests). MODES picks the pairs (default
+# "dir tar http"; "pages" adds the default export page against pages of 500).
 set -euo pipefail
 count=$1 size=$2 backend=${3:-file}
 bin=${4:-$PWD/target/release/capstore}
 url=${5:-http://127.0.0.1:18123}
 runs=${RUNS:-3}
+modes=${MODES:-dir tar http}
 work=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; wait 2>/dev/null; rm -rf "$work"' EXIT
 q() { curl -sS --fail-with-body "$url/?wait_end_of_query=1" --data-binary "$1"; }
@@ -44,6 +46,8 @@ s3)
         -s3.port="$s3_port" -admin.port="$(free_port)" -s3.port.iceberg=0 -s3.port.lance=0 -webdav=false \
         -admin.ui=false -master.telemetry=false -bucket=bench >"$work/weed.log" 2>&1 &
     export AWS_ACCESS_KEY_ID=bench AWS_SECRET_ACCESS_KEY=benchsecret AWS_REGION=us-east-1
+    # (rclone cannot use a custom CA bundle with its transport; the endpoint is plain http on loopback.)
+    unset AWS_CA_BUNDLE
     export CAPSTORE_BUCKET_URL=s3://bench CAPSTORE_BUCKET_ENDPOINT=http://127.0.0.1:$s3_port
     export RCLONE_CONFIG_BENCH_TYPE=s3 RCLONE_CONFIG_BENCH_PROVIDER=SeaweedFS RCLONE_CONFIG_BENCH_ENV_AUTH=true
     export RCLONE_CONFIG_BENCH_ENDPOINT=http://127.0.0.1:$s3_port
@@ -96,25 +100,39 @@ check() {  # $1 = directory: the export's files are the source's
 }
 
 baseline="sh -c 'rm -rf $work/out-rclone && exec rclone copy $objects $work/out-rclone'"
-echo "== capstore export --out DIR vs rclone copy"
-farm-bench -n "$runs" --timeout 3000 --vs "$baseline" -- \
-    sh -c "rm -rf $work/out-export && exec $bin export --stream $stream --out $work/out-export"
-check "$work/out-export"
-check "$work/out-rclone"
-rm -rf "$work/out-export"
+case " $modes " in *" dir "*)
+    echo "== capstore export --out DIR vs rclone copy"
+    farm-bench -n "$runs" --timeout 3000 --vs "$baseline" -- \
+        sh -c "rm -rf $work/out-export && exec $bin export --stream $stream --out $work/out-export"
+    check "$work/out-export"
+    check "$work/out-rclone"
+    rm -rf "$work/out-export"
+esac
 
-echo "== capstore export --tar > FILE vs rclone copy"
-farm-bench -n "$runs" --timeout 3000 --vs "$baseline" -- \
-    sh -c "exec $bin export --stream $stream --tar > $work/export.tar"
-mkdir "$work/out-tar" && tar -x -C "$work/out-tar" -f "$work/export.tar" && rm "$work/export.tar"
-check "$work/out-tar"
-rm -rf "$work/out-tar"
+case " $modes " in *" tar "*)
+    echo "== capstore export --tar > FILE vs rclone copy"
+    farm-bench -n "$runs" --timeout 3000 --vs "$baseline" -- \
+        sh -c "exec $bin export --stream $stream --tar > $work/export.tar"
+    mkdir "$work/out-tar" && tar -x -C "$work/out-tar" -f "$work/export.tar" && rm "$work/export.tar"
+    check "$work/out-tar"
+    rm -rf "$work/out-tar"
+esac
 
-echo "== GET /v1/export | tar -x vs rclone copy"
-"$bin" run 2>>"$work/daemon.log" &
-daemon=$!
-until curl -sf "http://127.0.0.1:$http_port/v1/captures?limit=1" >/dev/null; do sleep 0.1; done
-farm-bench -n "$runs" --timeout 3000 --vs "$baseline" -- \
-    sh -c "rm -rf $work/out-http && mkdir $work/out-http && curl -sSf 'http://127.0.0.1:$http_port/v1/export?stream=$stream' | tar -x -C $work/out-http"
-check "$work/out-http"
-kill -TERM $daemon && wait $daemon || true
+case " $modes " in *" pages "*)
+    echo "== capstore export --tar: default pages vs --page-size 500"
+    farm-bench -n "$runs" --timeout 3000 \
+        --vs "sh -c 'exec $bin export --stream $stream --tar --page-size 500 > $work/export-500.tar'" -- \
+        sh -c "exec $bin export --stream $stream --tar > $work/export.tar"
+    rm -f "$work/export.tar" "$work/export-500.tar"
+esac
+
+case " $modes " in *" http "*)
+    echo "== GET /v1/export | tar -x vs rclone copy"
+    "$bin" run 2>>"$work/daemon.log" &
+    daemon=$!
+    until curl -sf "http://127.0.0.1:$http_port/v1/captures?limit=1" >/dev/null; do sleep 0.1; done
+    farm-bench -n "$runs" --timeout 3000 --vs "$baseline" -- \
+        sh -c "rm -rf $work/out-http && mkdir $work/out-http && curl -sSf 'http://127.0.0.1:$http_port/v1/export?stream=$stream' | tar -x -C $work/out-http"
+    check "$work/out-http"
+    kill -TERM $daemon && wait $daemon || true
+esac

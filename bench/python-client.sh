@@ -38,8 +38,10 @@ payload = open("$work/payload", "rb").read()
 for _ in range($count):
     client.put("bench/py", payload)
 EOF
-for _ in $(seq "$count"); do
-    printf 'url = "%s/v1/captures?stream=bench/curl"\ndata-binary = "@%s"\noutput = "/dev/null"\nnext\n' "$base" "$work/payload"
+# (`next` between requests, not after the last: a trailing one is a request without a URL.)
+for index in $(seq "$count"); do
+    [ "$index" -gt 1 ] && echo next
+    printf 'url = "%s/v1/captures?stream=bench/curl"\ndata-binary = "@%s"\noutput = "/dev/null"\nfail\n' "$base" "$work/payload"
 done > "$work/put.curl"
 
 echo "== $count puts of $size bytes: Python client vs curl"
@@ -63,9 +65,12 @@ client = capstore.Client("$base")
 for capture_id in open("$work/ids").read().split():
     assert len(client.get(capture_id).payload) == $size
 EOF
+first=1
 while read -r id; do
-    printf 'url = "%s/v1/captures/%s"\noutput = "/dev/null"\nnext\n' "$base" "$id"
+    [ -n "$first" ] || echo next
+    first=""
+    printf 'url = "%s/v1/captures/%s"\noutput = "/dev/null"\nfail\n' "$base" "$id"
 done < "$work/ids" > "$work/get.curl"
 
 echo "== $count gets of $size bytes: Python client vs curl"
-farm-bench -n "$runs" --timeout 3000 --vs "curl -sSf -K $work/get.curl" -- "$python" "$work/get.py"
+farm-bench -n "$runs" --timeout 3000 --vs "curl -sS -K $work/get.curl" -- "$python" "$work/get.py"

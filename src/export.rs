@@ -1,15 +1,19 @@
 //! Exporting captures in bulk, and the framings exports and multi-gets are written in.
 //!
-//! An [`Export`] walks a selection (a listing query, a list of ids, or a range of versions) page by page: each page is at most
-//! [`EXPORT_PAGE`] captures and [`EXPORT_PAGE_BYTES`] of payload (one capture at least), costs one catalog statement (the listing page, or one multi-get statement) and one
-//! coalesced ranged read per bucket pack ([`Reader::read_located`]), and is handed over whole, so memory is one page
-//! whatever the export's size. After each page the export reports where it stands as a resume token: the listing's
-//! cursor (which pins the catalog's watermark, so a resumed export continues the same snapshot), `ids:<n>` for an
-//! id list, or `versions:<through>/<tail position>` for a version range (pinned at its last version likewise). States: `next page` -> `page handed over` (resume token advanced) -> ... -> `done` (no token).
+//! An [`Export`] walks a selection (a listing query, a list of ids, or a range of versions) page by page. A page is
+//! at most [`EXPORT_PAGE_BYTES`] of payload (one capture at least) and [`EXPORT_PAGE`] captures of a query or a
+//! version range ([`EXPORT_IDS_PAGE`] of an id list, the ids one multi-get statement holds). It costs one catalog
+//! read (the listing page, the log page, or one multi-get statement) and one coalesced ranged read per bucket pack
+//! ([`Reader::read_located`]), and is handed over whole, so memory is one page whatever the export's size. After each
+//! page the export reports where it stands as a resume token: the listing's cursor (which pins the catalog's
+//! watermark, so a resumed export continues the same snapshot), `ids:<n>` for an id list, or
+//! `versions:<through>/<tail position>` for a version range (pinned at its last version likewise). States: `next
+//! page` -> `page handed over` (resume token advanced) -> ... -> `done` (no token).
 //!
 //! Framings: a directory (one file per capture, named by its id, and `manifest.jsonl`), or a tar stream (the same
 //! files; the manifest split per page, `manifest/<page>.jsonl`, so nothing accumulates). A manifest line is
-//! [`manifest_line`] for a capture, or [`not_found_line`] for an id asked that neither catalog nor spool knows.
+//! [`manifest_line`] for a capture, [`not_found_line`] for an id asked that neither catalog nor spool knows, or
+//! [`unreadable_line`] for a capture whose record cannot be read.
 
 use bytes::Bytes;
 use uuid::Uuid;
@@ -17,10 +21,17 @@ use uuid::Uuid;
 use crate::catalog::query::{ListQuery, TailPosition};
 use crate::reader::{Found, ReadCapture, ReadError, Reader, GET_MANY_MAX};
 
-/// Captures per page of an export (one catalog statement each).
-pub const EXPORT_PAGE: usize = GET_MANY_MAX;
-/// Payload bytes per page, at most (one capture at least): what an export or a multi-get holds in memory at once.
-pub const EXPORT_PAGE_BYTES: usize = 64 << 20;
+/// Captures per page of a query or version-range export. Each page's catalog read costs about the same whatever
+/// its size up to here (tens of ms on a 2-core server), so small captures come out at the bucket's pace, not the
+/// catalog's.
+pub const EXPORT_PAGE: usize = 5000;
+/// The largest page a caller may ask for (a listing page's limit).
+pub const EXPORT_PAGE_MAX: usize = 10_000;
+/// Ids per page of an id-list export or a multi-get: the ids of one multi-get statement.
+pub const EXPORT_IDS_PAGE: usize = GET_MANY_MAX;
+/// Payload bytes per page, at most (one capture at least): what an export or a multi-get holds in memory at once,
+/// with the coalesced reads in flight (up to 4 x 16 MiB); together under 100 MiB.
+pub const EXPORT_PAGE_BYTES: usize = 32 << 20;
 const TAR_BLOCK: usize = 512;
 
 /// What to export.
@@ -52,6 +63,8 @@ pub struct Export<'a> {
     /// The listing cursor, or the index of the next id.
     position: Option<String>,
     done: bool,
+    /// Captures per page of a query or a version range ([`EXPORT_PAGE`] unless set).
+    page_captures: usize,
 }
 
 impl<'a> Export<'a> {
@@ -74,7 +87,14 @@ impl<'a> Export<'a> {
                 return Err(format!("resume token {token:?} is before version {}", after.version));
             }
         }
-        Ok(Export { reader, selection, position: resume, done: false })
+        Ok(Export { reader, selection, position: resume, done: false, page_captures: EXPORT_PAGE })
+    }
+
+    /// Pages of at most `captures` captures (1 to [`EXPORT_PAGE_MAX`]) of a query or a version range; an id list's
+    /// pages stay at [`EXPORT_IDS_PAGE`] at most.
+    pub fn with_page_captures(mut self, captures: usize) -> Self {
+        self.page_captures = captures.clamp(1, EXPORT_PAGE_MAX);
+        self
     }
 
     /// The next page, or `None` when the selection is exhausted.
@@ -85,7 +105,7 @@ impl<'a> Export<'a> {
         let (captures, resume) = match &self.selection {
             Selection::Query(query) => {
                 let page_query =
-                    ListQuery { limit: EXPORT_PAGE as u64, cursor: self.position.clone(), ..query.clone() };
+                    ListQuery { limit: self.page_captures as u64, cursor: self.position.clone(), ..query.clone() };
                 let page = self.reader.catalog().list(&page_query).await?;
                 let page = page.cut_by(EXPORT_PAGE_BYTES, |location| location.payload_len as usize);
                 let located = page
@@ -98,7 +118,7 @@ impl<'a> Export<'a> {
             Selection::Ids(ids) => {
                 let start = self.position.as_deref().and_then(|t| t.strip_prefix("ids:")?.parse().ok()).unwrap_or(0);
                 let start = start.min(ids.len());
-                let batch = &ids[start..(start + EXPORT_PAGE).min(ids.len())];
+                let batch = &ids[start..(start + EXPORT_IDS_PAGE.min(self.page_captures)).min(ids.len())];
                 let mut locations = self.reader.catalog().get_many(batch).await?;
                 // Cut the batch where its payloads pass the page's bytes (one capture at least).
                 let (mut kept, mut bytes) = (0, 0usize);
@@ -125,7 +145,7 @@ impl<'a> Export<'a> {
                         (through.map_or(watermark, |through| through.min(watermark)), *after)
                     }
                 };
-                let page = self.reader.catalog().tail_page(from, Some(through), EXPORT_PAGE as u64).await?;
+                let page = self.reader.catalog().tail_page(from, Some(through), self.page_captures as u64).await?;
                 let page = page.cut_by(EXPORT_PAGE_BYTES, |location| location.payload_len as usize);
                 let done = page.caught_up() || page.next.version >= through;
                 let resume = (!done).then(|| format!("versions:{through}/{}", page.next));

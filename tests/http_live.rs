@@ -402,7 +402,7 @@ async fn export_writes_each_selected_capture_once_resumes_and_streams_the_same_o
     let out = daemon._dir.path().join("export");
     let export = |extra: &[&str]| {
         let mut command = daemon.env.command();
-        command.args(["export", "--stream", "cam/x", "--out"]).arg(&out).args(extra);
+        command.args(["export", "--stream", "cam/x", "--page-size", "500", "--out"]).arg(&out).args(extra);
         let output = command.output().unwrap();
         (output.status.code().unwrap_or(-1), String::from_utf8_lossy(&output.stderr).into_owned())
     };
@@ -415,7 +415,7 @@ async fn export_writes_each_selected_capture_once_resumes_and_streams_the_same_o
     let mut manifest_file = std::fs::OpenOptions::new().append(true).open(out.join("manifest.jsonl")).unwrap();
     std::io::Write::write_all(&mut manifest_file, b"{\"capture_id\": \"from a page never recorded\"}\n").unwrap();
     let mut other = daemon.env.command();
-    other.args(["export", "--stream", "other/s", "--resume", "--out"]).arg(&out);
+    other.args(["export", "--stream", "other/s", "--page-size", "500", "--resume", "--out"]).arg(&out);
     let output = other.output().unwrap();
     assert_eq!(output.status.code(), Some(2), "a resume of another selection is refused");
     assert!(String::from_utf8_lossy(&output.stderr).contains("must ask for the same"));
@@ -439,7 +439,8 @@ async fn export_writes_each_selected_capture_once_resumes_and_streams_the_same_o
     assert_eq!(files, wanted.len() + 2, "the captures, manifest.jsonl and the export state, nothing else");
 
     // As a tar on standard output: the same captures, a manifest per page, resume tokens between pages.
-    let output = daemon.env.command().args(["export", "--stream", "cam/x", "--tar"]).output().unwrap();
+    let output =
+        daemon.env.command().args(["export", "--stream", "cam/x", "--page-size", "500", "--tar"]).output().unwrap();
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     assert!(output.stderr.is_empty(), "piped: no progress bar");
     let files = tar_files(&output.stdout);
@@ -450,7 +451,7 @@ async fn export_writes_each_selected_capture_once_resumes_and_streams_the_same_o
     assert_eq!(manifests, ["manifest/000001.jsonl", "manifest/000002.jsonl", "manifest/000003.jsonl"]);
 
     // Over HTTP: the same, and a resume token gives the rest of the same snapshot.
-    let response = client.get(daemon.url("/v1/export?stream=cam/x")).send().await.unwrap();
+    let response = client.get(daemon.url("/v1/export?stream=cam/x&page_size=500")).send().await.unwrap();
     assert_eq!(response.status(), StatusCode::OK);
     assert_eq!(response.headers()["content-type"], "application/x-tar");
     let files = tar_files(&response.bytes().await.unwrap());
@@ -462,7 +463,7 @@ async fn export_writes_each_selected_capture_once_resumes_and_streams_the_same_o
     let resume: Value = serde_json::from_str(first_page.lines().last().unwrap()).unwrap();
     let cursor = resume["resume"].as_str().expect("a resume token after a page that is not the last");
     let url = format!(
-        "/v1/export?stream=cam/x&cursor={}",
+        "/v1/export?stream=cam/x&page_size=500&cursor={}",
         form_urlencoded::byte_serialize(cursor.as_bytes()).collect::<String>()
     );
     let rest = tar_files(&client.get(daemon.url(&url)).send().await.unwrap().bytes().await.unwrap());
@@ -480,6 +481,12 @@ async fn export_writes_each_selected_capture_once_resumes_and_streams_the_same_o
     let response = client.get(daemon.url("/v1/export?stream=cam/x&limit=5")).send().await.unwrap();
     assert_eq!(response.status(), StatusCode::BAD_REQUEST);
     assert_eq!(json(response).await["field"], "limit");
+    let response = client.get(daemon.url("/v1/export?stream=cam/x&page_size=0")).send().await.unwrap();
+    assert_eq!(json(response).await["field"], "page_size");
+    // By default a page holds up to 5,000 captures: these 1,100 come as one.
+    let files =
+        tar_files(&client.get(daemon.url("/v1/export?stream=cam/x")).send().await.unwrap().bytes().await.unwrap());
+    assert_eq!(files.keys().filter(|name| name.starts_with("manifest/")).count(), 1);
     let ids_file = daemon._dir.path().join("ids.txt");
     std::fs::write(&ids_file, format!("{}\nnot-an-id\n", wanted.keys().next().unwrap())).unwrap();
     let output = daemon.env.command().args(["export", "--tar", "--ids"]).arg(&ids_file).output().unwrap();

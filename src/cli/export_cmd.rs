@@ -1,6 +1,6 @@
 //! `capstore export`: published captures (by stream, time range and labels) or a list of ids, out of the catalog and
 //! bucket, into a directory or as a tar stream on standard output. Byte-identical (every record's CRC checked), one
-//! catalog statement and one coalesced ranged read per bucket pack per page of [`capstore::export::EXPORT_PAGE`] captures, memory one
+//! catalog statement and one coalesced ranged read per bucket pack per page of [`capstore::export::EXPORT_PAGE`] captures (500 of an id list), memory one
 //! page, progress on a terminal. A capture whose record cannot be read (damaged, or its pack object gone) is listed in
 //! the manifest as `"error": "unreadable"` with the reason on stderr, the others are exported, and the exit code is 1.
 //!
@@ -65,6 +65,10 @@ pub struct ExportArgs {
     /// With --out: go on from where an earlier export into the same directory stopped.
     #[arg(long, requires = "out")]
     resume: bool,
+    /// Captures per page (one catalog read each, held in memory together, at most 32 MiB of payload), 1-10000;
+    /// an id list's pages are 500 at most.
+    #[arg(long, value_name = "N", default_value_t = capstore::export::EXPORT_PAGE as u64, value_parser = clap::value_parser!(u64).range(1..=10_000))]
+    page_size: u64,
     /// Stop after about this many captures (whole pages); --resume continues.
     #[arg(long, value_name = "N")]
     max_captures: Option<u64>,
@@ -183,7 +187,9 @@ async fn export_to_dir(reader: &Reader, selection: Selection, dir: &Path, args: 
         .and_then(|file| file.set_len(state.manifest_bytes))
         .with_context(|| format!("cannot open {}", manifest_path.display()))?;
     let mut manifest = std::io::BufWriter::new(std::fs::OpenOptions::new().append(true).open(&manifest_path)?);
-    let mut export = Export::new(reader, selection, state.resume.take()).map_err(anyhow::Error::msg)?;
+    let mut export = Export::new(reader, selection, state.resume.take())
+        .map_err(anyhow::Error::msg)?
+        .with_page_captures(args.page_size as usize);
     let bar = super::progress(None, "export");
     let mut this_run = 0u64;
     let (mut missing, mut unreadable) = (0u64, 0u64);
@@ -277,7 +283,8 @@ fn describe(selection: &Selection) -> String {
 
 async fn export_to_tar(reader: &Reader, selection: Selection, args: &ExportArgs) -> anyhow::Result<i32> {
     let mut out = std::io::BufWriter::with_capacity(1 << 20, std::io::stdout().lock());
-    let mut export = Export::new(reader, selection, None).map_err(anyhow::Error::msg)?;
+    let mut export =
+        Export::new(reader, selection, None).map_err(anyhow::Error::msg)?.with_page_captures(args.page_size as usize);
     let bar = super::progress(None, "export");
     let (mut written, mut missing, mut page_number) = (0u64, 0u64, 0u64);
     while let Some(page) = export.next_page().await? {

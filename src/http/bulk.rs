@@ -8,7 +8,7 @@
 //! `"error": "not found"`).
 //!
 //! Export: the listing's parameters (`stream`, `since`, `until`, `label`, and `cursor` to resume). Pages of
-//! [`crate::export::EXPORT_PAGE`] captures: each page's files, then `manifest/<page>.jsonl` with a line per capture
+//! [`crate::export::EXPORT_PAGE`] captures (or 32 MiB): each page's files, then `manifest/<page>.jsonl` with a line per capture
 //! and, when more follows, a last line `{"resume": "<cursor>"}`: a client that lost the stream asks again with
 //! `cursor=` that token and gets the rest of the same snapshot.
 //!
@@ -75,6 +75,13 @@ pub(super) async fn export(
         return Err(ApiError::bad("limit", "an export has no limit: it pages through everything the query selects"));
     }
     let mut take = |name: &str| pairs.iter().position(|(key, _)| key == name).map(|at| pairs.remove(at).1);
+    let page_captures = match take("page_size") {
+        None => crate::export::EXPORT_PAGE,
+        Some(text) => match super::captures::parse_u64("page_size", &text)? {
+            size @ 1..=10_000 => size as usize,
+            _ => return Err(ApiError::bad("page_size", "page_size must be 1-10000")),
+        },
+    };
     let after_version = take("after_version");
     let through_version = take("through_version");
     let selection = match (after_version, through_version) {
@@ -93,13 +100,13 @@ pub(super) async fn export(
         }
     };
     // (The cursor is checked against the selection by `Export::new`.)
-    stream_tar(state, selection, cursor, Framing::PageManifests).await
+    stream_tar(state, selection, cursor, Framing::PageManifests { page_captures }).await
 }
 
 /// How the manifest is written: one at the end in the order asked (multi-get), or one per page (export).
 enum Framing {
     OneManifest { asked: Vec<Uuid> },
-    PageManifests,
+    PageManifests { page_captures: usize },
 }
 
 async fn stream_tar(
@@ -138,8 +145,12 @@ async fn send_pages(
         let _ = started.send(Err(ApiError::busy("busy: http.max_concurrent_reads reads are running; retry shortly")));
         return;
     };
+    let page_captures = match framing {
+        Framing::PageManifests { page_captures } => page_captures,
+        Framing::OneManifest { .. } => crate::export::EXPORT_IDS_PAGE,
+    };
     let mut export = match Export::new(reader, selection, resume) {
-        Ok(export) => export,
+        Ok(export) => export.with_page_captures(page_captures),
         Err(problem) => {
             let _ = started.send(Err(ApiError::bad("cursor", problem)));
             return;
@@ -186,7 +197,7 @@ async fn send_pages(
         }
         match framing {
             Framing::OneManifest { .. } => lines.extend(tar.lines),
-            Framing::PageManifests => {
+            Framing::PageManifests { .. } => {
                 for chunk in tar.manifest(page_number) {
                     if tx.send(Ok(chunk)).await.is_err() {
                         return;

@@ -49,17 +49,20 @@ class Client:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"url = {url!r}: expected http://host:port")
-        self._base = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
+        self._path_prefix = parts.path.rstrip("/")
         self._headers: Dict[str, str] = {}
         if token is not None:
             self._headers["Authorization"] = f"Bearer {token.strip()}"
         self._retries = retries
         self._timeout = urllib3.Timeout(connect=connect_timeout, read=timeout)
-        self._pool = urllib3.PoolManager(maxsize=max_connections, block=False, retries=False, timeout=self._timeout)
+        # One pool for the one daemon (not a PoolManager: no per-request URL parsing and pool lookup).
+        self._pool = urllib3.connection_from_url(
+            f"{parts.scheme}://{parts.netloc}", maxsize=max_connections, block=False, retries=False, timeout=self._timeout
+        )
 
     def close(self) -> None:
         """Close the pooled connections."""
-        self._pool.clear()
+        self._pool.close()
 
     def __enter__(self) -> "Client":
         return self
@@ -228,10 +231,12 @@ class Client:
         after_version: Optional[Union[int, str]] = None,
         through_version: Optional[int] = None,
         cursor: Optional[str] = None,
+        page_size: Optional[int] = None,
     ) -> Export:
         """Every capture a query selects (as :meth:`list`), or every capture published after `after_version`
         (through `through_version`, or the watermark when the export starts) in version order, with payloads, in
-        one streamed answer: pages of up to 500 captures, a page held in memory at once. The returned
+        one streamed answer: pages of up to `page_size` captures (5,000 by default) and 32 MiB, a page held in
+        memory at once. The returned
         :class:`Export` iterates the captures and knows the token to resume from (`cursor`). A capture the daemon
         cannot read (a damaged record, a lost pack object) is left out and its id listed in `Export.unreadable`."""
         if after_version is not None:
@@ -246,6 +251,8 @@ class Client:
             query = _selection(stream, since, until, labels)
         if cursor is not None:
             query.append(("cursor", cursor))
+        if page_size is not None:
+            query.append(("page_size", str(page_size)))
         response = self._request("GET", "/v1/export", query, stream=True)
         reader = _TarReader(response)
         state = ExportState(resume=cursor, close=reader.close)
@@ -328,7 +335,7 @@ class Client:
         stream: bool = False,
         extra_read_timeout: float = 0.0,
     ) -> urllib3.BaseHTTPResponse:
-        url = self._base + path + ("?" + urlencode(query, quote_via=quote) if query else "")
+        url = self._path_prefix + path + ("?" + urlencode(query, quote_via=quote) if query else "")
         all_headers = dict(self._headers)
         all_headers.update(headers or {})
         start: Optional[int] = None
@@ -340,13 +347,14 @@ class Client:
         attempt = 0
         while True:
             try:
-                response = self._pool.request(
+                response = self._pool.urlopen(
                     method,
                     url,
                     body=body,
                     headers=all_headers,
                     preload_content=not stream,
                     redirect=False,
+                    retries=False,
                     timeout=self._timeout_for(extra_read_timeout),
                 )
             except urllib3.exceptions.HTTPError as error:
