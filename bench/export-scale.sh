@@ -12,7 +12,8 @@
 # command), each run into a fresh output directory: capstore export --out vs rclone copy, capstore export --tar into
 # one file vs rclone copy, then a daemon serving GET /v1/export into `tar -x` vs rclone copy. Every run's output is checked: COUNT files, byte-identical to the
 # source (the first run of each, by checksum of the sorted content digests). MODES picks the pairs (default
-# "dir tar http"; "pages" adds the default export page against pages of 500).
+# "dir tar http"; "pages" adds the default export page against pages of 500, "dirsync" the directory export against rclone
+# followed by `sync -f`, the same durability).
 set -euo pipefail
 count=$1 size=$2 backend=${3:-file}
 bin=${4:-$PWD/target/release/capstore}
@@ -48,7 +49,7 @@ s3)
     export AWS_ACCESS_KEY_ID=bench AWS_SECRET_ACCESS_KEY=benchsecret AWS_REGION=us-east-1
     # (rclone cannot use a custom CA bundle with its transport; the endpoint is plain http on loopback.)
     unset AWS_CA_BUNDLE
-    export CAPSTORE_BUCKET_URL=s3://bench CAPSTORE_BUCKET_ENDPOINT=http://127.0.0.1:$s3_port
+    export CAPSTORE_BUCKET_URL=s3://bench CAPSTORE_BUCKET_ENDPOINT=http://127.0.0.1:$s3_port CAPSTORE_BUCKET_ALLOW_HTTP=true
     export RCLONE_CONFIG_BENCH_TYPE=s3 RCLONE_CONFIG_BENCH_PROVIDER=SeaweedFS RCLONE_CONFIG_BENCH_ENV_AUTH=true
     export RCLONE_CONFIG_BENCH_ENDPOINT=http://127.0.0.1:$s3_port
     for _ in $(seq 100); do
@@ -86,6 +87,7 @@ mv "$work/files" "$work/spool/inbox/bench/export"
 published() { local n; n=$(q "SELECT sum(captures) FROM $db.cs_publishes WHERE catalog = 'main'" 2>/dev/null) || n=0; echo "$n"; }
 until [ "$(published)" -ge "$count" ]; do
     kill -0 $daemon || { tail -20 "$work/daemon.log"; exit 1; }
+    [ $(( $(date +%s) - start )) -lt 900 ] || { echo "not published within 900 s"; tail -20 "$work/daemon.log"; exit 1; }
     sleep 0.5
 done
 echo "ingested and published in $(( $(date +%s) - start )) s"
@@ -106,6 +108,16 @@ case " $modes " in *" dir "*)
         sh -c "rm -rf $work/out-export && exec $bin export --stream $stream --out $work/out-export"
     check "$work/out-export"
     check "$work/out-rclone"
+    rm -rf "$work/out-export"
+esac
+
+case " $modes " in *" dirsync "*)
+    # capstore export --out syncs what it wrote before it records progress and before it exits; rclone does
+    # not: this pair gives rclone the same durability (sync -f of the output's filesystem before it exits).
+    echo "== capstore export --out DIR vs rclone copy + sync -f"
+    farm-bench -n "$runs" --timeout 3000 \
+        --vs "sh -c 'rm -rf $work/out-rclone && rclone copy $objects $work/out-rclone && exec sync -f $work/out-rclone'" -- \
+        sh -c "rm -rf $work/out-export && exec $bin export --stream $stream --out $work/out-export"
     rm -rf "$work/out-export"
 esac
 
