@@ -11,15 +11,14 @@
 //! page` -> `page handed over` (resume token advanced) -> ... -> `done` (no token).
 //!
 //! Framings: a directory (one file per capture, named by its id, and `manifest.jsonl`), or a tar stream (the same
-//! files; the manifest split per page, `manifest/<page>.jsonl`, so nothing accumulates). A manifest line is
-//! [`manifest_line`] for a capture, [`not_found_line`] for an id asked that neither catalog nor spool knows, or
-//! [`unreadable_line`] for a capture whose record cannot be read.
+//! files; the manifest split per page, `manifest/<page>.jsonl`, so nothing accumulates), with a [`manifest_line`]
+//! per id.
 
 use bytes::Bytes;
 use uuid::Uuid;
 
-use crate::catalog::query::{ListQuery, TailPosition};
-use crate::reader::{Found, ReadCapture, ReadError, Reader, GET_MANY_MAX};
+use crate::catalog::query::{keep_within, CaptureLocation, ListQuery, TailPosition};
+use crate::reader::{Found, ReadError, Reader, GET_MANY_MAX};
 
 /// Captures per page of a query or version-range export. Each page's catalog read costs about the same whatever
 /// its size up to here (tens of ms on a 2-core server), so small captures come out at the bucket's pace, not the
@@ -108,28 +107,16 @@ impl<'a> Export<'a> {
                     ListQuery { limit: self.page_captures as u64, cursor: self.position.clone(), ..query.clone() };
                 let page = self.reader.catalog().list(&page_query).await?;
                 let page = page.cut_by(EXPORT_PAGE_BYTES, |location| location.payload_len as usize);
-                let located = page
-                    .captures
-                    .into_iter()
-                    .filter_map(|location| Some((Uuid::parse_str(&location.capture_id).ok()?, Some(location))))
-                    .collect();
-                (self.reader.read_located(located).await?, page.next_cursor)
+                (self.reader.read_located(located(page.captures)).await?, page.next_cursor)
             }
             Selection::Ids(ids) => {
                 let start = self.position.as_deref().and_then(|t| t.strip_prefix("ids:")?.parse().ok()).unwrap_or(0);
                 let start = start.min(ids.len());
                 let batch = &ids[start..(start + EXPORT_IDS_PAGE.min(self.page_captures)).min(ids.len())];
                 let mut locations = self.reader.catalog().get_many(batch).await?;
-                // Cut the batch where its payloads pass the page's bytes (one capture at least).
-                let (mut kept, mut bytes) = (0, 0usize);
-                for id in batch {
-                    let size = locations.get(id).map_or(0, |location| location.payload_len as usize);
-                    if kept > 0 && bytes + size > EXPORT_PAGE_BYTES {
-                        break;
-                    }
-                    bytes += size;
-                    kept += 1;
-                }
+                let sizes =
+                    batch.iter().map(|id| locations.get(id).map_or(0, |location| location.payload_len as usize));
+                let kept = keep_within(sizes, EXPORT_PAGE_BYTES);
                 let located = batch[..kept].iter().map(|id| (*id, locations.remove(id))).collect();
                 let end = start + kept;
                 (self.reader.read_located(located).await?, (end < ids.len()).then(|| format!("ids:{end}")))
@@ -149,18 +136,21 @@ impl<'a> Export<'a> {
                 let page = page.cut_by(EXPORT_PAGE_BYTES, |location| location.payload_len as usize);
                 let done = page.caught_up() || page.next.version >= through;
                 let resume = (!done).then(|| format!("versions:{through}/{}", page.next));
-                let located = page
-                    .captures
-                    .into_iter()
-                    .filter_map(|location| Some((Uuid::parse_str(&location.capture_id).ok()?, Some(location))))
-                    .collect();
-                (self.reader.read_located(located).await?, resume)
+                (self.reader.read_located(located(page.captures)).await?, resume)
             }
         };
         self.done = resume.is_none();
         self.position = resume.clone();
         Ok(Some(ExportPage { captures, resume }))
     }
+}
+
+/// Catalog rows as [`Reader::read_located`] takes them.
+fn located(captures: Vec<CaptureLocation>) -> Vec<(Uuid, Option<CaptureLocation>)> {
+    captures
+        .into_iter()
+        .filter_map(|location| Some((Uuid::parse_str(&location.capture_id).ok()?, Some(location))))
+        .collect()
 }
 
 /// The last version and the position in a resume token of a version-range export, `versions:<through>/<position>`.
@@ -170,29 +160,25 @@ fn versions_token(token: &str) -> Result<(u64, TailPosition), String> {
     Ok((through.parse().map_err(|_| bad())?, TailPosition::parse(position).map_err(|_| bad())?))
 }
 
-/// The manifest line of a capture read back.
-pub fn manifest_line(id: Uuid, capture: &ReadCapture) -> serde_json::Value {
-    serde_json::json!({
-        "capture_id": id,
-        "stream": capture.meta.stream,
-        "captured_at_ns": capture.meta.captured_at_ns,
-        "labels": capture.meta.labels,
-        "content_type": capture.meta.content_type,
-        "size": capture.payload.len(),
-        "crc32c": crc32c::crc32c(&capture.payload),
-        "version": capture.version,
-        "source": capture.source,
-    })
-}
-
-/// The manifest line of an id asked that neither the catalog nor the spool knows.
-pub fn not_found_line(id: Uuid) -> serde_json::Value {
-    serde_json::json!({"capture_id": id, "error": "not found"})
-}
-
-/// The manifest line of a capture whose record cannot be read (the reason goes to the log or the terminal).
-pub fn unreadable_line(id: Uuid) -> serde_json::Value {
-    serde_json::json!({"capture_id": id, "error": "unreadable"})
+/// The manifest line of what a read found for `id`: the capture's metadata, or `"error": "not found"` (an id asked
+/// that neither the catalog nor the spool knows), or `"error": "unreadable"` (the reason goes to the log or the
+/// terminal, never into the manifest).
+pub fn manifest_line(id: Uuid, found: &Found) -> serde_json::Value {
+    match found {
+        Found::Capture(capture) => serde_json::json!({
+            "capture_id": id,
+            "stream": capture.meta.stream,
+            "captured_at_ns": capture.meta.captured_at_ns,
+            "labels": capture.meta.labels,
+            "content_type": capture.meta.content_type,
+            "size": capture.payload.len(),
+            "crc32c": crc32c::crc32c(&capture.payload),
+            "version": capture.version,
+            "source": capture.source,
+        }),
+        Found::Unknown => serde_json::json!({"capture_id": id, "error": "not found"}),
+        Found::Unreadable(_) => serde_json::json!({"capture_id": id, "error": "unreadable"}),
+    }
 }
 
 /// One regular file in ustar framing: the header block, the bytes (not copied), zero padding to a whole block.
@@ -236,23 +222,15 @@ pub fn tar_page(page: ExportPage) -> TarPage {
         resume: page.resume,
     };
     for (id, found) in page.captures {
-        let line = match found {
+        tar.lines.push((id, manifest_line(id, &found)));
+        match found {
             Found::Capture(capture) => {
-                let line = manifest_line(id, &capture);
                 tar.chunks.extend(tar_file(&id.to_string(), capture.meta.captured_at_ns, capture.payload.into()));
                 tar.written += 1;
-                line
             }
-            Found::Unknown => {
-                tar.missing += 1;
-                not_found_line(id)
-            }
-            Found::Unreadable(reason) => {
-                tar.unreadable.push((id, reason));
-                unreadable_line(id)
-            }
-        };
-        tar.lines.push((id, line));
+            Found::Unknown => tar.missing += 1,
+            Found::Unreadable(reason) => tar.unreadable.push((id, reason)),
+        }
     }
     tar
 }

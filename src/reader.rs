@@ -174,11 +174,12 @@ impl Reader {
         key: String,
         records: Vec<(usize, Uuid, CaptureLocation)>,
     ) -> Result<Vec<(usize, Found)>, ReadError> {
-        let ranges = records.iter().map(|(_, _, location)| record_range(location)).collect::<Result<Vec<_>, _>>();
-        let fetched = match ranges {
-            Ok(ranges) => self.bucket.read_ranges(&key, &ranges).await.map_err(ReadError::from),
-            Err(error) => Err(error),
-        };
+        let fetched: Result<Vec<_>, ReadError> = async {
+            let ranges =
+                records.iter().map(|(_, _, location)| record_range(location)).collect::<Result<Vec<_>, _>>()?;
+            Ok(self.bucket.read_ranges(&key, &ranges).await?)
+        }
+        .await;
         let bytes = match fetched {
             Ok(bytes) => bytes,
             Err(ReadError::Bucket(error))

@@ -125,7 +125,7 @@ impl Page {
     /// The page cut after the last capture that keeps the sum of `size_of` within `max_bytes` (one capture at
     /// least), with the cursor of that capture.
     pub fn cut_by(mut self, max_bytes: usize, size_of: impl Fn(&CaptureLocation) -> usize) -> Page {
-        let keep = keep_within(&self.captures, max_bytes, size_of);
+        let keep = keep_within(self.captures.iter().map(size_of), max_bytes);
         if keep < self.captures.len() {
             self.captures.truncate(keep);
             let last = self.captures.last().expect("at least one capture is kept");
@@ -198,7 +198,7 @@ pub const TAIL_PAGE_MAX: u64 = 100_000;
 /// `after_id` is set, those of the next version up to that capture id (tail order within a version is by capture_id,
 /// so a position depends only on which distinct ids a version holds, never on how its rows were inserted or merged).
 /// Written `<version>` or `<version>:<capture_id>`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TailPosition {
     pub version: u64,
     pub after_id: Option<Uuid>,
@@ -257,7 +257,7 @@ impl TailPage {
     /// The page cut after the last capture that keeps the sum of `size_of` within `max_bytes` (one capture at
     /// least), with the position after it.
     pub fn cut_by(mut self, max_bytes: usize, size_of: impl Fn(&CaptureLocation) -> usize) -> TailPage {
-        let keep = keep_within(&self.captures, max_bytes, size_of);
+        let keep = keep_within(self.captures.iter().map(size_of), max_bytes);
         if keep < self.captures.len() {
             self.captures.truncate(keep);
             self.next = TailPosition::after(self.captures.last().expect("at least one capture is kept"));
@@ -266,16 +266,16 @@ impl TailPage {
     }
 }
 
-/// How many of `captures`, from the first, keep the sum of `size_of` within `max_bytes` (one at least).
-fn keep_within(captures: &[CaptureLocation], max_bytes: usize, size_of: impl Fn(&CaptureLocation) -> usize) -> usize {
+/// How many of `sizes`, from the first, add up to at most `max_bytes` (one at least, when there is one): where a
+/// page is cut so that it stays within a byte budget.
+pub fn keep_within(sizes: impl IntoIterator<Item = usize>, max_bytes: usize) -> usize {
     let mut total = 0;
     let mut keep = 0;
-    for capture in captures {
-        let row_bytes = size_of(capture);
-        if keep > 0 && total + row_bytes > max_bytes {
+    for size in sizes {
+        if keep > 0 && total + size > max_bytes {
             break;
         }
-        total += row_bytes;
+        total += size;
         keep += 1;
     }
     keep

@@ -22,9 +22,7 @@ use capstore::bucket::Bucket;
 use capstore::catalog::query::{ListQuery, TailPosition};
 use capstore::config::Config;
 use capstore::exit_code;
-use capstore::export::{
-    manifest_line, not_found_line, tar_end, tar_page, unreadable_line, Export, ExportPage, Selection,
-};
+use capstore::export::{manifest_line, tar_end, tar_page, Export, ExportPage, Selection};
 use capstore::reader::Found;
 use capstore::reader::Reader;
 
@@ -67,7 +65,7 @@ pub struct ExportArgs {
     resume: bool,
     /// Captures per page (one catalog read each, held in memory together, at most 32 MiB of payload), 1-10000;
     /// an id list's pages are 500 at most.
-    #[arg(long, value_name = "N", default_value_t = capstore::export::EXPORT_PAGE as u64, value_parser = clap::value_parser!(u64).range(1..=10_000))]
+    #[arg(long, value_name = "N", default_value_t = capstore::export::EXPORT_PAGE as u64, value_parser = clap::value_parser!(u64).range(1..=capstore::export::EXPORT_PAGE_MAX as u64))]
     page_size: u64,
     /// Stop after about this many captures (whole pages); --resume continues.
     #[arg(long, value_name = "N")]
@@ -198,25 +196,20 @@ async fn export_to_dir(reader: &Reader, selection: Selection, dir: &Path, args: 
         let mut lines = String::new();
         let mut page_written = 0;
         for (id, found) in captures {
-            let line = match found {
+            match &found {
                 Found::Capture(capture) => {
                     let path = dir.join(id.to_string());
                     std::fs::write(&path, &capture.payload)
                         .with_context(|| format!("cannot write {}", path.display()))?;
                     page_written += 1;
-                    manifest_line(id, &capture)
                 }
-                Found::Unknown => {
-                    missing += 1;
-                    not_found_line(id)
-                }
+                Found::Unknown => missing += 1,
                 Found::Unreadable(reason) => {
                     unreadable += 1;
                     bar.suspend(|| eprintln!("capstore export: capture {id} unreadable: {reason}"));
-                    unreadable_line(id)
                 }
-            };
-            lines.push_str(&line.to_string());
+            }
+            lines.push_str(&manifest_line(id, &found).to_string());
             lines.push('\n');
         }
         manifest.write_all(lines.as_bytes())?;

@@ -28,7 +28,7 @@ use uuid::Uuid;
 
 use super::{ApiError, HttpState};
 use crate::catalog::query::TailPosition;
-use crate::export::{tar_end, tar_file, tar_page, Export, Selection};
+use crate::export::{tar_end, tar_file, tar_page, Export, Selection, EXPORT_PAGE_MAX};
 
 /// Ids one multi-get may ask for.
 pub const MULTI_GET_MAX_IDS: usize = 10_000;
@@ -62,7 +62,9 @@ pub(super) async fn multi_get(State(state): State<Arc<HttpState>>, request: Requ
     }
     let mut seen = std::collections::HashSet::new();
     let unique: Vec<Uuid> = ids.iter().copied().filter(|id| seen.insert(*id)).collect();
-    stream_tar(state, Selection::Ids(unique), None, Framing::OneManifest { asked: ids }).await
+    // (An id list's pages are the ids of one multi-get statement, whatever the page size.)
+    let page_captures = crate::export::EXPORT_PAGE;
+    stream_tar(state, Selection::Ids(unique), None, page_captures, Framing::OneManifest { asked: ids }).await
 }
 
 pub(super) async fn export(
@@ -77,9 +79,9 @@ pub(super) async fn export(
     let mut take = |name: &str| pairs.iter().position(|(key, _)| key == name).map(|at| pairs.remove(at).1);
     let page_captures = match take("page_size") {
         None => crate::export::EXPORT_PAGE,
-        Some(text) => match super::captures::parse_u64("page_size", &text)? {
-            size @ 1..=10_000 => size as usize,
-            _ => return Err(ApiError::bad("page_size", "page_size must be 1-10000")),
+        Some(text) => match super::captures::parse_u64("page_size", &text)? as usize {
+            size @ 1..=EXPORT_PAGE_MAX => size,
+            _ => return Err(ApiError::bad("page_size", format!("page_size must be 1-{EXPORT_PAGE_MAX}"))),
         },
     };
     let after_version = take("after_version");
@@ -100,19 +102,20 @@ pub(super) async fn export(
         }
     };
     // (The cursor is checked against the selection by `Export::new`.)
-    stream_tar(state, selection, cursor, Framing::PageManifests { page_captures }).await
+    stream_tar(state, selection, cursor, page_captures, Framing::PageManifests).await
 }
 
 /// How the manifest is written: one at the end in the order asked (multi-get), or one per page (export).
 enum Framing {
     OneManifest { asked: Vec<Uuid> },
-    PageManifests { page_captures: usize },
+    PageManifests,
 }
 
 async fn stream_tar(
     state: Arc<HttpState>,
     selection: Selection,
     resume: Option<String>,
+    page_captures: usize,
     framing: Framing,
 ) -> Result<Response, ApiError> {
     if state.reader.get().is_none() {
@@ -120,7 +123,7 @@ async fn stream_tar(
     }
     let (tx, rx) = mpsc::channel::<Chunk>(4);
     let (started_tx, started_rx) = tokio::sync::oneshot::channel();
-    tokio::spawn(send_pages(state, selection, resume, framing, tx, started_tx));
+    tokio::spawn(send_pages(state, selection, resume, page_captures, framing, tx, started_tx));
     started_rx.await.map_err(|_| ApiError::unavailable("the read ended early; retry"))??;
     let mut response = Response::new(Body::from_stream(rx));
     let headers = response.headers_mut();
@@ -135,6 +138,7 @@ async fn send_pages(
     state: Arc<HttpState>,
     selection: Selection,
     resume: Option<String>,
+    page_captures: usize,
     framing: Framing,
     tx: mpsc::Sender<Chunk>,
     started: Started,
@@ -144,10 +148,6 @@ async fn send_pages(
     let Ok(_permit) = state.reads.try_acquire() else {
         let _ = started.send(Err(ApiError::busy("busy: http.max_concurrent_reads reads are running; retry shortly")));
         return;
-    };
-    let page_captures = match framing {
-        Framing::PageManifests { page_captures } => page_captures,
-        Framing::OneManifest { .. } => crate::export::EXPORT_IDS_PAGE,
     };
     let mut export = match Export::new(reader, selection, resume) {
         Ok(export) => export.with_page_captures(page_captures),
@@ -197,7 +197,7 @@ async fn send_pages(
         }
         match framing {
             Framing::OneManifest { .. } => lines.extend(tar.lines),
-            Framing::PageManifests { .. } => {
+            Framing::PageManifests => {
                 for chunk in tar.manifest(page_number) {
                     if tx.send(Ok(chunk)).await.is_err() {
                         return;
