@@ -177,6 +177,7 @@ pub fn manifest_line(id: Uuid, found: &Found) -> serde_json::Value {
             "source": capture.source,
         }),
         Found::Unknown => serde_json::json!({"capture_id": id, "error": "not found"}),
+        Found::Deleted { version } => serde_json::json!({"capture_id": id, "deleted": true, "version": version}),
         Found::Unreadable(_) => serde_json::json!({"capture_id": id, "error": "unreadable"}),
     }
 }
@@ -229,6 +230,8 @@ pub fn tar_page(page: ExportPage) -> TarPage {
                 tar.written += 1;
             }
             Found::Unknown => tar.missing += 1,
+            // A deletion in a version range: its manifest line is all it is.
+            Found::Deleted { .. } => {}
             Found::Unreadable(reason) => tar.unreadable.push((id, reason)),
         }
     }

@@ -62,6 +62,11 @@ pub enum Found {
     Capture(ReadCapture),
     /// Neither the catalog nor the spool knows the id.
     Unknown,
+    /// A deletion, at this version: only a read of the log of publishes (a version-range export) meets one, since
+    /// every other read leaves deleted captures out.
+    Deleted {
+        version: u64,
+    },
     /// The catalog places it in a record that cannot be read ([`ReadError::is_the_records_own`]): the reason, which
     /// names the pack's key (for the log and the CLI; never sent over HTTP).
     Unreadable(String),
@@ -146,6 +151,10 @@ impl Reader {
         // Positions in `located`, per bucket pack.
         let mut from_bucket: BTreeMap<String, Vec<(usize, Uuid, CaptureLocation)>> = BTreeMap::new();
         for (position, (id, location)) in located.into_iter().enumerate() {
+            if let Some(deletion) = location.as_ref().filter(|location| location.is_deletion()) {
+                found[position] = Some(Found::Deleted { version: deletion.version });
+                continue;
+            }
             let pack_id = location.as_ref().and_then(|location| Uuid::parse_str(&location.pack_id).ok());
             if let Some(local) = self.read_from_spool(id, pack_id).await? {
                 let version = location.map(|location| location.version);

@@ -13,8 +13,15 @@
 //!    (the lease is re-checked); an unknown outcome at 4 or 5 quarantines the lease and leaves the batch *unresolved*:
 //!    before anything else is published, the unresolved publish_id is read back again (and the replay guard sees it).
 //!
+//! A deletion ([`Publisher::publish_deletions`]) is published the same way: its rows are tombstones (the capture's
+//! newest row with an empty `pack_id`, see [`crate::catalog::query::CaptureLocation::is_deletion`]) instead of pack
+//! rows, and its `publishes` row counts them as its captures, with no pack. So a deletion is fenced, versioned and in
+//! the log of publishes like any other change, and only the lease holder makes one.
+//!
 //! Invariants: versions per catalog are gapless and strictly increasing (I4: V is allocated only under the lease, and
 //! the statement itself refuses unless `max(version) = V - 1`); no publishing statement lands without the fence (I3).
+//! One publish at a time per process (the publish turn: the indexer, reconcile and an API deletion share the
+//! publisher), so a version is never allocated twice here.
 
 use std::collections::HashSet;
 use std::sync::Mutex;
@@ -23,7 +30,7 @@ use uuid::Uuid;
 
 use super::client::{sql_string_literal, CatalogClient, CatalogError, ErrorKind};
 use super::lease::{server_now_ms_expr, LeaseHandle, PublishPermit};
-use super::query::CatalogReader;
+use super::query::{CaptureLocation, CatalogReader, DELETED_PACK_ID};
 use super::schema::Tables;
 use crate::pack::{IndexEntry, PackSummary};
 
@@ -41,6 +48,46 @@ pub enum PublishOutcome {
     Committed { version: u64, publish_id: Uuid },
     /// Every pack of the batch was already published earlier (replay guard); nothing was written.
     AlreadyPublished,
+}
+
+/// What a deletion of a list of ids found and did ([`Publisher::publish_deletions`], [`plan_deletions`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DeletionReport {
+    /// Deleted by this deletion (or, for a plan, what it would delete).
+    pub deleted: Vec<Uuid>,
+    /// Deleted earlier: their newest committed row is a deletion already (deleting is idempotent).
+    pub already_deleted: Vec<Uuid>,
+    /// Not in the catalog.
+    pub not_found: Vec<Uuid>,
+    /// The version the deletion was published at; `None` when nothing was to be deleted (and for a plan).
+    pub version: Option<u64>,
+}
+
+/// The most ids one deletion takes: its tombstones are one INSERT and one version.
+pub const DELETION_MAX_IDS: usize = 10_000;
+
+/// What deleting `ids` would do now, and the rows it would mark: each id's newest committed row (a capture, or a
+/// deletion already). An id given twice counts once.
+pub async fn plan_deletions(
+    reader: &CatalogReader,
+    ids: &[Uuid],
+) -> Result<(DeletionReport, Vec<CaptureLocation>), CatalogError> {
+    let mut unique = ids.to_vec();
+    let mut seen = HashSet::new();
+    unique.retain(|id| seen.insert(*id));
+    let mut newest = reader.newest_rows(&unique).await?;
+    let (mut report, mut targets) = (DeletionReport::default(), Vec::new());
+    for id in unique {
+        match newest.remove(&id) {
+            None => report.not_found.push(id),
+            Some(row) if row.is_deletion() => report.already_deleted.push(id),
+            Some(row) => {
+                report.deleted.push(id);
+                targets.push(row);
+            }
+        }
+    }
+    Ok((report, targets))
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -112,11 +159,24 @@ pub struct Publisher {
     catalog: String,
     lease: LeaseHandle,
     unresolved: Mutex<Option<Unresolved>>,
+    /// Held from a publish's version allocation to its read-back: one publish at a time.
+    turn: tokio::sync::Mutex<()>,
 }
 
 impl Publisher {
     pub fn new(client: CatalogClient, tables: Tables, catalog: &str, lease: LeaseHandle) -> Publisher {
-        Publisher { client, tables, catalog: catalog.to_string(), lease, unresolved: Mutex::new(None) }
+        Publisher {
+            client,
+            tables,
+            catalog: catalog.to_string(),
+            lease,
+            unresolved: Mutex::new(None),
+            turn: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    fn reader(&self) -> CatalogReader {
+        CatalogReader::new(self.client.clone(), self.tables.clone(), &self.catalog)
     }
 
     fn catalog_literal(&self) -> String {
@@ -130,7 +190,7 @@ impl Publisher {
 
     /// The highest committed version (0 before the first publish).
     pub async fn watermark(&self) -> Result<u64, CatalogError> {
-        CatalogReader::new(self.client.clone(), self.tables.clone(), &self.catalog).watermark().await
+        self.reader().watermark().await
     }
 
     /// Whether `publish_id`, sent at `version`, landed (a primary-key lookup: a publish lands at its own version
@@ -199,6 +259,7 @@ impl Publisher {
         permit: &PublishPermit,
         packs: &[PackDescriptor],
     ) -> Result<PublishOutcome, PublishError> {
+        let _turn = self.turn.lock().await;
         // An unresolved publish is settled first: its statement can no longer land (the quarantine gave us a new
         // lease_id, which its fence does not name), so the read-back is final.
         self.resolve_unresolved().await?;
@@ -213,8 +274,76 @@ impl Publisher {
         let version = self.watermark().await? + 1;
         let publish_id = Uuid::now_v7();
         self.insert_descriptor_rows(&fresh, version, publish_id).await?;
-
         let capture_count: usize = fresh.iter().map(|pack| pack.entries.len()).sum();
+        self.commit(permit, version, publish_id, fresh.len(), capture_count).await?;
+        Ok(PublishOutcome::Committed { version, publish_id })
+    }
+
+    /// Delete the captures `ids` name, as one publish under the lease held now: a tombstone for each id whose newest
+    /// committed row is a capture (an id deleted already, or unknown, is reported and left alone). Nothing is
+    /// published when nothing is to be deleted. At most [`DELETION_MAX_IDS`] ids.
+    ///
+    /// The plan is made inside the publish turn, after an unresolved publish is settled, so a retried deletion whose
+    /// first attempt landed finds its ids deleted already instead of deleting them twice.
+    pub async fn publish_deletions(&self, ids: &[Uuid]) -> Result<DeletionReport, PublishError> {
+        let permit = self.lease.permit().ok_or(PublishError::NoLease)?;
+        self.delete_with_permit(&permit, ids).await
+    }
+
+    /// [`Publisher::publish_deletions`] with a permit taken earlier (for tests, as [`Publisher::publish_with_permit`]).
+    pub async fn delete_with_permit(
+        &self,
+        permit: &PublishPermit,
+        ids: &[Uuid],
+    ) -> Result<DeletionReport, PublishError> {
+        assert!(ids.len() <= DELETION_MAX_IDS, "callers bound a deletion to DELETION_MAX_IDS ids");
+        let _turn = self.turn.lock().await;
+        self.resolve_unresolved().await?;
+        let (mut report, targets) = plan_deletions(&self.reader(), ids).await?;
+        if targets.is_empty() {
+            return Ok(report);
+        }
+        let version = self.watermark().await? + 1;
+        let publish_id = Uuid::now_v7();
+        let publish_id_text = publish_id.to_string();
+        let rows: Vec<CaptureRow> = targets
+            .into_iter()
+            .map(|target| CaptureRow {
+                catalog: self.catalog.clone(),
+                stream: target.stream,
+                captured_at_ns: target.captured_at_ns,
+                capture_id: target.capture_id,
+                pack_id: DELETED_PACK_ID.to_string(),
+                object_key: String::new(),
+                record_offset: 0,
+                record_len: 0,
+                payload_offset: 0,
+                payload_len: 0,
+                crc32c: 0,
+                // The capture's labels and content type stay on its tombstone, so that a listing filtered by them
+                // meets the tombstone in the same window as the row it hides.
+                label_keys: target.label_keys,
+                label_values: target.label_values,
+                content_type: target.content_type,
+                version,
+                publish_id: publish_id_text.clone(),
+            })
+            .collect();
+        self.client.insert_rows(&self.tables.captures, &rows).await?;
+        self.commit(permit, version, publish_id, 0, rows.len()).await?;
+        report.version = Some(version);
+        Ok(report)
+    }
+
+    /// Steps 4 and 5 of a publish whose rows are written: the fenced `publishes` row at `version`, and its read-back.
+    async fn commit(
+        &self,
+        permit: &PublishPermit,
+        version: u64,
+        publish_id: Uuid,
+        pack_count: usize,
+        capture_count: usize,
+    ) -> Result<(), PublishError> {
         let sql = format!(
             "INSERT INTO {publishes} (catalog, version, publish_id, holder, lease_term, packs, captures, published_at_ms) \
              SELECT {catalog}, {version}, {publish_id}, {holder}, {term}, {pack_count}, {capture_count}, {now} \
@@ -225,7 +354,6 @@ impl Publisher {
             publish_id = sql_string_literal(&publish_id.to_string()),
             holder = sql_string_literal(&permit.holder),
             term = permit.term,
-            pack_count = fresh.len(),
             now = server_now_ms_expr(&self.client),
             fence = permit.fence,
             previous = version - 1,
@@ -244,8 +372,8 @@ impl Publisher {
         match self.read_back(version, publish_id).await {
             Ok(Some(committed)) => {
                 debug_assert_eq!(committed, version);
-                tracing::info!(version, %publish_id, packs = fresh.len(), captures = capture_count, "published");
-                Ok(PublishOutcome::Committed { version, publish_id })
+                tracing::info!(version, %publish_id, packs = pack_count, captures = capture_count, "published");
+                Ok(())
             }
             Ok(None) => {
                 self.lease.report_fence_refused();

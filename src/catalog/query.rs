@@ -4,9 +4,13 @@
 //! `publishes` at or below W. A capture_id published more than once (a producer retry, or a re-post into another
 //! stream: the newest version replaces the capture) is shown once, at its latest visible version, by every read:
 //! `get`, and `list` (a stream's listing leaves out a capture whose newest version is elsewhere). `tail` is the log
-//! of publishes and shows each version. Reads never use `FINAL` and never rely on merges: duplicates from unmerged
-//! parts or a repeated copy collapse in the query (`argMax` by version, `LIMIT 1 BY`, `max`), so what a read returns
-//! depends only on committed rows.
+//! of publishes and shows each version. A deletion is a row of its own at the version of the delete (a tombstone:
+//! the capture's last row with an empty `pack_id`, see [`CaptureLocation::is_deletion`]); being the newest version,
+//! it hides the capture from every read pinned at or above it, and `tail` shows it as a deletion entry. A later post
+//! of the same id is newer still and makes it visible again.
+//!
+//! Reads never use `FINAL` and never rely on merges: duplicates from unmerged parts or a repeated copy collapse in the
+//! query (`argMax` by version, `LIMIT 1 BY`, `max`), so what a read returns depends only on committed rows.
 //!
 //! Listing pages through `(captured_at_ns, capture_id)` order with an opaque cursor that also pins W, so a listing
 //! taken across many pages is one consistent snapshot.
@@ -48,13 +52,31 @@ pub struct CaptureLocation {
     pub version: u64,
 }
 
+/// The `pack_id` of a deletion row (a tombstone): the capture's last place, marked gone from its version on.
+pub const DELETED_PACK_ID: &str = "";
+
 impl CaptureLocation {
+    /// True for a deletion (a tombstone row): the capture is gone from this version on, until it is posted again.
+    pub fn is_deletion(&self) -> bool {
+        self.pack_id == DELETED_PACK_ID
+    }
+
     pub fn labels_map(&self) -> BTreeMap<String, String> {
         self.label_keys.iter().cloned().zip(self.label_values.iter().cloned()).collect()
     }
 
-    /// The capture as an entry of the log of publishes: a line of `capstore tail`, an entry of `GET /v1/tail`.
+    /// The capture as an entry of the log of publishes: a line of `capstore tail`, an entry of `GET /v1/tail`. A
+    /// deletion is `{version, capture_id, stream, captured_at_ns, "deleted": true}`.
     pub fn tail_entry(&self) -> serde_json::Value {
+        if self.is_deletion() {
+            return serde_json::json!({
+                "version": self.version,
+                "capture_id": self.capture_id,
+                "stream": self.stream,
+                "captured_at_ns": self.captured_at_ns,
+                "deleted": true,
+            });
+        }
         serde_json::json!({
             "version": self.version,
             "capture_id": self.capture_id,
@@ -101,6 +123,9 @@ pub struct ListQuery {
     pub limit: u64,
     /// From a previous page's `next_cursor`.
     pub cursor: Option<String>,
+    /// Read at this watermark rather than the current one, when there is no cursor (which pins its own): so that
+    /// two passes over one selection see the same captures.
+    pub watermark: Option<u64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -323,6 +348,8 @@ impl Cursor {
 /// Every field of [`CaptureLocation`] from its latest visible version. The aggregation runs in an inner query under
 /// `*_v` aliases (ClickHouse aliases are global, so an alias named like a column would capture the WHERE clause); the
 /// outer query gives the columns the field names that servers with header validation check.
+///
+/// A capture whose newest row is a deletion is left out (`HAVING`, with `having` as further conditions).
 fn locations_sql(captures_table: &str, conditions: &str, having: &str, tail: &str) -> String {
     format!(
         "SELECT capture_id, stream_v AS stream, at_v AS captured_at_ns, pack_id_v AS pack_id, \
@@ -337,8 +364,10 @@ fn locations_sql(captures_table: &str, conditions: &str, having: &str, tail: &st
          argMax(crc32c, version) AS crc32c_v, argMax(label_keys, version) AS label_keys_v, \
          argMax(label_values, version) AS label_values_v, \
          argMax(content_type, version) AS content_type_v, max(version) AS version_v \
-         FROM {captures_table} WHERE {conditions} GROUP BY capture_id{having} ORDER BY at_v, capture_id{tail}\
-         ) ORDER BY captured_at_ns, capture_id"
+         FROM {captures_table} WHERE {conditions} GROUP BY capture_id \
+         HAVING pack_id_v != {deleted}{having} ORDER BY at_v, capture_id{tail}\
+         ) ORDER BY captured_at_ns, capture_id",
+        deleted = sql_string_literal(DELETED_PACK_ID),
     )
 }
 
@@ -434,13 +463,23 @@ impl CatalogReader {
                 publish_id = sql_string_literal(&latest.publish_id),
             ))
             .await?;
-        Ok(rows.pop())
+        // A deletion is the newest row: gone from its version on.
+        Ok(rows.pop().filter(|location| !location.is_deletion()))
     }
 
-    /// The newest committed location of each of `ids`, in one statement per [`MULTI_GET_BATCH`] ids: the versions
-    /// `by_id` holds for them, their rows in `by_version`, kept where (version, publish_id) is committed. Primary-key
-    /// reads throughout, whatever the catalog's history. Ids the catalog does not know are absent from the answer.
+    /// The newest committed location of each of `ids`: [`CatalogReader::newest_rows`] less the deletions. Ids the
+    /// catalog does not know, or whose newest row is a deletion, are absent from the answer.
     pub async fn get_many(&self, ids: &[Uuid]) -> Result<HashMap<Uuid, CaptureLocation>, CatalogError> {
+        let mut newest = self.newest_rows(ids).await?;
+        newest.retain(|_, location| !location.is_deletion());
+        Ok(newest)
+    }
+
+    /// The newest committed row of each of `ids`, a deletion included, in one statement per [`MULTI_GET_BATCH`] ids:
+    /// the versions `by_id` holds for them, their rows in `by_version`, kept where (version, publish_id) is
+    /// committed. Primary-key reads throughout, whatever the catalog's history. Ids the catalog does not know are
+    /// absent from the answer.
+    pub async fn newest_rows(&self, ids: &[Uuid]) -> Result<HashMap<Uuid, CaptureLocation>, CatalogError> {
         let catalog = self.catalog_literal();
         let mut newest: HashMap<Uuid, CaptureLocation> = HashMap::with_capacity(ids.len());
         for batch in ids.chunks(MULTI_GET_BATCH) {
@@ -484,9 +523,10 @@ impl CatalogReader {
     /// size however long the catalog's history.
     pub async fn list(&self, query: &ListQuery) -> Result<Page, CatalogError> {
         let cursor = query.cursor.as_deref().map(Cursor::decode).transpose()?;
-        let watermark = match &cursor {
-            Some(cursor) => cursor.watermark,
-            None => self.watermark().await?,
+        let watermark = match (&cursor, query.watermark) {
+            (Some(cursor), _) => cursor.watermark,
+            (None, Some(watermark)) => watermark,
+            (None, None) => self.watermark().await?,
         };
         let limit = query.limit.clamp(1, 100_000);
         let empty = Page { captures: Vec::new(), next_cursor: None, watermark, window_ns: 0 };
@@ -517,7 +557,7 @@ impl CatalogReader {
         }
         let having = match &cursor {
             Some(cursor) => format!(
-                " HAVING at_v > {at} OR (at_v = {at} AND capture_id > {id})",
+                " AND (at_v > {at} OR (at_v = {at} AND capture_id > {id}))",
                 at = cursor.captured_at_ns,
                 id = sql_string_literal(&cursor.capture_id.to_string())
             ),

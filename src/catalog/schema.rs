@@ -35,12 +35,14 @@
 //! written before the views existed (server-side `INSERT ... SELECT`; a row copied twice, by a crash before the stamp
 //! or two daemons upgrading at once, is a duplicate every read already collapses), then stamps 2. 2 -> 3 adds
 //! `intents` and `intent_marks` (see [`super::intents`]); a catalog without a mark yet is reconciled once by listing
-//! the bucket, as every start did before.
+//! the bucket, as every start did before. 3 -> 4 changes no table: from 4 on a row of `captures` may be a deletion (a
+//! tombstone, `pack_id` empty, see [`super::query`]), which a schema 3 reader would take for a capture in an object
+//! with no name; the stamp keeps such readers and writers out.
 
 use super::client::{sql_string_literal, CatalogClient, CatalogError, ErrorKind};
 use crate::config::CatalogConfig;
 
-pub const SCHEMA_VERSION: u32 = 3;
+pub const SCHEMA_VERSION: u32 = 4;
 
 /// Fully qualified table names of one catalog configuration, plus the DDL flavour.
 #[derive(Debug, Clone)]

@@ -16,7 +16,6 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use clap::Args;
-use uuid::Uuid;
 
 use capstore::bucket::Bucket;
 use capstore::catalog::query::{ListQuery, TailPosition};
@@ -85,37 +84,10 @@ struct ExportState {
 
 pub fn export(config: &Config, args: ExportArgs) -> anyhow::Result<i32> {
     let selection = match &args.ids {
-        Some(path) => {
-            let text =
-                std::fs::read_to_string(path).with_context(|| format!("cannot read --ids {}", path.display()))?;
-            let mut ids = Vec::new();
-            let mut seen = std::collections::HashSet::new();
-            for (number, line) in text.lines().enumerate().filter(|(_, line)| !line.trim().is_empty()) {
-                match Uuid::parse_str(line.trim()) {
-                    // An id listed twice is exported once.
-                    Ok(id) if id.is_nil() => {
-                        eprintln!(
-                            "capstore export: --ids {} line {}: the nil UUID is not a capture id",
-                            path.display(),
-                            number + 1
-                        );
-                        return Ok(exit_code::CONFIG_OR_USAGE);
-                    }
-                    Ok(id) if !seen.insert(id) => {}
-                    Ok(id) => ids.push(id),
-                    Err(_) => {
-                        eprintln!(
-                            "capstore export: --ids {} line {}: {:?} is not a UUID",
-                            path.display(),
-                            number + 1,
-                            line.trim()
-                        );
-                        return Ok(exit_code::CONFIG_OR_USAGE);
-                    }
-                }
-            }
-            Selection::Ids(ids)
-        }
+        Some(path) => match super::read_ids_file(path, "export")? {
+            Ok(ids) => Selection::Ids(ids),
+            Err(code) => return Ok(code),
+        },
         None if args.after_version.is_some() => {
             Selection::Versions { after: args.after_version.unwrap_or_default(), through: args.through_version }
         }
@@ -204,6 +176,16 @@ async fn export_to_dir(reader: &Reader, selection: Selection, dir: &Path, args: 
                     page_written += 1;
                 }
                 Found::Unknown => missing += 1,
+                Found::Deleted { .. } => {
+                    // Deleted later in the range: the directory holds what the range ends with.
+                    let path = dir.join(id.to_string());
+                    match std::fs::remove_file(&path) {
+                        Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
+                            return Err(anyhow::Error::new(error).context(format!("cannot remove {}", path.display())))
+                        }
+                        _ => {}
+                    }
+                }
                 Found::Unreadable(reason) => {
                     unreadable += 1;
                     bar.suspend(|| eprintln!("capstore export: capture {id} unreadable: {reason}"));

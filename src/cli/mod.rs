@@ -6,6 +6,7 @@ mod catalog_cmd;
 mod config_cmd;
 mod daemon_cmd;
 mod debug;
+mod delete_cmd;
 mod export_cmd;
 mod put;
 mod read_cmd;
@@ -44,6 +45,9 @@ enum Command {
     Ls(read_cmd::LsArgs),
     /// Export captures (a query or a list of ids) into a directory (resumable) or as a tar on standard output.
     Export(export_cmd::ExportArgs),
+    /// Delete captures by id, or by stream, time range and labels: asks the running daemon, which publishes the
+    /// deletion (versioned, so `tail` shows it); counts first, and confirms on a terminal (--yes elsewhere).
+    Delete(delete_cmd::DeleteArgs),
     /// Print published captures in version order (after version N), optionally following new publishes.
     Tail(read_cmd::TailArgs),
     /// The running daemon's status snapshot.
@@ -95,6 +99,7 @@ pub fn main() -> i32 {
         Command::Get(args) => read_cmd::get(&config, args),
         Command::Ls(args) => read_cmd::ls(&config, args),
         Command::Export(args) => export_cmd::export(&config, args),
+        Command::Delete(args) => delete_cmd::delete(&config, args),
         Command::Tail(args) => read_cmd::tail(&config, args),
         Command::Status { json } => daemon_cmd::status(&config, json),
         Command::Reconcile(args) => catalog_cmd::reconcile(&config, args),
@@ -177,4 +182,28 @@ fn own_spool(config: &Config, hint: &str) -> anyhow::Result<Result<capstore::spo
         }
         Err(error) => Err(error.into()),
     }
+}
+
+/// The capture ids of an ids file (one per line, blank lines skipped; an id listed twice counts once), or
+/// `Err(exit code 2)` after naming the line that is not a capture id.
+fn read_ids_file(path: &std::path::Path, command: &str) -> anyhow::Result<Result<Vec<uuid::Uuid>, i32>> {
+    use anyhow::Context;
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read --ids {}", path.display()))?;
+    let mut ids = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for (number, line) in text.lines().enumerate().filter(|(_, line)| !line.trim().is_empty()) {
+        let problem = match uuid::Uuid::parse_str(line.trim()) {
+            Ok(id) if id.is_nil() => "the nil UUID is not a capture id".to_string(),
+            Ok(id) => {
+                if seen.insert(id) {
+                    ids.push(id);
+                }
+                continue;
+            }
+            Err(_) => format!("{:?} is not a UUID", line.trim()),
+        };
+        eprintln!("capstore {command}: --ids {} line {}: {problem}", path.display(), number + 1);
+        return Ok(Err(exit_code::CONFIG_OR_USAGE));
+    }
+    Ok(Ok(ids))
 }

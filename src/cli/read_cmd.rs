@@ -94,7 +94,7 @@ pub fn ls(config: &Config, args: LsArgs) -> anyhow::Result<i32> {
             until_ns: args.until,
             labels: args.labels.iter().cloned().collect::<BTreeMap<_, _>>(),
             limit: remaining.min(10_000),
-            cursor: None,
+            ..ListQuery::default()
         };
         let mut out = std::io::stdout().lock();
         if !args.json {

@@ -38,6 +38,7 @@ use crate::catalog::{CatalogClient, Tables};
 use crate::config::Config;
 use crate::exit_code;
 use crate::http::HttpServer;
+use crate::pipeline::deletion::Deleter;
 use crate::pipeline::status::{status_file_loop, write_status, StatusBoard};
 use crate::pipeline::{off_runtime, Pipeline, PublishedPacks, RoundError};
 use crate::reader::{LocalSpool, Reader};
@@ -250,7 +251,7 @@ impl Running {
         };
         let lease = running_lease.handle().clone();
         self.lease = Some(running_lease);
-        let publisher = Arc::new(Publisher::new(client.clone(), tables, &config.catalog_name, lease.clone()));
+        let publisher = Arc::new(Publisher::new(client.clone(), tables.clone(), &config.catalog_name, lease.clone()));
         // The pipeline's own bucket handle reports its request attempts as the pipeline's progress (HTTP reads, on the
         // other handle, must not vouch for a stuck pipeline).
         let counters = Arc::new(crate::pipeline::PipelineCounters::default());
@@ -261,6 +262,11 @@ impl Running {
         pipeline.published = self.published.clone();
         pipeline.spool_index = self.spool.index();
         pipeline.stopping = Some(shutdown_rx.clone());
+        if let Some(http) = &self.http {
+            let catalog = CatalogReader::new(client.clone(), tables.clone(), &config.catalog_name);
+            let deleter = Deleter::new(pipeline.publisher.clone(), catalog, self.spool.index());
+            http.state().set_deleter(deleter);
+        }
         self.board.set_pipeline_counters(pipeline.counters.clone());
         self.systemd.set_phase(Phase::Publishing);
         tracing::info!(

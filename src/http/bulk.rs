@@ -44,22 +44,33 @@ struct MultiGetRequest {
 type Chunk = Result<Bytes, std::io::Error>;
 type Started = tokio::sync::oneshot::Sender<Result<(), ApiError>>;
 
-pub(super) async fn multi_get(State(state): State<Arc<HttpState>>, request: Request) -> Result<Response, ApiError> {
+/// A JSON request body of at most [`BODY_LIMIT`] bytes, received within `http.body_timeout`; `expected` shows the
+/// shape in the error (which names the field `ids`: every such body is a list of ids).
+pub(super) async fn json_body<T: serde::de::DeserializeOwned>(
+    state: &HttpState,
+    request: Request,
+    expected: &str,
+) -> Result<T, ApiError> {
     let body = tokio::time::timeout(state.body_timeout, axum::body::to_bytes(request.into_body(), BODY_LIMIT))
         .await
         .map_err(|_| ApiError::new(axum::http::StatusCode::REQUEST_TIMEOUT, "the request body did not arrive in time"))?
         .map_err(|_| {
             ApiError::new(axum::http::StatusCode::PAYLOAD_TOO_LARGE, format!("the ids must fit in {BODY_LIMIT} bytes"))
         })?;
-    let parsed: MultiGetRequest = serde_json::from_slice(&body)
-        .map_err(|error| ApiError::bad("ids", format!("expected {{\"ids\": [capture ids]}}: {error}")))?;
-    if parsed.ids.len() > MULTI_GET_MAX_IDS {
-        return Err(ApiError::bad("ids", format!("{} ids; at most {MULTI_GET_MAX_IDS} per request", parsed.ids.len())));
+    serde_json::from_slice(&body).map_err(|error| ApiError::bad("ids", format!("expected {expected}: {error}")))
+}
+
+/// The ids of a request body, each a UUID, at most `max` of them.
+pub(super) fn parse_ids(texts: &[String], max: usize) -> Result<Vec<Uuid>, ApiError> {
+    if texts.len() > max {
+        return Err(ApiError::bad("ids", format!("{} ids; at most {max} per request", texts.len())));
     }
-    let mut ids = Vec::with_capacity(parsed.ids.len());
-    for text in &parsed.ids {
-        ids.push(super::captures::parse_capture_id("ids", text)?);
-    }
+    texts.iter().map(|text| super::captures::parse_capture_id("ids", text)).collect()
+}
+
+pub(super) async fn multi_get(State(state): State<Arc<HttpState>>, request: Request) -> Result<Response, ApiError> {
+    let parsed: MultiGetRequest = json_body(&state, request, "{\"ids\": [capture ids]}").await?;
+    let ids = parse_ids(&parsed.ids, MULTI_GET_MAX_IDS)?;
     let mut seen = std::collections::HashSet::new();
     let unique: Vec<Uuid> = ids.iter().copied().filter(|id| seen.insert(*id)).collect();
     // (An id list's pages are the ids of one multi-get statement, whatever the page size.)

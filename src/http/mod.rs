@@ -8,6 +8,8 @@
 //! | `POST /v1/captures?stream=S[&id=UUID][&label=k=v ...][&content_type=T][&captured_at_ns=N][&wait=published][&timeout_ms=N]`, payload as body | 201 `{capture_id, pack_id}` once the record is fsynced (with `wait=published`: once the catalog shows it, plus `version`); 202 when `wait=published` timed out (durable, not yet published); 400 bad parameter (JSON names the `field`); 408 body not received within `http.body_timeout`; 413 larger than `spool.max_capture_bytes`; 503 spool full, spool I/O error, request bodies in flight over `http.max_inflight_bytes` (all with `Retry-After: 1`), or shutting down |
 //! | `GET /v1/captures/{id}[?disposition=inline]` | 200 the payload (`content-type` of the capture, `x-capstore-stream`, `x-capstore-captured-at-ns`, `x-capstore-labels` (form-encoded `k=v&...`) when it has labels, `x-capstore-version` when published; served as an attachment with `nosniff` and a `sandbox` CSP unless `disposition=inline`); 400 bad id; 404 unknown; 503 catalog not connected or unreachable, or `http.max_concurrent_reads` busy; 500 a record that fails its checks |
 //! | `POST /v1/captures/multi-get`, body `{"ids": [...]}` (at most 10,000) | 200 `application/x-tar`, streamed: a file per capture found (named by its id) and `manifest.jsonl` last, one line per id asked, in order (metadata, `"error": "not found"`, or `"error": "unreadable"` for a damaged record or a lost pack object, whose reason goes to the log: the other captures still come); one catalog statement per 500 ids, bucket records of a pack fetched together ([`bulk`]); 400 naming `ids`; 503 as a GET |
+//! | `DELETE /v1/captures/{id}[?dry_run=true]` | 200 `{deleted, already_deleted, not_found, pending, version, dry_run}` once the deletion is published (a versioned publish of this daemon: [`delete`]); from that version on no read returns the capture, `tail` shows the deletion; an id deleted before is `already_deleted` (idempotent); 404 unknown id; 409 still in the spool, not published yet (`Retry-After: 1`); 503 not holding the lease, the catalog away, or an unknown outcome (ask again) |
+//! | `POST /v1/captures/delete`, body `{"ids": [...], "dry_run": false}` (at most 10,000) | 200 the same JSON, per id, as one publish; 400 naming `ids`; 503 as a DELETE |
 //! | `GET /v1/export?stream=&since=&until=&label=k=v[&cursor=][&page_size=N]` or `?after_version=V[&through_version=M][&cursor=]` | 200 `application/x-tar`, streamed: everything the query selects (or what was published after version V, through M or the watermark, in version order), pages of `page_size` captures (default 5,000, at most 10,000) and at most 32 MiB of payload, each page's files then `manifest/<page>.jsonl` (a line per capture, and `{"resume": cursor}` while more follows: ask again with `cursor=` to resume the same snapshot); 400 bad parameter; 503 as a GET |
 //! | `GET /v1/captures?stream=&since=&until=&label=k=v&limit=&cursor=` | 200 `{captures, next_cursor, watermark}` (`since`/`until`: ns or RFC 3339; `limit` default 100, at most 10000; at most 64 labels; a page is cut short at about 8 MiB of JSON, with a `next_cursor`); 400 bad parameter; 503 catalog not connected or unreachable, or busy |
 //! | `GET /v1/tail?after=V[:ID][&limit=N][&wait_ms=T]` | 200 `{captures, next, watermark}`: the published captures after position `after` in version order (entries as `capstore tail` prints them), at most `limit` (default 1000, at most 10,000); ask again with `after=next`; when none follows, waits up to `wait_ms` (at most 60,000) for a publish ([`tail`]); 400 bad parameter; 503 as a GET |
@@ -34,10 +36,12 @@
 //!
 //! Files: this one holds the server's state, routes and errors; `serve.rs` the accept loop and its limits;
 //! `guard.rs` the token, Origin and Host checks; `captures.rs` the capture endpoints and their parameters;
-//! `bulk.rs` the tar answers of many captures (multi-get, export); `tail.rs` the log of publishes; `metrics.rs` the Prometheus text.
+//! `bulk.rs` the tar answers of many captures (multi-get, export); `delete.rs` deletions; `tail.rs` the log of
+//! publishes; `metrics.rs` the Prometheus text.
 
 mod bulk;
 mod captures;
+mod delete;
 mod guard;
 mod metrics;
 mod serve;
@@ -83,6 +87,8 @@ pub(crate) struct HttpState {
     body_timeout: Duration,
     guard: guard::Guard,
     reader: OnceLock<Reader>,
+    /// Appears once this process publishes (connected, lease taken).
+    deleter: OnceLock<crate::pipeline::deletion::Deleter>,
     intake_open: AtomicBool,
     /// Request bodies in memory, in KiB (see `http.max_inflight_bytes`).
     inflight_kib: Semaphore,
@@ -94,6 +100,10 @@ pub(crate) struct HttpState {
 impl HttpState {
     pub(crate) fn set_reader(&self, reader: Reader) {
         let _ = self.reader.set(reader);
+    }
+
+    pub(crate) fn set_deleter(&self, deleter: crate::pipeline::deletion::Deleter) {
+        let _ = self.deleter.set(deleter);
     }
 
     /// From now on a POST answers 503 and /readyz is not ready.
@@ -141,6 +151,7 @@ impl HttpServer {
             body_timeout: config.body_timeout.0,
             guard: guard::Guard::new(config, token_opt, local_addr),
             reader: OnceLock::new(),
+            deleter: OnceLock::new(),
             intake_open: AtomicBool::new(true),
             inflight_kib: Semaphore::new(inflight_kib.min(Semaphore::MAX_PERMITS)),
             reads: Semaphore::new(config.max_concurrent_reads as usize),
@@ -175,7 +186,8 @@ fn router(state: Arc<HttpState>, config: &HttpConfig) -> Router {
         .route("/v1/captures", post(captures::post_capture).get(captures::list_captures))
         .route("/v1/captures/multi-get", post(bulk::multi_get))
         .route("/v1/export", get(bulk::export))
-        .route("/v1/captures/{id}", get(captures::get_capture))
+        .route("/v1/captures/delete", post(delete::delete_captures))
+        .route("/v1/captures/{id}", get(captures::get_capture).delete(delete::delete_capture))
         .route("/v1/tail", get(tail::tail))
         .route("/status", get(status))
         .route("/metrics", get(metrics::metrics))

@@ -3,6 +3,7 @@
 //! - [`uploader`]: `.sealed` -> intent recorded in the catalog -> bucket -> `.uploaded`, only while the lease is held
 //!   and nothing is owed (a mark only once reconciled in the lease's current tenure).
 //! - [`indexer`]: `.uploaded` (the durable `pending_index`) -> fenced publish -> deleted.
+//! - [`deletion`]: deletions asked for by id -> a fenced publish of tombstones (not of ids still in the spool).
 //! - [`reconcile`]: packs in the bucket that the catalog lacks (found by intents, or by a listing) -> published from
 //!   their footers.
 //! - [`status`]: the status board the daemon fills as it starts, its snapshot and `status.json`.
@@ -15,6 +16,7 @@
 //!    \--conflicting object in the bucket--> quarantine/packs      \--rejected max_index_attempts times--> quarantine
 //! ```
 
+pub mod deletion;
 pub mod indexer;
 pub mod reconcile;
 pub mod status;
