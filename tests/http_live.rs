@@ -744,3 +744,153 @@ async fn a_damaged_record_or_a_lost_pack_is_an_error_line_and_everything_else_is
     check_manifest(lines, &files);
     assert!(daemon.log().contains("unreadable"), "the daemon logs why: {}", daemon.log());
 }
+
+/// The manifest lines of a tar answer (`manifest.jsonl` or `manifest/<page>.jsonl`).
+fn manifest_lines(files: &std::collections::BTreeMap<String, Vec<u8>>) -> Vec<Value> {
+    files
+        .iter()
+        .filter(|(name, _)| name.starts_with("manifest"))
+        .flat_map(|(_, text)| {
+            std::str::from_utf8(text).unwrap().lines().map(|line| serde_json::from_str(line).unwrap())
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_deletion_hides_a_capture_from_every_read_at_once_tail_shows_it_and_the_cli_deletes_a_stream() {
+    // Packs of two captures and no linger: a capture posted alone stays in the spool until a second one comes.
+    let daemon = HttpDaemon::start(&[
+        ("CAPSTORE_SPOOL_PACK_MAX_RECORDS", "2".into()),
+        ("CAPSTORE_SPOOL_PACK_MAX_AGE", "1h".into()),
+    ])
+    .await;
+    let client = reqwest::Client::new();
+    daemon.get_ok(&client, "/v1/tail").await;
+    let posted = post_batch_published(&daemon, &client, "del/a", 6, 1).await;
+    let ids: Vec<&str> = posted.iter().map(|(id, _, _)| id.as_str()).collect();
+    let delete_one = |id: &str, query: &str| client.delete(daemon.url(&format!("/v1/captures/{id}{query}"))).send();
+    let delete_many = |body: Value| client.post(daemon.url("/v1/captures/delete")).body(body.to_string()).send();
+
+    // A capture still in the spool is not deleted (its pack would publish it again): 409, and pending in a list.
+    let response = client.post(daemon.url("/v1/captures?stream=del/p")).body("pending").send().await.unwrap();
+    let pending_id = json(response).await["capture_id"].as_str().unwrap().to_string();
+    let response = delete_one(&pending_id, "").await.unwrap();
+    assert_eq!(response.status(), StatusCode::CONFLICT);
+    assert!(response.headers().contains_key("retry-after"));
+    assert_eq!(json(response).await["field"], "id");
+    let answer = json(delete_many(serde_json::json!({ "ids": [pending_id] })).await.unwrap()).await;
+    assert_eq!(answer["pending"], serde_json::json!([pending_id]), "{answer}");
+    assert_eq!(answer["version"], Value::Null);
+    // Once published (a second capture fills its pack) it can be deleted.
+    post_batch_published(&daemon, &client, "del/p", 1, 9).await;
+    let response = delete_one(&pending_id, "").await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK, "{}", response.text().await.unwrap());
+
+    // A dry run deletes nothing.
+    let answer = json(delete_one(ids[0], "?dry_run=true").await.unwrap()).await;
+    assert_eq!((answer["deleted"].clone(), answer["version"].clone()), (serde_json::json!([ids[0]]), Value::Null));
+    assert_eq!(
+        client.get(daemon.url(&format!("/v1/captures/{}", ids[0]))).send().await.unwrap().status(),
+        StatusCode::OK
+    );
+
+    // A reader paging through a listing before the deletion keeps its snapshot.
+    let first_page = json(daemon.get_ok(&client, "/v1/captures?stream=del/a&limit=1").await).await;
+    let cursor = first_page["next_cursor"].as_str().unwrap().to_string();
+
+    let answer = json(delete_one(ids[0], "").await.unwrap()).await;
+    let version =
+        answer["version"].as_u64().unwrap_or_else(|| panic!("the deletion's version: {answer}\n{}", daemon.log()));
+    assert_eq!(answer["deleted"], serde_json::json!([ids[0]]));
+    let unknown = uuid::Uuid::now_v7().to_string();
+    let answer = json(delete_many(serde_json::json!({ "ids": [ids[0], ids[1], unknown] })).await.unwrap()).await;
+    assert_eq!(answer["deleted"], serde_json::json!([ids[1]]), "{answer}");
+    assert_eq!(answer["already_deleted"], serde_json::json!([ids[0]]));
+    assert_eq!(answer["not_found"], serde_json::json!([unknown]));
+    assert_eq!(answer["version"].as_u64(), Some(version + 1));
+
+    // Gone from every read, at once.
+    for id in &ids[..2] {
+        let response = client.get(daemon.url(&format!("/v1/captures/{id}"))).send().await.unwrap();
+        assert_eq!(response.status(), StatusCode::NOT_FOUND, "{id}");
+    }
+    let listed = json(daemon.get_ok(&client, "/v1/captures?stream=del/a").await).await;
+    let listed: std::collections::BTreeSet<&str> =
+        listed["captures"].as_array().unwrap().iter().map(|c| c["capture_id"].as_str().unwrap()).collect();
+    assert_eq!(listed, ids[2..].iter().copied().collect(), "the listing leaves the deleted out");
+    let body = serde_json::json!({ "ids": [ids[0], ids[2]] }).to_string();
+    let tar = client.post(daemon.url("/v1/captures/multi-get")).body(body).send().await.unwrap();
+    let lines = manifest_lines(&tar_files(&tar.bytes().await.unwrap()));
+    assert_eq!(lines[0]["error"], "not found", "{lines:?}");
+    assert_eq!(lines[1]["capture_id"], ids[2]);
+    // A listing paged on with a cursor taken before the deletion leaves it out as well: a deletion applies to
+    // every reader at once.
+    let rest = json(daemon.get_ok(&client, &format!("/v1/captures?stream=del/a&cursor={cursor}")).await).await;
+    let rest: std::collections::BTreeSet<&str> =
+        rest["captures"].as_array().unwrap().iter().map(|c| c["capture_id"].as_str().unwrap()).collect();
+    let on_first_page = first_page["captures"][0]["capture_id"].as_str().unwrap();
+    let wanted = ids[2..].iter().copied().filter(|id| *id != on_first_page).collect();
+    assert_eq!(rest, wanted, "{first_page}");
+
+    // Tail and export by version show the deletions, in order.
+    let tail = json(daemon.get_ok(&client, &format!("/v1/tail?after={}", version - 1)).await).await;
+    let entries: Vec<(String, u64, bool)> = tail["captures"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| (e["capture_id"].as_str().unwrap().to_string(), e["version"].as_u64().unwrap(), e["deleted"] == true))
+        .collect();
+    assert_eq!(entries, [(ids[0].to_string(), version, true), (ids[1].to_string(), version + 1, true)]);
+    let url = format!("/v1/export?after_version={}", version - 1);
+    let files = tar_files(&daemon.get_ok(&client, &url).await.bytes().await.unwrap());
+    let lines = manifest_lines(&files);
+    assert_eq!(lines[0], serde_json::json!({"capture_id": ids[0], "deleted": true, "version": version}));
+    assert!(!files.contains_key(ids[0]), "a deletion is a manifest line, not a file");
+
+    // Posted again, a deleted capture is back.
+    let url = daemon.url(&format!("/v1/captures?stream=del/a&id={}&wait=published", ids[0]));
+    let (again, _companion) =
+        tokio::join!(client.post(url).body("again").send(), post_batch_published(&daemon, &client, "del/p", 1, 40));
+    assert_eq!(again.unwrap().status(), StatusCode::CREATED, "(the companion fills the pack)");
+    let again = daemon.get_ok(&client, &format!("/v1/captures/{}", ids[0])).await;
+    assert_eq!(again.bytes().await.unwrap().as_ref(), b"again");
+
+    // Bad input names the field.
+    let response = delete_one("not-a-uuid", "").await.unwrap();
+    assert_eq!((response.status(), json(response).await["field"].clone()), (StatusCode::BAD_REQUEST, "id".into()));
+    let response = delete_one(ids[2], "?dry_run=maybe").await.unwrap();
+    assert_eq!(json(response).await["field"], "dry_run");
+    let response = client.post(daemon.url("/v1/captures/delete")).body("[1, 2]").send().await.unwrap();
+    assert_eq!((response.status(), json(response).await["field"].clone()), (StatusCode::BAD_REQUEST, "ids".into()));
+    let too_many: Vec<String> = (0..10_001).map(|_| uuid::Uuid::now_v7().to_string()).collect();
+    let response = delete_many(serde_json::json!({ "ids": too_many })).await.unwrap();
+    assert_eq!((response.status(), json(response).await["field"].clone()), (StatusCode::BAD_REQUEST, "ids".into()));
+
+    // The CLI: a stream, counted first, confirmed by --yes; nothing else is touched.
+    post_batch_published(&daemon, &client, "del/b", 4, 20).await;
+    let kept = post_batch_published(&daemon, &client, "del/c", 2, 30).await;
+    let cli = |args: &[&str]| daemon.env.command().args(args).stdin(std::process::Stdio::null()).output().unwrap();
+    let output = cli(&["delete", "--stream", "del/b", "--dry-run"]);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(String::from_utf8_lossy(&output.stdout).starts_with("would delete 4 captures"), "{output:?}");
+    let output = cli(&["delete", "--stream", "del/b"]);
+    assert_eq!(output.status.code(), Some(2), "no terminal to confirm on, no --yes: {output:?}");
+    assert!(String::from_utf8_lossy(&output.stderr).contains("--yes"));
+    let listed = json(daemon.get_ok(&client, "/v1/captures?stream=del/b").await).await;
+    assert_eq!(listed["captures"].as_array().unwrap().len(), 4, "neither deleted anything");
+    let output = cli(&["delete", "--stream", "del/b", "--yes", "--json"]);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let totals: Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(totals["deleted"], 4, "{totals}");
+    let listed = json(daemon.get_ok(&client, "/v1/captures?stream=del/b").await).await;
+    assert!(listed["captures"].as_array().unwrap().is_empty(), "{listed}");
+    let listed = json(daemon.get_ok(&client, "/v1/captures?stream=del/c").await).await;
+    assert_eq!(listed["captures"].as_array().unwrap().len(), kept.len());
+    let output = cli(&["delete", "--id", &unknown, "--yes"]);
+    assert_eq!(output.status.code(), Some(1), "{output:?}");
+    assert!(String::from_utf8_lossy(&output.stderr).contains("not found"), "{output:?}");
+    let output = cli(&["delete", "--id", kept[0].0.as_str(), "--yes"]);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let response = client.get(daemon.url(&format!("/v1/captures/{}", kept[0].0))).send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::NOT_FOUND);
+}

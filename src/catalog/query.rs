@@ -6,8 +6,9 @@
 //! `get`, and `list` (a stream's listing leaves out a capture whose newest version is elsewhere). `tail` is the log
 //! of publishes and shows each version. A deletion is a row of its own at the version of the delete (a tombstone:
 //! the capture's last row with an empty `pack_id`, see [`CaptureLocation::is_deletion`]); being the newest version,
-//! it hides the capture from every read pinned at or above it, and `tail` shows it as a deletion entry. A later post
-//! of the same id is newer still and makes it visible again.
+//! it hides the capture from every read, one pinned at an older watermark too (see [`CatalogReader::list`]), and
+//! `tail`, the log, shows it as a deletion entry at its version. A later post of the same id is newer still and makes
+//! it visible again.
 //!
 //! Reads never use `FINAL` and never rely on merges: duplicates from unmerged parts or a repeated copy collapse in the
 //! query (`argMax` by version, `LIMIT 1 BY`, `max`), so what a read returns depends only on committed rows.
@@ -447,24 +448,30 @@ impl CatalogReader {
                 by_id = self.tables.by_id,
             ))
             .await?;
-        // Newest first; without a pinned watermark the newest committed one is visible by definition.
-        let latest = match watermark_opt {
-            Some(watermark) => committed.iter().find(|row| row.version <= watermark),
-            None => committed.first(),
-        };
-        let Some(latest) = latest else { return Ok(None) };
-        let mut rows: Vec<CaptureLocation> = self
-            .client
-            .fetch_all(&format!(
+        // Newest first. A deletion as the newest applies to every reader, a pinned one too (as in `list`); else the
+        // newest at or below the pinned watermark is visible.
+        let row_of = |committed: &CommittedVersion| {
+            let sql = format!(
                 "SELECT {LOCATION_COLUMNS} FROM {by_version} WHERE catalog = {catalog} AND version = {version} AND \
                  publish_id = {publish_id} AND capture_id = {id_text} LIMIT 1",
                 by_version = self.tables.by_version,
-                version = latest.version,
-                publish_id = sql_string_literal(&latest.publish_id),
-            ))
-            .await?;
-        // A deletion is the newest row: gone from its version on.
-        Ok(rows.pop().filter(|location| !location.is_deletion()))
+                version = committed.version,
+                publish_id = sql_string_literal(&committed.publish_id),
+            );
+            async move { self.client.fetch_all::<CaptureLocation>(&sql).await }
+        };
+        let Some(newest) = committed.first() else { return Ok(None) };
+        let Some(newest_row) = row_of(newest).await?.pop() else { return Ok(None) };
+        if newest_row.is_deletion() {
+            return Ok(None);
+        }
+        match watermark_opt {
+            Some(watermark) if newest.version > watermark => {
+                let Some(pinned) = committed.iter().find(|row| row.version <= watermark) else { return Ok(None) };
+                Ok(row_of(pinned).await?.pop().filter(|row| !row.is_deletion()))
+            }
+            _ => Ok(Some(newest_row)),
+        }
     }
 
     /// The newest committed location of each of `ids`: [`CatalogReader::newest_rows`] less the deletions. Ids the
@@ -547,7 +554,13 @@ impl CatalogReader {
             });
 
         let catalog = self.catalog_literal();
-        let mut conditions = vec![format!("catalog = {catalog}"), format!("version <= {watermark}")];
+        // A deletion applies to every reader at once, an older snapshot's too (a listing paged with a cursor taken
+        // before it): its row shares the deleted row's sort key in `captures`, so a merge replaces that row by it,
+        // and reads must not depend on merges. So deletions count at any committed version.
+        let mut conditions = vec![
+            format!("catalog = {catalog}"),
+            format!("(version <= {watermark} OR pack_id = {})", sql_string_literal(DELETED_PACK_ID)),
+        ];
         if let Some(stream) = &query.stream {
             conditions.push(format!("stream = {}", sql_string_literal(stream)));
         }

@@ -2,11 +2,13 @@
 //! asks the running daemon). A deletion is a publish of tombstones ([`Publisher::publish_deletions`]), so only the
 //! lease holder makes one, it is fenced and versioned, and `tail` consumers see it in order.
 //!
-//! An id whose capture this spool still holds (acknowledged, not yet published) is *pending*: it is left out of the
+//! An id whose capture this spool still holds in a pack not published yet (acknowledged, not yet visible) is *pending*: it is left out of the
 //! deletion, because its pack would publish it after the tombstone and make it visible again. The caller asks again
 //! once it is published (`wait=published` tells when). A dry run plans the same deletion and publishes nothing.
 
+use std::collections::HashSet;
 use std::sync::Arc;
+use std::time::Duration;
 
 use uuid::Uuid;
 
@@ -23,6 +25,11 @@ pub struct DeletionAnswer {
     pub dry_run: bool,
 }
 
+/// How long a deletion waits for the lease to allow a publish (held, with time left) before answering that it
+/// cannot publish now.
+pub const LEASE_WAIT: Duration = Duration::from_secs(10);
+const LEASE_POLL: Duration = Duration::from_millis(100);
+
 pub struct Deleter {
     publisher: Arc<Publisher>,
     catalog: CatalogReader,
@@ -35,21 +42,54 @@ impl Deleter {
     }
 
     /// Delete `ids` (at most [`crate::catalog::publish::DELETION_MAX_IDS`]) as one publish, or with `dry_run` say
-    /// what that would delete.
+    /// what that would delete. A fence refusal or a lease without enough time left (which a renewal clears, and on
+    /// 18.16's whole-second times happens now and then) is retried for up to [`LEASE_WAIT`].
     pub async fn delete(&self, ids: &[Uuid], dry_run: bool) -> Result<DeletionAnswer, PublishError> {
-        let (pending, published): (Vec<Uuid>, Vec<Uuid>) =
-            ids.iter().partition(|id| !self.spool_index.candidates(**id).is_empty());
-        let report = if dry_run {
-            plan_deletions(&self.catalog, &published).await?.0
-        } else {
-            self.publisher.publish_deletions(&published).await?
+        let pending = self.pending(ids).await?;
+        let pending_set: HashSet<Uuid> = pending.iter().copied().collect();
+        let published: Vec<Uuid> = ids.iter().copied().filter(|id| !pending_set.contains(id)).collect();
+        let started = std::time::Instant::now();
+        let report = loop {
+            let attempt = if dry_run {
+                plan_deletions(&self.catalog, &published).await.map(|(report, _)| report).map_err(PublishError::from)
+            } else {
+                self.publisher.publish_deletions(&published).await
+            };
+            match attempt {
+                Err(PublishError::NoLease | PublishError::NotCommitted) if started.elapsed() < LEASE_WAIT => {
+                    tokio::time::sleep(LEASE_POLL).await;
+                }
+                other => break other?,
+            }
         };
         if let Some(version) = report.version {
             tracing::info!(version, deleted = report.deleted.len(), "captures deleted");
         }
-        let mut pending = pending;
-        let mut seen = std::collections::HashSet::new();
-        pending.retain(|id| seen.insert(*id));
         Ok(DeletionAnswer { report, pending, dry_run })
+    }
+
+    /// The ids this spool holds in a pack the catalog has not published (in the order given, each once). A pack
+    /// published a moment ago may still be in the spool: one replay-guard lookup of those packs tells.
+    async fn pending(&self, ids: &[Uuid]) -> Result<Vec<Uuid>, PublishError> {
+        let mut in_spool: Vec<(Uuid, Vec<Uuid>)> = Vec::new();
+        let mut seen = HashSet::new();
+        for id in ids.iter().filter(|id| seen.insert(**id)) {
+            let packs: Vec<Uuid> = self.spool_index.candidates(*id).iter().map(|candidate| candidate.pack_id).collect();
+            if !packs.is_empty() {
+                in_spool.push((*id, packs));
+            }
+        }
+        if in_spool.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut packs: Vec<Uuid> = in_spool.iter().flat_map(|(_, packs)| packs.iter().copied()).collect();
+        packs.sort();
+        packs.dedup();
+        let published = self.publisher.committed_packs(&packs).await?;
+        Ok(in_spool
+            .into_iter()
+            .filter(|(_, packs)| packs.iter().any(|pack| !published.contains(pack)))
+            .map(|(id, _)| id)
+            .collect())
     }
 }
