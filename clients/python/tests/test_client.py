@@ -145,6 +145,25 @@ def test_export_by_version_range_and_tail_give_each_publish_once(client: capstor
         client.export(stream, after_version=1)
 
 
+def test_delete_hides_captures_tail_shows_it_and_asking_again_is_safe(client: capstore.Client, stream: str) -> None:
+    receipts = [client.put(stream, payload(10, i), wait="published") for i in range(3)]
+    doomed, kept = receipts[0].capture_id, receipts[1].capture_id
+    unknown = str(uuid.uuid4())
+    planned = client.delete([doomed], dry_run=True)
+    assert planned.deleted == [doomed] and planned.versions == [] and planned.dry_run
+    assert client.get(doomed).payload == payload(10, 0), "a dry run deletes nothing"
+    done = client.delete([doomed, unknown])
+    assert done.deleted == [doomed] and done.not_found == [unknown] and len(done.versions) == 1
+    with pytest.raises(capstore.NotFound):
+        client.get(doomed)
+    assert [c.capture_id for c in client.list(stream)] == [kept, receipts[2].capture_id]
+    assert client.delete([doomed]).already_deleted == [doomed], "deleting again is a no-op"
+    deletion = [e for e in client.tail(done.versions[0] - 1) if e.version == done.versions[0]]
+    assert [(e.capture_id, e.deleted, e.size) for e in deletion] == [(doomed, True, 0)]
+    exported = client.export(after_version=done.versions[0] - 1, through_version=done.versions[0])
+    assert list(exported) == [] and exported.deleted == [doomed]
+
+
 def test_tail_follow_waits_for_the_next_publish(client: capstore.Client, stream: str) -> None:
     entries = list(client.tail(0, page_size=3000))
     start = entries[-1].after if entries else "0"

@@ -8,7 +8,7 @@ b'...'
 """
 
 from ._client import Client
-from ._types import Capture, CaptureInfo, Export, PutReceipt, TailEntry
+from ._types import Capture, CaptureInfo, DeletionResult, Export, PutReceipt, TailEntry
 from .errors import (
     BadRequest,
     CapstoreError,
@@ -28,6 +28,7 @@ __all__ = [
     "CapstoreError",
     "Client",
     "ConnectionFailed",
+    "DeletionResult",
     "Export",
     "Forbidden",
     "NotFound",

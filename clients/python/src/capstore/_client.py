@@ -14,7 +14,7 @@ from urllib.parse import parse_qsl, quote, urlencode, urlsplit
 
 import urllib3
 
-from ._types import Capture, CaptureInfo, Export, ExportState, PutReceipt, TailEntry
+from ._types import Capture, CaptureInfo, DeletionResult, Export, ExportState, PutReceipt, TailEntry
 from .errors import CapstoreError, ConnectionFailed, NotFound, Unavailable, Unreadable, error_for
 
 #: What :meth:`Client.put` takes as a payload: bytes, a path to a file, or a binary file object.
@@ -25,6 +25,8 @@ CaptureId = Union[str, uuid.UUID]
 
 #: Ids per multi-get request: the daemon reads 500 ids per catalog statement.
 GET_MANY_BATCH = 500
+#: Ids per deletion request: the most one publish of the daemon takes.
+DELETE_BATCH = 10_000
 
 
 class Client:
@@ -269,6 +271,7 @@ class Client:
                 lines = [json.loads(line) for line in content.splitlines() if line.strip()]
                 resume = next((line["resume"] for line in lines if "resume" in line), None)
                 state.unreadable += [line["capture_id"] for line in lines if "error" in line]
+                state.deleted += [line["capture_id"] for line in lines if line.get("deleted")]
                 captures = [_capture(line, files[line["capture_id"]]) for line in lines if "size" in line]
                 files.clear()
                 # The page counts as handed out once its last capture is: the token moves on before that one.
@@ -298,16 +301,36 @@ class Client:
                     capture_id=row["capture_id"],
                     stream=row["stream"],
                     captured_at_ns=row["captured_at_ns"],
-                    size=row["size"],
-                    labels=row["labels"],
+                    size=row.get("size", 0),
+                    labels=row.get("labels", {}),
                     content_type=row.get("content_type") or None,
                     # The daemon's position right after this entry (tail order within a version is by id).
                     after=f"{row['version'] - 1}:{row['capture_id']}",
+                    deleted=bool(row.get("deleted", False)),
                 )
             caught_up = not page["captures"] and page["next"] == position
             position = page["next"]
             if caught_up and not follow:
                 return
+
+    def delete(self, capture_ids: Iterable[CaptureId], *, dry_run: bool = False) -> DeletionResult:
+        """Delete these captures: from the version the daemon publishes the deletion at, no read returns them and
+        :meth:`tail` shows their deletion. Up to 10,000 ids per request (one publish each). Idempotent: an id deleted
+        before is reported in `already_deleted`, so asking again after an error is safe. With `dry_run` nothing is
+        deleted and the result says what would be."""
+        result = DeletionResult([], [], [], [], [], dry_run)
+        ids = [str(capture_id) for capture_id in capture_ids]
+        for start in range(0, len(ids), DELETE_BATCH):
+            body = json.dumps({"ids": ids[start:start + DELETE_BATCH], "dry_run": dry_run}).encode()
+            answer = _json(self._request("POST", "/v1/captures/delete", body=body,
+                                         headers={"Content-Type": "application/json"}).data)
+            result.deleted.extend(answer["deleted"])
+            result.already_deleted.extend(answer["already_deleted"])
+            result.not_found.extend(answer["not_found"])
+            result.pending.extend(answer["pending"])
+            if answer["version"] is not None:
+                result.versions.append(answer["version"])
+        return result
 
     def status(self) -> Dict[str, Any]:
         """The daemon's status snapshot (lease, spool, pipeline)."""

@@ -50,7 +50,8 @@ class Capture:
 
 @dataclass(frozen=True)
 class TailEntry:
-    """One capture of the log of publishes, in version order.
+    """One capture of the log of publishes, in version order, or the deletion of one (`deleted`: from this version
+    on it is gone, until it is posted again; `size` is 0 and `labels` empty then).
 
     `after` is the position right after this entry: give it to :meth:`Client.tail` as `after` to go on from here.
     """
@@ -63,6 +64,23 @@ class TailEntry:
     labels: Dict[str, str]
     content_type: Optional[str]
     after: str
+    deleted: bool = False
+
+
+@dataclass(frozen=True)
+class DeletionResult:
+    """What :meth:`Client.delete` did (or, with ``dry_run``, would do), per id.
+
+    `pending` ids are still in the daemon's spool, not published: they were not deleted (their pack would publish
+    them again); delete them once published. `versions` are the catalog versions the deletions were published at.
+    """
+
+    deleted: List[str]
+    already_deleted: List[str]
+    not_found: List[str]
+    pending: List[str]
+    versions: List[int]
+    dry_run: bool
 
 
 class Export(Iterator[Capture]):
@@ -90,6 +108,11 @@ class Export(Iterator[Capture]):
         """Ids of captures the daemon could not read so far (left out of the iteration)."""
         return self._state.unreadable
 
+    @property
+    def deleted(self) -> List[str]:
+        """Ids a version-range export met deletions of (manifest lines ``"deleted": true``), in order."""
+        return self._state.deleted
+
     def __iter__(self) -> "Export":
         return self
 
@@ -112,3 +135,4 @@ class ExportState:
     complete: bool = False
     close: Callable[[], None] = lambda: None
     unreadable: List[str] = field(default_factory=list)
+    deleted: List[str] = field(default_factory=list)
