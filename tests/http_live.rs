@@ -894,3 +894,64 @@ async fn a_deletion_hides_a_capture_from_every_read_at_once_tail_shows_it_and_th
     let response = client.get(daemon.url(&format!("/v1/captures/{}", kept[0].0))).send().await.unwrap();
     assert_eq!(response.status(), StatusCode::NOT_FOUND);
 }
+
+#[tokio::test]
+async fn retention_deletes_what_its_policy_no_longer_keeps_and_nothing_else() {
+    let config_dir = tempfile::tempdir().unwrap();
+    let config = config_dir.path().join("capstore.toml");
+    std::fs::write(&config, "[[retention]]\nstreams = \"old/*\"\nkeep = \"1h\"\n").unwrap();
+    let daemon = HttpDaemon::start(&[
+        ("CAPSTORE_CONFIG", config.display().to_string()),
+        ("CAPSTORE_LIFECYCLE_RETENTION_INTERVAL", "1s".into()),
+        ("CAPSTORE_SPOOL_PACK_MAX_AGE", "100ms".into()),
+    ])
+    .await;
+    let client = reqwest::Client::new();
+    daemon.get_ok(&client, "/v1/tail").await;
+    let now_ns = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    let two_hours_ago = now_ns - 2 * 3600 * 1_000_000_000;
+    let post = |stream: &'static str, captured_at_ns: u64| {
+        let url = daemon.url(&format!("/v1/captures?stream={stream}&captured_at_ns={captured_at_ns}&wait=published"));
+        let client = client.clone();
+        async move {
+            let response = client.post(url).body(format!("{stream} at {captured_at_ns}")).send().await.unwrap();
+            assert_eq!(response.status(), StatusCode::CREATED);
+            json(response).await["capture_id"].as_str().unwrap().to_string()
+        }
+    };
+    let aged = futures::future::join_all((0..3).map(|n| post("old/a", two_hours_ago + n))).await;
+    let fresh = futures::future::join_all((0..2).map(|n| post("old/a", now_ns + n))).await;
+    let unmatched = futures::future::join_all((0..2).map(|n| post("keep/b", two_hours_ago + n))).await;
+
+    let listed = |stream: &'static str| {
+        let (daemon, client) = (&daemon, &client);
+        async move {
+            let page = json(daemon.get_ok(client, &format!("/v1/captures?stream={stream}")).await).await;
+            let ids: std::collections::BTreeSet<String> =
+                page["captures"].as_array().unwrap().iter().map(|c| c["capture_id"].as_str().unwrap().into()).collect();
+            ids
+        }
+    };
+    let started = Instant::now();
+    while listed("old/a").await != fresh.iter().cloned().collect() {
+        assert!(started.elapsed() < Duration::from_secs(30), "retention never ran:\n{}", daemon.log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(listed("keep/b").await, unmatched.iter().cloned().collect(), "no policy matches keep/b");
+    // The deletions are versioned publishes: tail shows each aged capture's deletion once.
+    let tail = json(daemon.get_ok(&client, "/v1/tail?after=0&limit=1000").await).await;
+    let mut deleted: Vec<String> = tail["captures"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|entry| entry["deleted"] == true)
+        .map(|entry| entry["capture_id"].as_str().unwrap().to_string())
+        .collect();
+    deleted.sort();
+    let mut aged_sorted = aged.clone();
+    aged_sorted.sort();
+    assert_eq!(deleted, aged_sorted);
+    let metrics = daemon.get_ok(&client, "/metrics").await.text().await.unwrap();
+    assert!(metrics.contains("capstore_captures_deleted_total 3"), "{metrics}");
+    assert!(daemon.log().contains("retention deleted captures past their keep"));
+}

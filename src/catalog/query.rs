@@ -177,6 +177,14 @@ struct BoundedMax {
     rows: u64,
 }
 
+/// A stream and the time range its rows span ([`CatalogReader::streams`]).
+#[derive(Debug, Clone, PartialEq, Eq, clickhouse::Row, serde::Deserialize)]
+pub struct StreamBounds {
+    pub stream: String,
+    pub first_ns: u64,
+    pub last_ns: u64,
+}
+
 #[derive(clickhouse::Row, serde::Deserialize)]
 struct TimeBounds {
     first_ns: u64,
@@ -632,6 +640,19 @@ impl CatalogReader {
             ))
             .await?;
         Ok(rows.first().filter(|row| row.rows > 0).map(|row| (row.first_ns, row.last_ns)))
+    }
+
+    /// Every stream of the catalog with the first and the last captured_at_ns of its rows (from `time_bounds`: rows
+    /// ever written, committed or not, deleted or not), in stream order.
+    pub async fn streams(&self) -> Result<Vec<StreamBounds>, CatalogError> {
+        self.client
+            .fetch_all(&format!(
+                "SELECT stream, minMerge(first_at) AS first_ns, maxMerge(last_at) AS last_ns FROM {} \
+                 WHERE catalog = {} GROUP BY stream ORDER BY stream",
+                self.tables.time_bounds,
+                self.catalog_literal(),
+            ))
+            .await
     }
 
     /// `candidates` less the captures whose id has a newer visible version than the candidate's: a capture re-posted

@@ -80,6 +80,9 @@ pub(super) const KEYS: &[(&str, &str, ValueKind)] = {
         ("http", "max_concurrent_reads", Integer),
         ("log", "level", Text),
         ("log", "format", Text),
+        ("", "retention", Table),
+        ("lifecycle", "retention_interval", Text),
+        ("lifecycle", "retention_batch", Integer),
     ]
 };
 

@@ -44,6 +44,37 @@ pub struct Config {
     pub lease: LeaseConfig,
     pub http: HttpConfig,
     pub log: LogConfig,
+    /// Retention policies (`[[retention]]`), tried in order: the first whose `streams` matches a stream applies
+    /// (`streams = "*"` last is the default); captures of a stream no policy matches are kept.
+    pub retention: Vec<RetentionPolicy>,
+    pub lifecycle: LifecycleConfig,
+}
+
+/// How long the captures of matching streams are kept.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetentionPolicy {
+    /// A glob over stream names: `*` matches any run of characters (across `/` too), `?` one, `[ab]` a class.
+    pub streams: String,
+    /// Captures older than this (by `captured_at_ns`) are deleted.
+    pub keep: HumanDuration,
+}
+
+impl RetentionPolicy {
+    /// The `streams` pattern, compiled (validation checks that it compiles).
+    pub fn matcher(&self) -> Result<globset::GlobMatcher, globset::Error> {
+        Ok(globset::Glob::new(&self.streams)?.compile_matcher())
+    }
+}
+
+/// How the lease holder applies retention.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LifecycleConfig {
+    /// How often retention looks for captures to delete.
+    pub retention_interval: HumanDuration,
+    /// Captures deleted per look at most (each 10,000 one publish): the rate retention runs at.
+    pub retention_batch: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -182,7 +213,15 @@ impl Default for Config {
             lease: LeaseConfig::default(),
             http: HttpConfig::default(),
             log: LogConfig::default(),
+            retention: Vec::new(),
+            lifecycle: LifecycleConfig::default(),
         }
+    }
+}
+
+impl Default for LifecycleConfig {
+    fn default() -> Self {
+        LifecycleConfig { retention_interval: HumanDuration::secs(60), retention_batch: 100_000 }
     }
 }
 
@@ -539,6 +578,24 @@ mod tests {
         .unwrap();
         let keys = problem_keys(config.validate().unwrap_err());
         assert_eq!(keys, vec!["catalog_name", "bucket.url", "upload.concurrency", "http.listen"]);
+    }
+
+    #[test]
+    fn retention_policies_match_in_order_and_bad_ones_name_their_index() {
+        let text =
+            "[[retention]]\nstreams = \"cam/*\"\nkeep = \"30d\"\n[[retention]]\nstreams = \"*\"\nkeep = \"90d\"\n";
+        let config = load(text, &[("CAPSTORE_LIFECYCLE_RETENTION_INTERVAL", "5m")]).unwrap();
+        config.validate().unwrap();
+        assert_eq!(config.lifecycle.retention_interval.0, Duration::from_secs(300));
+        let first =
+            |stream: &str| config.retention.iter().position(|policy| policy.matcher().unwrap().is_match(stream));
+        assert_eq!((first("cam/front/1"), first("mic/1")), (Some(0), Some(1)));
+        let bad =
+            load("[[retention]]\nstreams = \"[cam\"\nkeep = \"0s\"\n[lifecycle]\nretention_batch = 0\n", &[]).unwrap();
+        let keys = problem_keys(bad.validate().unwrap_err());
+        assert_eq!(keys, vec!["retention[0].streams", "retention[0].keep", "lifecycle.retention_batch"]);
+        let unknown = load("[[retention]]\nstreams = \"*\"\nkeep = \"1d\"\nkept = \"2d\"\n", &[]).unwrap_err();
+        assert!(unknown.problems[0].problem.contains("kept"), "{unknown:?}");
     }
 
     #[test]

@@ -185,6 +185,20 @@ impl Config {
                 bad("http.token_file", problem);
             }
         }
+        for (index, policy) in self.retention.iter().enumerate() {
+            if let Err(error) = policy.matcher() {
+                bad(&format!("retention[{index}].streams"), format!("{:?} is not a glob: {error}", policy.streams));
+            }
+            if policy.keep.0.is_zero() {
+                bad(&format!("retention[{index}].keep"), "must be greater than 0s".into());
+            }
+        }
+        if self.lifecycle.retention_interval.0 < Duration::from_secs(1) {
+            bad("lifecycle.retention_interval", "must be at least 1s".into());
+        }
+        if self.lifecycle.retention_batch == 0 {
+            bad("lifecycle.retention_batch", "must be at least 1".into());
+        }
         if tracing_subscriber::EnvFilter::try_new(&self.log.level).is_err() {
             bad(
                 "log.level",

@@ -39,6 +39,7 @@ use crate::config::Config;
 use crate::exit_code;
 use crate::http::HttpServer;
 use crate::pipeline::deletion::Deleter;
+use crate::pipeline::retention::Retention;
 use crate::pipeline::status::{status_file_loop, write_status, StatusBoard};
 use crate::pipeline::{off_runtime, Pipeline, PublishedPacks, RoundError};
 use crate::reader::{LocalSpool, Reader};
@@ -262,11 +263,16 @@ impl Running {
         pipeline.published = self.published.clone();
         pipeline.spool_index = self.spool.index();
         pipeline.stopping = Some(shutdown_rx.clone());
+        let catalog = CatalogReader::new(client.clone(), tables.clone(), &config.catalog_name);
+        let deleter = Arc::new(Deleter::for_pipeline(&pipeline, catalog));
         if let Some(http) = &self.http {
-            let catalog = CatalogReader::new(client.clone(), tables.clone(), &config.catalog_name);
-            let deleter = Deleter::new(pipeline.publisher.clone(), catalog, self.spool.index());
-            http.state().set_deleter(deleter);
+            http.state().set_deleter(deleter.clone());
         }
+        let retention = Retention::from_config(&config, deleter).map(|retention| {
+            let stopping = shutdown_rx.clone();
+            let lease = lease.clone();
+            tokio::spawn(async move { retention.run(lease, stopping).await })
+        });
         self.board.set_pipeline_counters(pipeline.counters.clone());
         self.systemd.set_phase(Phase::Publishing);
         tracing::info!(
@@ -296,6 +302,12 @@ impl Running {
         if run_loop(&pipeline, &self.writer, &lease, shutdown_rx).await == LoopEnd::Latched {
             tracing::error!("lease latched: sealing the open pack and exiting");
             return Ok(exit_code::CATALOG_HELD);
+        }
+        if let Some(mut retention) = retention {
+            // It stops between two deletions once it sees the shutdown; one in flight is given a moment to land.
+            if tokio::time::timeout(Duration::from_secs(5), &mut retention).await.is_err() {
+                retention.abort();
+            }
         }
         tracing::info!(grace = ?config.shutdown_grace.0, "shutting down: intake stopped, sealing the open pack");
         self.stop_intake().await;

@@ -119,6 +119,7 @@ impl MetricsSample {
             ("capstore_packs_indexed", "packs published to the catalog", pipeline(|p| p.packs_indexed)),
             ("capstore_captures_indexed", "captures published to the catalog", pipeline(|p| p.captures_indexed)),
             ("capstore_publishes", "catalog publishes (versions committed)", pipeline(|p| p.publishes)),
+            ("capstore_captures_deleted", "captures deleted (API and retention)", pipeline(|p| p.captures_deleted)),
             ("capstore_packs_quarantined", "packs moved to quarantine", pipeline(|p| p.packs_quarantined)),
             ("capstore_upload_failures", "pack uploads that failed (each is retried)", pipeline(|p| p.upload_failures)),
             (

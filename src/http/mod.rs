@@ -88,7 +88,7 @@ pub(crate) struct HttpState {
     guard: guard::Guard,
     reader: OnceLock<Reader>,
     /// Appears once this process publishes (connected, lease taken).
-    deleter: OnceLock<crate::pipeline::deletion::Deleter>,
+    deleter: OnceLock<Arc<crate::pipeline::deletion::Deleter>>,
     intake_open: AtomicBool,
     /// Request bodies in memory, in KiB (see `http.max_inflight_bytes`).
     inflight_kib: Semaphore,
@@ -102,7 +102,7 @@ impl HttpState {
         let _ = self.reader.set(reader);
     }
 
-    pub(crate) fn set_deleter(&self, deleter: crate::pipeline::deletion::Deleter) {
+    pub(crate) fn set_deleter(&self, deleter: Arc<crate::pipeline::deletion::Deleter>) {
         let _ = self.deleter.set(deleter);
     }
 

@@ -7,11 +7,13 @@
 //! once it is published (`wait=published` tells when). A dry run plans the same deletion and publishes nothing.
 
 use std::collections::HashSet;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use uuid::Uuid;
 
+use super::PipelineCounters;
 use crate::catalog::publish::{plan_deletions, DeletionReport, PublishError, Publisher};
 use crate::catalog::query::CatalogReader;
 use crate::spool::index::SpoolIndex;
@@ -34,11 +36,23 @@ pub struct Deleter {
     publisher: Arc<Publisher>,
     catalog: CatalogReader,
     spool_index: Arc<SpoolIndex>,
+    counters: Arc<PipelineCounters>,
 }
 
 impl Deleter {
-    pub fn new(publisher: Arc<Publisher>, catalog: CatalogReader, spool_index: Arc<SpoolIndex>) -> Deleter {
-        Deleter { publisher, catalog, spool_index }
+    /// A deleter publishing through `pipeline`'s publisher, counting in its counters.
+    pub fn for_pipeline(pipeline: &super::Pipeline, catalog: CatalogReader) -> Deleter {
+        Deleter {
+            publisher: pipeline.publisher.clone(),
+            catalog,
+            spool_index: pipeline.spool_index.clone(),
+            counters: pipeline.counters.clone(),
+        }
+    }
+
+    /// The catalog this deleter reads.
+    pub fn catalog(&self) -> &CatalogReader {
+        &self.catalog
     }
 
     /// Delete `ids` (at most [`crate::catalog::publish::DELETION_MAX_IDS`]) as one publish, or with `dry_run` say
@@ -63,6 +77,8 @@ impl Deleter {
             }
         };
         if let Some(version) = report.version {
+            self.counters.captures_deleted.fetch_add(report.deleted.len() as u64, Ordering::Relaxed);
+            self.counters.publishes.fetch_add(1, Ordering::Relaxed);
             tracing::info!(version, deleted = report.deleted.len(), "captures deleted");
         }
         Ok(DeletionAnswer { report, pending, dry_run })

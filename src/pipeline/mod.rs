@@ -4,6 +4,7 @@
 //!   and nothing is owed (a mark only once reconciled in the lease's current tenure).
 //! - [`indexer`]: `.uploaded` (the durable `pending_index`) -> fenced publish -> deleted.
 //! - [`deletion`]: deletions asked for by id -> a fenced publish of tombstones (not of ids still in the spool).
+//! - [`retention`]: the captures older than their stream's policy keeps -> deleted, in batches, by the lease holder.
 //! - [`reconcile`]: packs in the bucket that the catalog lacks (found by intents, or by a listing) -> published from
 //!   their footers.
 //! - [`status`]: the status board the daemon fills as it starts, its snapshot and `status.json`.
@@ -19,6 +20,7 @@
 pub mod deletion;
 pub mod indexer;
 pub mod reconcile;
+pub mod retention;
 pub mod status;
 pub mod uploader;
 
@@ -48,6 +50,8 @@ pub struct PipelineCounters {
     pub publishes: AtomicU64,
     pub packs_quarantined: AtomicU64,
     pub packs_reconciled: AtomicU64,
+    /// Captures deleted (asked for through the API, or by retention).
+    pub captures_deleted: AtomicU64,
     /// Pack uploads that failed (the bucket unreachable or refusing); each is retried.
     pub upload_failures: AtomicU64,
     /// Busy while the daemon's loop runs a round; every pack uploaded, publish answered or reconcile step is progress.
@@ -71,6 +75,7 @@ impl Default for PipelineCounters {
             publishes: AtomicU64::default(),
             packs_quarantined: AtomicU64::default(),
             packs_reconciled: AtomicU64::default(),
+            captures_deleted: AtomicU64::default(),
             upload_failures: AtomicU64::default(),
             liveness: Liveness::default(),
             upload_latency: Latency::between(0.001, 300.0),
@@ -89,6 +94,7 @@ pub struct PipelineCounts {
     pub publishes: u64,
     pub packs_quarantined: u64,
     pub packs_reconciled: u64,
+    pub captures_deleted: u64,
     pub upload_failures: u64,
 }
 
@@ -103,6 +109,7 @@ impl PipelineCounters {
             publishes: load(&self.publishes),
             packs_quarantined: load(&self.packs_quarantined),
             packs_reconciled: load(&self.packs_reconciled),
+            captures_deleted: load(&self.captures_deleted),
             upload_failures: load(&self.upload_failures),
         }
     }

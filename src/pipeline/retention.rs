@@ -1,0 +1,136 @@
+//! Retention: the captures older than their stream's policy keeps (`[[retention]]`) are deleted by the lease
+//! holder, in the background, at a bounded rate.
+//!
+//! Every `lifecycle.retention_interval` a pass looks at each stream of the catalog (from `time_bounds`), takes the
+//! first policy whose pattern matches it, and deletes the captures captured before `now - keep` through the same
+//! [`Deleter`] the API uses: fenced, versioned publishes of up to 10,000 tombstones, which `tail` consumers see. A
+//! pass deletes at most `lifecycle.retention_batch` captures; what is left waits for the next pass. Only while this
+//! process holds the lease: a pass that finds no publish permit does nothing (a rival or a lost lease never deletes,
+//! and the fence inside every publish makes sure of it).
+//!
+//! State: per stream, the cut-off below which everything is known deleted (in memory; a restart starts from the
+//! stream's first capture, and the listing skips what is deleted already). Nothing here needs to survive a crash: a
+//! pass interrupted anywhere leaves every capture either deleted by a committed publish or still there, and the next
+//! pass takes it up.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use uuid::Uuid;
+
+use super::deletion::Deleter;
+use crate::catalog::lease::LeaseHandle;
+use crate::catalog::publish::DELETION_MAX_IDS;
+use crate::catalog::query::ListQuery;
+use crate::config::Config;
+
+pub struct Retention {
+    /// The policies in order, compiled.
+    policies: Vec<(globset::GlobMatcher, Duration)>,
+    deleter: Arc<Deleter>,
+    interval: Duration,
+    batch: u64,
+    /// Per stream, the cut-off everything before which is deleted.
+    done_before: HashMap<String, u64>,
+}
+
+/// What one pass did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct RetentionPass {
+    pub deleted: u64,
+    /// The pass stopped at `retention_batch`: more is due.
+    pub more_due: bool,
+}
+
+impl Retention {
+    /// `None` when the configuration has no policy.
+    pub fn from_config(config: &Config, deleter: Arc<Deleter>) -> Option<Retention> {
+        if config.retention.is_empty() {
+            return None;
+        }
+        let policies =
+            config.retention.iter().filter_map(|policy| Some((policy.matcher().ok()?, policy.keep.0))).collect();
+        Some(Retention {
+            policies,
+            deleter,
+            interval: config.lifecycle.retention_interval.0,
+            batch: config.lifecycle.retention_batch,
+            done_before: HashMap::new(),
+        })
+    }
+
+    /// Passes every interval until `stopping`; a pass with more due runs again at once. Errors (the catalog away, the
+    /// lease lost in the middle) are logged and the pass is tried again at the next interval.
+    pub async fn run(mut self, lease: LeaseHandle, mut stopping: tokio::sync::watch::Receiver<bool>) {
+        loop {
+            let mut pause = self.interval;
+            if lease.permit().is_some() {
+                match self.pass(&stopping).await {
+                    Ok(pass) if pass.more_due => pause = Duration::ZERO,
+                    Ok(_) => {}
+                    Err(error) => tracing::warn!(%error, "retention pass failed; trying again at the next interval"),
+                }
+            }
+            if *stopping.borrow() {
+                return;
+            }
+            if tokio::time::timeout(pause, stopping.changed()).await.is_ok() {
+                return;
+            }
+        }
+    }
+
+    /// One pass over every stream, deleting at most `retention_batch` captures.
+    pub async fn pass(&mut self, stopping: &tokio::sync::watch::Receiver<bool>) -> anyhow::Result<RetentionPass> {
+        let now_ns = crate::util::now_ns();
+        let mut pass = RetentionPass::default();
+        for stream in self.deleter.catalog().streams().await? {
+            let Some(keep) = self.keep_of(&stream.stream) else { continue };
+            let cutoff = now_ns.saturating_sub(u64::try_from(keep.as_nanos()).unwrap_or(u64::MAX));
+            let since = self.done_before.get(&stream.stream).copied().unwrap_or(0).max(stream.first_ns);
+            if since >= cutoff {
+                continue;
+            }
+            let mut query = ListQuery {
+                stream: Some(stream.stream.clone()),
+                since_ns: Some(since),
+                until_ns: Some(cutoff),
+                ..ListQuery::default()
+            };
+            loop {
+                let budget = self.batch - pass.deleted;
+                if budget == 0 || *stopping.borrow() {
+                    pass.more_due = budget == 0;
+                    return Ok(pass);
+                }
+                query.limit = budget.min(DELETION_MAX_IDS as u64);
+                let page = self.deleter.catalog().list(&query).await?;
+                let ids: Vec<Uuid> =
+                    page.captures.iter().filter_map(|capture| Uuid::parse_str(&capture.capture_id).ok()).collect();
+                if !ids.is_empty() {
+                    let answer = self.deleter.delete(&ids, false).await?;
+                    pass.deleted += answer.report.deleted.len() as u64;
+                    if let Some(version) = answer.report.version {
+                        tracing::info!(
+                            stream = %stream.stream,
+                            deleted = answer.report.deleted.len(),
+                            version,
+                            "retention deleted captures past their keep"
+                        );
+                    }
+                }
+                match page.next_cursor {
+                    Some(cursor) => query.cursor = Some(cursor),
+                    None => break,
+                }
+            }
+            self.done_before.insert(stream.stream.clone(), cutoff);
+        }
+        Ok(pass)
+    }
+
+    fn keep_of(&self, stream: &str) -> Option<Duration> {
+        self.policies.iter().find(|(matcher, _)| matcher.is_match(stream)).map(|(_, keep)| *keep)
+    }
+}
