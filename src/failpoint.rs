@@ -3,7 +3,8 @@
 //! matter; with the variable unset every check is one relaxed load.
 //!
 //! Points: `after_append_before_ack`, `after_seal`, `after_intents_before_upload`, `mid_upload`,
-//! `after_upload_before_rename`, `after_publish_before_delete`.
+//! `after_upload_before_rename`, `after_publish_before_delete`, `after_tombstones_before_commit` and
+//! `after_deletion_commit` (a deletion's rows written, its `publishes` row not yet; committed, not yet answered).
 //!
 //! Stall points never return instead (the watchdog tests wedge a part with them): `stall_before_fsync` (blocks the
 //! spool's syncer thread before an append's fsync), `stall_upload` (an upload that never answers, as a black-holed

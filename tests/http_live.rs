@@ -35,6 +35,20 @@ impl HttpDaemon {
         daemon
     }
 
+    /// Start the daemon again on the same spool, catalog and bucket (after it died), with `changes` to its
+    /// environment; returns once /healthz answers.
+    async fn restart(&mut self, changes: &[(&str, &str)]) {
+        let started = Instant::now();
+        while self.daemon.exited().is_none() {
+            assert!(started.elapsed() < Duration::from_secs(20), "the daemon did not die:\n{}", self.log());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let env = changes.iter().fold(self.env.clone(), |env, (key, value)| env.set(key, *value));
+        self.env = env;
+        self.daemon = self.env.start(self._dir.path().join("daemon.log"));
+        self.wait_for_http(&reqwest::Client::new()).await;
+    }
+
     /// Returns once /healthz answers.
     async fn wait_for_http(&mut self, client: &reqwest::Client) {
         let started = Instant::now();
@@ -954,4 +968,63 @@ async fn retention_deletes_what_its_policy_no_longer_keeps_and_nothing_else() {
     let metrics = daemon.get_ok(&client, "/metrics").await.text().await.unwrap();
     assert!(metrics.contains("capstore_captures_deleted_total 3"), "{metrics}");
     assert!(daemon.log().contains("retention deleted captures past their keep"));
+}
+
+#[tokio::test]
+async fn a_deletion_killed_before_or_after_its_commit_is_decided_by_asking_again() {
+    let mut daemon = HttpDaemon::start(&[("CAPSTORE_FAILPOINTS", "after_tombstones_before_commit".into())]).await;
+    let client = reqwest::Client::new();
+    daemon.get_ok(&client, "/v1/tail").await;
+    let posted = post_batch_published(&daemon, &client, "crash/d", 3, 7).await;
+    let (victim, other) = (posted[0].0.clone(), posted[1].0.clone());
+    let versions_before = posted.iter().map(|(_, version, _)| *version).max().unwrap();
+    let catalog = capstore::catalog::connect_reader(&daemon.env.config()).await.unwrap();
+
+    // Killed with its tombstones written and no publishes row: the answer is lost, nothing is deleted.
+    let cut = client.delete(daemon.url(&format!("/v1/captures/{victim}"))).send().await;
+    assert!(cut.is_err(), "the daemon died mid-deletion: {cut:?}");
+    daemon.restart(&[("CAPSTORE_FAILPOINTS", "after_deletion_commit".into())]).await;
+    let victim_id: uuid::Uuid = victim.parse().unwrap();
+    assert!(catalog.get(victim_id, None).await.unwrap().is_some(), "an uncommitted deletion hides nothing");
+    assert_eq!(catalog.watermark().await.unwrap(), versions_before, "no version was published for it");
+
+    // Asked again (once the restarted daemon publishes: 503 with Retry-After until then): killed right after its
+    // commit, before answering. Deleted, once.
+    let cut = delete_when_publishing(&daemon, &client, &victim).await;
+    assert!(cut.is_err(), "the daemon died after the commit: {cut:?}");
+    daemon.restart(&[]).await;
+    assert!(catalog.get(victim_id, None).await.unwrap().is_none(), "the committed deletion holds");
+    assert_eq!(catalog.watermark().await.unwrap(), versions_before + 1);
+
+    // Asking once more says it is deleted already; versions stay gapless and the others untouched.
+    let answer = json(delete_when_publishing(&daemon, &client, &victim).await.unwrap()).await;
+    assert_eq!(answer["already_deleted"], serde_json::json!([victim]), "{answer}");
+    assert_eq!(answer["version"], Value::Null);
+    let publishes = catalog.publishes_after(0, 1000).await.unwrap();
+    let versions: Vec<u64> = publishes.iter().map(|publish| publish.version).collect();
+    assert_eq!(versions, (1..=versions_before + 1).collect::<Vec<_>>(), "gapless");
+    let listed = json(daemon.get_ok(&client, "/v1/captures?stream=crash/d").await).await;
+    let listed: Vec<&str> =
+        listed["captures"].as_array().unwrap().iter().map(|c| c["capture_id"].as_str().unwrap()).collect();
+    assert_eq!(listed.len(), 2, "{listed:?}");
+    assert!(listed.contains(&other.as_str()) && !listed.contains(&victim.as_str()));
+}
+
+/// `DELETE /v1/captures/{id}`, asked again while the daemon answers 503 (not publishing yet after a start).
+async fn delete_when_publishing(
+    daemon: &HttpDaemon,
+    client: &reqwest::Client,
+    id: &str,
+) -> reqwest::Result<reqwest::Response> {
+    let started = Instant::now();
+    loop {
+        let answer = client.delete(daemon.url(&format!("/v1/captures/{id}"))).send().await;
+        match &answer {
+            Ok(response) if response.status() == StatusCode::SERVICE_UNAVAILABLE => {
+                assert!(started.elapsed() < Duration::from_secs(20), "never publishing:\n{}", daemon.log());
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            _ => return answer,
+        }
+    }
 }

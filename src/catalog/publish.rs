@@ -330,7 +330,9 @@ impl Publisher {
             })
             .collect();
         self.client.insert_rows(&self.tables.captures, &rows).await?;
+        crate::failpoint::hit("after_tombstones_before_commit");
         self.commit(permit, version, publish_id, 0, rows.len()).await?;
+        crate::failpoint::hit("after_deletion_commit");
         report.version = Some(version);
         Ok(report)
     }
