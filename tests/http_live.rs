@@ -983,7 +983,7 @@ async fn a_deletion_killed_before_or_after_its_commit_is_decided_by_asking_again
     // Killed with its tombstones written and no publishes row: the answer is lost, nothing is deleted.
     let cut = client.delete(daemon.url(&format!("/v1/captures/{victim}"))).send().await;
     assert!(cut.is_err(), "the daemon died mid-deletion: {cut:?}");
-    daemon.restart(&[("CAPSTORE_FAILPOINTS", "after_deletion_commit".into())]).await;
+    daemon.restart(&[("CAPSTORE_FAILPOINTS", "after_deletion_commit")]).await;
     let victim_id: uuid::Uuid = victim.parse().unwrap();
     assert!(catalog.get(victim_id, None).await.unwrap().is_some(), "an uncommitted deletion hides nothing");
     assert_eq!(catalog.watermark().await.unwrap(), versions_before, "no version was published for it");
