@@ -13,14 +13,14 @@
 //!   notifications (readiness, status, watchdog).
 //! - [`http`]: the HTTP API of `capstore run`: server and token check, capture endpoints, metrics.
 //! - [`pipeline`]: the stages from sealed pack to published capture: uploader, indexer (`pending_index`), reconcile,
-//!   and the status board.
+//!   the status board; and the changes the lease holder publishes on request or by policy: deletion, retention.
 //! - [`export`]: bulk reads page by page (a listing query or a list of ids), and the directory and tar framings.
 //! - [`reader`]: reading captures back (catalog location, one range read, CRC), from the spool when still local.
 //! - [`spool`]: the durable local buffer: open and recovery, the group-commit writer, inbox ingest, the owner lock,
 //!   and [`spool::layout`], the only code that renames or deletes spool files.
 //! - [`bucket`]: the object store: key layout, verified uploads, range reads, backends.
 //! - [`catalog`]: ClickHouse: the client (the one error classifier), schema, the publisher lease (table protocol and
-//!   keeper), fenced publish, reads.
+//!   keeper), fenced publish (of packs, and of deletions), reads.
 //! - [`config`]: the TOML file, environment overrides, every validation rule, units.
 //! - [`pack`]: the pack file format (codec, scan, writer, sealed reader, hasher), specified in `specs/pack-format.md`.
 //! - [`capture`]: what a capture is and the rules every way in applies.
