@@ -113,13 +113,13 @@ impl<'a> Export<'a> {
                 let start = self.position.as_deref().and_then(|t| t.strip_prefix("ids:")?.parse().ok()).unwrap_or(0);
                 let start = start.min(ids.len());
                 let batch = &ids[start..(start + EXPORT_IDS_PAGE.min(self.page_captures)).min(ids.len())];
-                let mut locations = self.reader.catalog().get_many(batch).await?;
+                let mut locations = self.reader.catalog().newest_rows(batch).await?;
                 let sizes =
                     batch.iter().map(|id| locations.get(id).map_or(0, |location| location.payload_len as usize));
                 let kept = keep_within(sizes, EXPORT_PAGE_BYTES);
                 let located = batch[..kept].iter().map(|id| (*id, locations.remove(id))).collect();
                 let end = start + kept;
-                (self.reader.read_located(located).await?, (end < ids.len()).then(|| format!("ids:{end}")))
+                (self.reader.read_asked(located).await?, (end < ids.len()).then(|| format!("ids:{end}")))
             }
             Selection::Versions { after, through } => {
                 // The snapshot is pinned in the token, as a listing cursor pins its watermark.

@@ -62,8 +62,8 @@ pub enum Found {
     Capture(ReadCapture),
     /// Neither the catalog nor the spool knows the id.
     Unknown,
-    /// A deletion, at this version: only a read of the log of publishes (a version-range export) meets one, since
-    /// every other read leaves deleted captures out.
+    /// A deletion, at this version: met by a read of the log of publishes (a version-range export); reads of ids
+    /// asked for report it as [`Found::Unknown`] ([`Reader::read_asked`]).
     Deleted {
         version: u64,
     },
@@ -113,7 +113,9 @@ impl Reader {
 
     /// The capture's bytes, verified; `None` if neither the catalog nor the local spool knows it.
     pub async fn get(&self, capture_id: Uuid) -> Result<Option<ReadCapture>, ReadError> {
-        match self.catalog.get(capture_id, None).await? {
+        match self.catalog.lookup(capture_id, None).await? {
+            // Deleted: not looked for in the spool either, where its pack may linger a moment after its publish.
+            Some(deletion) if deletion.is_deletion() => Ok(None),
             Some(location) => {
                 let pack_id = Uuid::parse_str(&location.pack_id).ok();
                 if let Some(found) = self.read_from_spool(capture_id, pack_id).await? {
@@ -134,9 +136,26 @@ impl Reader {
         let mut unique = ids.to_vec();
         let mut seen = HashSet::new();
         unique.retain(|id| seen.insert(*id));
-        let mut locations = self.catalog.get_many(&unique).await?;
+        let mut locations = self.catalog.newest_rows(&unique).await?;
         let located = unique.into_iter().map(|id| (id, locations.remove(&id))).collect();
-        self.read_located(located).await
+        self.read_asked(located).await
+    }
+
+    /// [`Reader::read_located`] of ids a caller asked for, located by [`CatalogReader::newest_rows`]: a deleted one
+    /// is [`Found::Unknown`] to it (and not looked for in the spool, where its pack may linger a moment after its
+    /// publish).
+    pub async fn read_asked(
+        &self,
+        located: Vec<(Uuid, Option<CaptureLocation>)>,
+    ) -> Result<Vec<(Uuid, Found)>, ReadError> {
+        let found = self.read_located(located).await?;
+        Ok(found
+            .into_iter()
+            .map(|(id, found)| match found {
+                Found::Deleted { .. } => (id, Found::Unknown),
+                found => (id, found),
+            })
+            .collect())
     }
 
     /// Captures whose catalog locations are known already (a listing page's, or `None` for ids the catalog does not

@@ -59,6 +59,8 @@ pub struct DeletionReport {
     pub already_deleted: Vec<Uuid>,
     /// Not in the catalog.
     pub not_found: Vec<Uuid>,
+    /// Posted again after the watermark the deletion was asked at (`unchanged_since`): not deleted.
+    pub changed: Vec<Uuid>,
     /// The version the deletion was published at; `None` when nothing was to be deleted (and for a plan).
     pub version: Option<u64>,
 }
@@ -66,11 +68,13 @@ pub struct DeletionReport {
 /// The most ids one deletion takes: its tombstones are one INSERT and one version.
 pub const DELETION_MAX_IDS: usize = 10_000;
 
-/// What deleting `ids` would do now, and the rows it would mark: each id's newest committed row (a capture, or a
-/// deletion already). An id given twice counts once.
+/// What deleting `ids` would do now (with `unchanged_since`: only of captures whose newest committed row is at or
+/// below that version), and the rows it would mark: each id's newest committed row (a capture, or a deletion
+/// already). An id given twice counts once.
 pub async fn plan_deletions(
     reader: &CatalogReader,
     ids: &[Uuid],
+    unchanged_since: Option<u64>,
 ) -> Result<(DeletionReport, Vec<CaptureLocation>), CatalogError> {
     let mut unique = ids.to_vec();
     let mut seen = HashSet::new();
@@ -81,6 +85,7 @@ pub async fn plan_deletions(
         match newest.remove(&id) {
             None => report.not_found.push(id),
             Some(row) if row.is_deletion() => report.already_deleted.push(id),
+            Some(row) if unchanged_since.is_some_and(|since| row.version > since) => report.changed.push(id),
             Some(row) => {
                 report.deleted.push(id);
                 targets.push(row);
@@ -151,6 +156,9 @@ struct PackIdRow {
 struct Unresolved {
     version: u64,
     publish_id: Uuid,
+    /// The lease id its fence named: it may still land until that lease id is over (the quarantine that follows an
+    /// unknown outcome ends it, and the next claim takes a fresh one).
+    lease_id: String,
 }
 
 pub struct Publisher {
@@ -229,10 +237,15 @@ impl Publisher {
         Ok(rows.iter().filter_map(|row| Uuid::parse_str(&row.pack_id).ok()).collect())
     }
 
-    /// Settle an earlier publish of unknown outcome. Returns its version if it committed.
-    pub async fn resolve_unresolved(&self) -> Result<Option<u64>, CatalogError> {
+    /// Settle an earlier publish of unknown outcome, before publishing under `permit`. Returns its version if it
+    /// committed. Refused (`NoLease`) while `permit` is of the lease id that publish was sent under: its statement
+    /// could still land, so its read-back would not be final.
+    async fn resolve_unresolved(&self, permit: &PublishPermit) -> Result<Option<u64>, PublishError> {
         let pending = self.unresolved.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let Some(pending) = pending else { return Ok(None) };
+        if pending.lease_id == permit.lease_id {
+            return Err(PublishError::NoLease);
+        }
         let committed = self.read_back(pending.version, pending.publish_id).await?;
         match committed {
             Some(version) => {
@@ -248,8 +261,11 @@ impl Publisher {
 
     /// Publish `packs` as one version under the lease held now. See the module doc for the steps.
     pub async fn publish_batch(&self, packs: &[PackDescriptor]) -> Result<PublishOutcome, PublishError> {
+        // The permit is taken in the turn: one taken before it might predate the quarantine of a publish that ran
+        // meanwhile.
+        let _turn = self.turn.lock().await;
         let permit = self.lease.permit().ok_or(PublishError::NoLease)?;
-        self.publish_with_permit(&permit, packs).await
+        self.publish_in_turn(&permit, packs).await
     }
 
     /// [`Publisher::publish_batch`] with a permit taken earlier. Production code calls `publish_batch`; tests use this
@@ -260,9 +276,17 @@ impl Publisher {
         packs: &[PackDescriptor],
     ) -> Result<PublishOutcome, PublishError> {
         let _turn = self.turn.lock().await;
+        self.publish_in_turn(permit, packs).await
+    }
+
+    async fn publish_in_turn(
+        &self,
+        permit: &PublishPermit,
+        packs: &[PackDescriptor],
+    ) -> Result<PublishOutcome, PublishError> {
         // An unresolved publish is settled first: its statement can no longer land (the quarantine gave us a new
         // lease_id, which its fence does not name), so the read-back is final.
-        self.resolve_unresolved().await?;
+        self.resolve_unresolved(permit).await?;
         let pack_ids: Vec<Uuid> = packs.iter().map(|pack| pack.summary.pack_id).collect();
         let already = self.committed_packs(&pack_ids).await?;
         let fresh: Vec<&PackDescriptor> =
@@ -280,14 +304,21 @@ impl Publisher {
     }
 
     /// Delete the captures `ids` name, as one publish under the lease held now: a tombstone for each id whose newest
-    /// committed row is a capture (an id deleted already, or unknown, is reported and left alone). Nothing is
-    /// published when nothing is to be deleted. At most [`DELETION_MAX_IDS`] ids.
+    /// committed row is a capture (an id deleted already, or unknown, is reported and left alone), and with
+    /// `unchanged_since` only if that row's version is at or below it (a capture posted again since a listing at
+    /// that watermark is reported as `changed`, not deleted). Nothing is published when nothing is to be deleted. At
+    /// most [`DELETION_MAX_IDS`] ids.
     ///
     /// The plan is made inside the publish turn, after an unresolved publish is settled, so a retried deletion whose
     /// first attempt landed finds its ids deleted already instead of deleting them twice.
-    pub async fn publish_deletions(&self, ids: &[Uuid]) -> Result<DeletionReport, PublishError> {
+    pub async fn publish_deletions(
+        &self,
+        ids: &[Uuid],
+        unchanged_since: Option<u64>,
+    ) -> Result<DeletionReport, PublishError> {
+        let _turn = self.turn.lock().await;
         let permit = self.lease.permit().ok_or(PublishError::NoLease)?;
-        self.delete_with_permit(&permit, ids).await
+        self.delete_in_turn(&permit, ids, unchanged_since).await
     }
 
     /// [`Publisher::publish_deletions`] with a permit taken earlier (for tests, as [`Publisher::publish_with_permit`]).
@@ -296,10 +327,19 @@ impl Publisher {
         permit: &PublishPermit,
         ids: &[Uuid],
     ) -> Result<DeletionReport, PublishError> {
-        assert!(ids.len() <= DELETION_MAX_IDS, "callers bound a deletion to DELETION_MAX_IDS ids");
         let _turn = self.turn.lock().await;
-        self.resolve_unresolved().await?;
-        let (mut report, targets) = plan_deletions(&self.reader(), ids).await?;
+        self.delete_in_turn(permit, ids, None).await
+    }
+
+    async fn delete_in_turn(
+        &self,
+        permit: &PublishPermit,
+        ids: &[Uuid],
+        unchanged_since: Option<u64>,
+    ) -> Result<DeletionReport, PublishError> {
+        assert!(ids.len() <= DELETION_MAX_IDS, "callers bound a deletion to DELETION_MAX_IDS ids");
+        self.resolve_unresolved(permit).await?;
+        let (mut report, targets) = plan_deletions(&self.reader(), ids, unchanged_since).await?;
         if targets.is_empty() {
             return Ok(report);
         }
@@ -320,16 +360,28 @@ impl Publisher {
                 payload_offset: 0,
                 payload_len: 0,
                 crc32c: 0,
-                // The capture's labels and content type stay on its tombstone, so that a listing filtered by them
-                // meets the tombstone in the same window as the row it hides.
-                label_keys: target.label_keys,
-                label_values: target.label_values,
-                content_type: target.content_type,
+                // The stream and time say where the capture was; labels and payload details are not kept.
+                label_keys: Vec::new(),
+                label_values: Vec::new(),
+                content_type: String::new(),
                 version,
                 publish_id: publish_id_text.clone(),
             })
             .collect();
-        self.client.insert_rows(&self.tables.captures, &rows).await?;
+        // Into the index tables only (see `super::query`): `by_version`, then its rows copied into `by_id` on the
+        // server. Either may be left an orphan by a failure before the commit, which no read sees.
+        self.client.insert_rows(&self.tables.by_version, &rows).await?;
+        self.client
+            .execute(&format!(
+                "INSERT INTO {by_id} (catalog, capture_id, version, publish_id) SELECT catalog, \
+                 UUIDStringToNum(capture_id), version, UUIDStringToNum(publish_id) FROM {by_version} \
+                 WHERE catalog = {catalog} AND version = {version} AND publish_id = {publish_id}",
+                by_id = self.tables.by_id,
+                by_version = self.tables.by_version,
+                catalog = self.catalog_literal(),
+                publish_id = sql_string_literal(&publish_id_text),
+            ))
+            .await?;
         crate::failpoint::hit("after_tombstones_before_commit");
         self.commit(permit, version, publish_id, 0, rows.len()).await?;
         crate::failpoint::hit("after_deletion_commit");
@@ -362,7 +414,9 @@ impl Publisher {
         );
         let statement_cap = self.lease.timings().statement_cap();
         let unknown = |error: CatalogError| {
-            *self.unresolved.lock().unwrap_or_else(|p| p.into_inner()) = Some(Unresolved { version, publish_id });
+            let lease_id = permit.lease_id.clone();
+            *self.unresolved.lock().unwrap_or_else(|p| p.into_inner()) =
+                Some(Unresolved { version, publish_id, lease_id });
             self.lease.report_unknown_outcome(&error.to_string());
             PublishError::OutcomeUnknown(error)
         };

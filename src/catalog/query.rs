@@ -5,10 +5,12 @@
 //! stream: the newest version replaces the capture) is shown once, at its latest visible version, by every read:
 //! `get`, and `list` (a stream's listing leaves out a capture whose newest version is elsewhere). `tail` is the log
 //! of publishes and shows each version. A deletion is a row of its own at the version of the delete (a tombstone:
-//! the capture's last row with an empty `pack_id`, see [`CaptureLocation::is_deletion`]); being the newest version,
-//! it hides the capture from every read, one pinned at an older watermark too (see [`CatalogReader::list`]), and
-//! `tail`, the log, shows it as a deletion entry at its version. A later post of the same id is newer still and makes
-//! it visible again.
+//! the capture's last row with an empty `pack_id`, see [`CaptureLocation::is_deletion`]), written to `by_version`
+//! and `by_id` only, never to `captures`: there it would share the deleted row's sort key and replace it on a merge,
+//! committed or not. Being the newest version, it hides the capture from every read pinned at or above it (`list`
+//! meets it as a newer version of the id, as it meets a re-post into another stream), a reader pinned below it still
+//! sees the capture, and `tail`, the log, shows it as a deletion entry at its version. A later post of the same id is
+//! newer still and makes the capture visible again.
 //!
 //! Reads never use `FINAL` and never rely on merges: duplicates from unmerged parts or a repeated copy collapse in the
 //! query (`argMax` by version, `LIMIT 1 BY`, `max`), so what a read returns depends only on committed rows.
@@ -357,8 +359,6 @@ impl Cursor {
 /// Every field of [`CaptureLocation`] from its latest visible version. The aggregation runs in an inner query under
 /// `*_v` aliases (ClickHouse aliases are global, so an alias named like a column would capture the WHERE clause); the
 /// outer query gives the columns the field names that servers with header validation check.
-///
-/// A capture whose newest row is a deletion is left out (`HAVING`, with `having` as further conditions).
 fn locations_sql(captures_table: &str, conditions: &str, having: &str, tail: &str) -> String {
     format!(
         "SELECT capture_id, stream_v AS stream, at_v AS captured_at_ns, pack_id_v AS pack_id, \
@@ -373,10 +373,8 @@ fn locations_sql(captures_table: &str, conditions: &str, having: &str, tail: &st
          argMax(crc32c, version) AS crc32c_v, argMax(label_keys, version) AS label_keys_v, \
          argMax(label_values, version) AS label_values_v, \
          argMax(content_type, version) AS content_type_v, max(version) AS version_v \
-         FROM {captures_table} WHERE {conditions} GROUP BY capture_id \
-         HAVING pack_id_v != {deleted}{having} ORDER BY at_v, capture_id{tail}\
-         ) ORDER BY captured_at_ns, capture_id",
-        deleted = sql_string_literal(DELETED_PACK_ID),
+         FROM {captures_table} WHERE {conditions} GROUP BY capture_id{having} ORDER BY at_v, capture_id{tail}\
+         ) ORDER BY captured_at_ns, capture_id"
     )
 }
 
@@ -434,8 +432,18 @@ impl CatalogReader {
         )
     }
 
-    /// The latest visible location of `capture_id` at watermark `watermark_opt` (default: now).
+    /// The latest visible location of `capture_id` at watermark `watermark_opt` (default: now); `None` when the
+    /// catalog does not know it or its latest row there is a deletion.
     pub async fn get(
+        &self,
+        capture_id: Uuid,
+        watermark_opt: Option<u64>,
+    ) -> Result<Option<CaptureLocation>, CatalogError> {
+        Ok(self.lookup(capture_id, watermark_opt).await?.filter(|row| !row.is_deletion()))
+    }
+
+    /// The latest committed row of `capture_id` at watermark `watermark_opt` (default: now), a deletion included.
+    pub async fn lookup(
         &self,
         capture_id: Uuid,
         watermark_opt: Option<u64>,
@@ -456,30 +464,23 @@ impl CatalogReader {
                 by_id = self.tables.by_id,
             ))
             .await?;
-        // Newest first. A deletion as the newest applies to every reader, a pinned one too (as in `list`); else the
-        // newest at or below the pinned watermark is visible.
-        let row_of = |committed: &CommittedVersion| {
-            let sql = format!(
+        // Newest first; without a pinned watermark the newest committed one is visible by definition.
+        let latest = match watermark_opt {
+            Some(watermark) => committed.iter().find(|row| row.version <= watermark),
+            None => committed.first(),
+        };
+        let Some(latest) = latest else { return Ok(None) };
+        let mut rows: Vec<CaptureLocation> = self
+            .client
+            .fetch_all(&format!(
                 "SELECT {LOCATION_COLUMNS} FROM {by_version} WHERE catalog = {catalog} AND version = {version} AND \
                  publish_id = {publish_id} AND capture_id = {id_text} LIMIT 1",
                 by_version = self.tables.by_version,
-                version = committed.version,
-                publish_id = sql_string_literal(&committed.publish_id),
-            );
-            async move { self.client.fetch_all::<CaptureLocation>(&sql).await }
-        };
-        let Some(newest) = committed.first() else { return Ok(None) };
-        let Some(newest_row) = row_of(newest).await?.pop() else { return Ok(None) };
-        if newest_row.is_deletion() {
-            return Ok(None);
-        }
-        match watermark_opt {
-            Some(watermark) if newest.version > watermark => {
-                let Some(pinned) = committed.iter().find(|row| row.version <= watermark) else { return Ok(None) };
-                Ok(row_of(pinned).await?.pop().filter(|row| !row.is_deletion()))
-            }
-            _ => Ok(Some(newest_row)),
-        }
+                version = latest.version,
+                publish_id = sql_string_literal(&latest.publish_id),
+            ))
+            .await?;
+        Ok(rows.pop())
     }
 
     /// The newest committed location of each of `ids`: [`CatalogReader::newest_rows`] less the deletions. Ids the
@@ -562,13 +563,7 @@ impl CatalogReader {
             });
 
         let catalog = self.catalog_literal();
-        // A deletion applies to every reader at once, an older snapshot's too (a listing paged with a cursor taken
-        // before it): its row shares the deleted row's sort key in `captures`, so a merge replaces that row by it,
-        // and reads must not depend on merges. So deletions count at any committed version.
-        let mut conditions = vec![
-            format!("catalog = {catalog}"),
-            format!("(version <= {watermark} OR pack_id = {})", sql_string_literal(DELETED_PACK_ID)),
-        ];
+        let mut conditions = vec![format!("catalog = {catalog}"), format!("version <= {watermark}")];
         if let Some(stream) = &query.stream {
             conditions.push(format!("stream = {}", sql_string_literal(stream)));
         }
@@ -578,7 +573,7 @@ impl CatalogReader {
         }
         let having = match &cursor {
             Some(cursor) => format!(
-                " AND (at_v > {at} OR (at_v = {at} AND capture_id > {id}))",
+                " HAVING at_v > {at} OR (at_v = {at} AND capture_id > {id})",
                 at = cursor.captured_at_ns,
                 id = sql_string_literal(&cursor.capture_id.to_string())
             ),

@@ -2,12 +2,14 @@
 //!
 //! Only the lease holder publishes, so this command asks the running daemon (`POST /v1/captures/delete` at
 //! `http.listen`, with the `http.token_file` token): each request is one fenced, versioned publish of up to
-//! [`DELETE_BATCH`] ids. A query is listed from the catalog at one pinned watermark and deleted page by page, so
-//! the captures it deletes are those published when it started (a capture published later is not touched).
+//! [`DELETE_BATCH`] ids. A query is listed from the catalog at one pinned watermark and deleted page by page, each
+//! request naming that watermark: the captures it deletes are those the selection held when it started (a capture
+//! published later, or posted again since, is not touched: the latter is reported as changed).
 //!
 //! Before deleting it counts what would go (`--dry-run` stops there) and, on a terminal, asks for confirmation;
 //! elsewhere it needs `--yes`. Exit 0 when everything selected is deleted (or was already), 1 when an id was not
-//! found or is still in the spool unpublished (pending: delete it again once it is published), 2 for a usage error.
+//! found, changed, or is still in the spool unpublished (pending: delete it again once it is published), 2 for a
+//! usage error.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, IsTerminal, Write};
@@ -61,6 +63,8 @@ struct Totals {
     deleted: u64,
     already_deleted: u64,
     not_found: Vec<Uuid>,
+    /// Posted again since the listing the deletion was planned on: not deleted.
+    changed: Vec<Uuid>,
     pending: Vec<Uuid>,
     first_version: Option<u64>,
     last_version: Option<u64>,
@@ -72,6 +76,7 @@ struct Answer {
     deleted: Vec<Uuid>,
     already_deleted: Vec<Uuid>,
     not_found: Vec<Uuid>,
+    changed: Vec<Uuid>,
     pending: Vec<Uuid>,
     version: Option<u64>,
 }
@@ -81,6 +86,7 @@ impl Totals {
         self.deleted += answer.deleted.len() as u64;
         self.already_deleted += answer.already_deleted.len() as u64;
         self.not_found.extend(answer.not_found);
+        self.changed.extend(answer.changed);
         self.pending.extend(answer.pending);
         if let Some(version) = answer.version {
             self.first_version.get_or_insert(version);
@@ -135,7 +141,7 @@ pub fn delete(config: &Config, args: DeleteArgs) -> anyhow::Result<i32> {
             (Some(ids), _) => {
                 let mut plan = Totals { dry_run: true, ..Totals::default() };
                 for batch in ids.chunks(DELETE_BATCH) {
-                    plan.add(daemon.delete(batch, true).await?);
+                    plan.add(daemon.delete(batch, None, true).await?);
                 }
                 (plan, None)
             }
@@ -171,7 +177,7 @@ pub fn delete(config: &Config, args: DeleteArgs) -> anyhow::Result<i32> {
         match (&ids, &catalog) {
             (Some(ids), _) => {
                 for batch in ids.chunks(DELETE_BATCH) {
-                    totals.add(daemon.delete(batch, false).await?);
+                    totals.add(daemon.delete(batch, None, false).await?);
                     bar.set_position(totals.deleted);
                 }
             }
@@ -184,7 +190,7 @@ pub fn delete(config: &Config, args: DeleteArgs) -> anyhow::Result<i32> {
                     let batch: Vec<Uuid> =
                         page.captures.iter().filter_map(|capture| Uuid::parse_str(&capture.capture_id).ok()).collect();
                     if !batch.is_empty() {
-                        totals.add(daemon.delete(&batch, false).await?);
+                        totals.add(daemon.delete(&batch, Some(page.watermark), false).await?);
                         bar.set_position(totals.deleted);
                     }
                     match page.next_cursor {
@@ -231,11 +237,15 @@ fn report(totals: &Totals, json: bool) -> anyhow::Result<i32> {
         for id in &totals.not_found {
             eprintln!("capstore delete: {id}: not found");
         }
+        for id in &totals.changed {
+            eprintln!("capstore delete: {id}: posted again since the selection was listed: not deleted");
+        }
         for id in &totals.pending {
             eprintln!("capstore delete: {id}: not published yet (still in the spool): delete it again once it is");
         }
     }
-    Ok(if totals.not_found.is_empty() && totals.pending.is_empty() { exit_code::CLEAN } else { exit_code::FATAL })
+    let complete = totals.not_found.is_empty() && totals.pending.is_empty() && totals.changed.is_empty();
+    Ok(if complete { exit_code::CLEAN } else { exit_code::FATAL })
 }
 
 /// The running daemon's HTTP API, as this configuration names it.
@@ -273,8 +283,8 @@ impl Daemon {
 
     /// One deletion request; a 503 (not holding the lease yet, the catalog away, an unknown outcome) is asked again
     /// after its `Retry-After`, for up to a minute: deleting is idempotent.
-    async fn delete(&self, ids: &[Uuid], dry_run: bool) -> anyhow::Result<Answer> {
-        let body = serde_json::json!({ "ids": ids, "dry_run": dry_run });
+    async fn delete(&self, ids: &[Uuid], unchanged_since: Option<u64>, dry_run: bool) -> anyhow::Result<Answer> {
+        let body = serde_json::json!({ "ids": ids, "dry_run": dry_run, "unchanged_since": unchanged_since });
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
         loop {
             let mut request = self.client.post(&self.url).json(&body);

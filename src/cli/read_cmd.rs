@@ -182,7 +182,7 @@ pub fn tail(config: &Config, args: TailArgs) -> anyhow::Result<i32> {
 }
 
 /// Captures per catalog read of a catching-up tail.
-const TAIL_CAPTURES_PER_READ: u64 = 20_000;
+pub(crate) const TAIL_CAPTURES_PER_READ: u64 = 20_000;
 
 /// `text` with control characters escaped (`\u{1b}`, `\n`), so a label value cannot drive the terminal it is
 /// printed on (escape sequences that move the cursor, retitle the window, or hide lines).

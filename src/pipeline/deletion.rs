@@ -56,18 +56,45 @@ impl Deleter {
     }
 
     /// Delete `ids` (at most [`crate::catalog::publish::DELETION_MAX_IDS`]) as one publish, or with `dry_run` say
-    /// what that would delete. A fence refusal or a lease without enough time left (which a renewal clears, and on
-    /// 18.16's whole-second times happens now and then) is retried for up to [`LEASE_WAIT`].
-    pub async fn delete(&self, ids: &[Uuid], dry_run: bool) -> Result<DeletionAnswer, PublishError> {
+    /// what that would delete; with `unchanged_since` (the watermark of the listing the ids come from) a capture
+    /// posted again since is left alone. A fence refusal or a lease without enough time left (which a renewal
+    /// clears, and on 18.16's whole-second times happens now and then) is retried for up to [`LEASE_WAIT`].
+    ///
+    /// The work runs on a task of its own: a caller that goes away (an HTTP client hanging up, the shutdown) must
+    /// not cut a publish between its statement and its read-back, whose outcome would then be known to nobody.
+    pub async fn delete(
+        self: &Arc<Self>,
+        ids: &[Uuid],
+        unchanged_since: Option<u64>,
+        dry_run: bool,
+    ) -> Result<DeletionAnswer, PublishError> {
+        let (deleter, ids) = (self.clone(), ids.to_vec());
+        tokio::spawn(async move { deleter.delete_now(&ids, unchanged_since, dry_run).await })
+            .await
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic.into_panic()))
+    }
+
+    async fn delete_now(
+        &self,
+        ids: &[Uuid],
+        unchanged_since: Option<u64>,
+        dry_run: bool,
+    ) -> Result<DeletionAnswer, PublishError> {
         let pending = self.pending(ids).await?;
         let pending_set: HashSet<Uuid> = pending.iter().copied().collect();
         let published: Vec<Uuid> = ids.iter().copied().filter(|id| !pending_set.contains(id)).collect();
+        if published.is_empty() {
+            return Ok(DeletionAnswer { report: DeletionReport::default(), pending, dry_run });
+        }
         let started = std::time::Instant::now();
         let report = loop {
             let attempt = if dry_run {
-                plan_deletions(&self.catalog, &published).await.map(|(report, _)| report).map_err(PublishError::from)
+                plan_deletions(&self.catalog, &published, unchanged_since)
+                    .await
+                    .map(|(report, _)| report)
+                    .map_err(PublishError::from)
             } else {
-                self.publisher.publish_deletions(&published).await
+                self.publisher.publish_deletions(&published, unchanged_since).await
             };
             match attempt {
                 Err(PublishError::NoLease | PublishError::NotCommitted) if started.elapsed() < LEASE_WAIT => {

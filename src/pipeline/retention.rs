@@ -8,10 +8,13 @@
 //! process holds the lease: a pass that finds no publish permit does nothing (a rival or a lost lease never deletes,
 //! and the fence inside every publish makes sure of it).
 //!
-//! State: per stream, the cut-off below which everything is known deleted (in memory; a restart starts from the
-//! stream's first capture, and the listing skips what is deleted already). Nothing here needs to survive a crash: a
-//! pass interrupted anywhere leaves every capture either deleted by a committed publish or still there, and the next
-//! pass takes it up.
+//! State: per stream, the cut-off below which everything was deleted by the last pass that found nothing pending or
+//! changed, so that a pass lists only what aged out since; every [`FULL_PASS_EVERY`]th pass (and the first after a
+//! start) lists each stream from its first capture again, which finds late arrivals (a capture published with an
+//! old `captured_at_ns`). Nothing here needs to survive a crash: a pass interrupted anywhere leaves every capture
+//! either deleted by a committed publish or still there, and the next pass takes it up. Each deletion names the
+//! watermark its listing was read at, so a capture posted again in between is not deleted on the strength of its
+//! older row.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -31,9 +34,16 @@ pub struct Retention {
     deleter: Arc<Deleter>,
     interval: Duration,
     batch: u64,
-    /// Per stream, the cut-off everything before which is deleted.
+    /// Per stream, the cut-off everything before which is deleted (as far as the catalog showed at the time).
     done_before: HashMap<String, u64>,
+    /// Passes done; every [`FULL_PASS_EVERY`]th starts each stream from its first capture again.
+    passes: u64,
 }
+
+/// A pass in this many lists each stream from its first capture, not from where the last pass finished: captures
+/// published since with an old `captured_at_ns` (a producer catching up on a backlog) are found within this many
+/// intervals (an hour at the default interval).
+const FULL_PASS_EVERY: u64 = 60;
 
 /// What one pass did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -57,6 +67,7 @@ impl Retention {
             interval: config.lifecycle.retention_interval.0,
             batch: config.lifecycle.retention_batch,
             done_before: HashMap::new(),
+            passes: 0,
         })
     }
 
@@ -88,7 +99,9 @@ impl Retention {
         for stream in self.deleter.catalog().streams().await? {
             let Some(keep) = self.keep_of(&stream.stream) else { continue };
             let cutoff = now_ns.saturating_sub(u64::try_from(keep.as_nanos()).unwrap_or(u64::MAX));
-            let since = self.done_before.get(&stream.stream).copied().unwrap_or(0).max(stream.first_ns);
+            let rescan = self.passes % FULL_PASS_EVERY == 0;
+            let done_before = if rescan { 0 } else { self.done_before.get(&stream.stream).copied().unwrap_or(0) };
+            let since = done_before.max(stream.first_ns);
             if since >= cutoff {
                 continue;
             }
@@ -98,6 +111,7 @@ impl Retention {
                 until_ns: Some(cutoff),
                 ..ListQuery::default()
             };
+            let mut complete = true;
             loop {
                 let budget = self.batch - pass.deleted;
                 if budget == 0 || *stopping.borrow() {
@@ -109,8 +123,10 @@ impl Retention {
                 let ids: Vec<Uuid> =
                     page.captures.iter().filter_map(|capture| Uuid::parse_str(&capture.capture_id).ok()).collect();
                 if !ids.is_empty() {
-                    let answer = self.deleter.delete(&ids, false).await?;
+                    // Only what the listing saw: a capture posted again since is left for the next pass to judge.
+                    let answer = self.deleter.delete(&ids, Some(page.watermark), false).await?;
                     pass.deleted += answer.report.deleted.len() as u64;
+                    complete &= answer.pending.is_empty() && answer.report.changed.is_empty();
                     if let Some(version) = answer.report.version {
                         tracing::info!(
                             stream = %stream.stream,
@@ -125,8 +141,11 @@ impl Retention {
                     None => break,
                 }
             }
-            self.done_before.insert(stream.stream.clone(), cutoff);
+            if complete {
+                self.done_before.insert(stream.stream.clone(), cutoff);
+            }
         }
+        self.passes += 1;
         Ok(pass)
     }
 

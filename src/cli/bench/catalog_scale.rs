@@ -15,13 +15,14 @@ use serde::Serialize;
 use uuid::Uuid;
 
 use capstore::catalog::lease::LeaseKeeper;
-use capstore::catalog::publish::Publisher;
-use capstore::catalog::query::{CatalogReader, ListQuery};
+use capstore::catalog::publish::{PublishError, Publisher};
+use capstore::catalog::query::{CatalogReader, ListQuery, TailPosition};
 use capstore::catalog::{CatalogClient, Tables};
 use capstore::config::Config;
 
 use super::catalog::{publish_until_committed, synthetic_pack};
 use super::median;
+use crate::cli::read_cmd::TAIL_CAPTURES_PER_READ;
 
 /// The catalog name every scale database holds.
 const CATALOG: &str = "main";
@@ -318,8 +319,10 @@ async fn reads(bench: &mut Bench<'_>, reader: &CatalogReader, tables: &Tables, c
             "tail after W-5",
             Some(format!("SELECT * FROM {by_version} WHERE catalog = '{CATALOG}' AND version > {}", watermark - 5)),
             || async {
-                let captures = reader.captures_of_versions(watermark - 5, watermark).await?;
-                anyhow::ensure!(captures.len() as u64 == 5 * CAPTURES_PER_PUBLISH, "tail read {}", captures.len());
+                let from = TailPosition::after_version(watermark - 5);
+                let page = reader.tail_page(from, None, TAIL_CAPTURES_PER_READ).await?;
+                let read = page.captures.len() as u64;
+                anyhow::ensure!(read == 5 * CAPTURES_PER_PUBLISH, "tail read {read}");
                 Ok(())
             },
         )
@@ -327,12 +330,13 @@ async fn reads(bench: &mut Bench<'_>, reader: &CatalogReader, tables: &Tables, c
     let catch_up_versions = catch_up / CAPTURES_PER_PUBLISH;
     let started = Instant::now();
     let mut read = 0u64;
-    let mut after = 0;
-    while after < catch_up_versions {
-        // About 20,000 captures per read, as `capstore tail` reads.
-        let through = (after + 20_000 / CAPTURES_PER_PUBLISH).min(catch_up_versions);
-        read += reader.captures_of_versions(after, through).await?.len() as u64;
-        after = through;
+    let mut position = TailPosition::after_version(0);
+    // Pages as `capstore tail` reads them.
+    while position.version < catch_up_versions {
+        let page = reader.tail_page(position, Some(catch_up_versions), TAIL_CAPTURES_PER_READ).await?;
+        read += page.captures.len() as u64;
+        anyhow::ensure!(!page.caught_up(), "tail stopped at {} of {catch_up_versions}", page.next);
+        position = page.next;
     }
     let seconds = started.elapsed().as_secs_f64();
     let started = Instant::now();
@@ -350,6 +354,49 @@ async fn reads(bench: &mut Bench<'_>, reader: &CatalogReader, tables: &Tables, c
         capstore_ms: read as f64 / seconds,
         ideal_ms: Some(read as f64 / ideal_seconds),
         ratio: Some(ideal_seconds / seconds),
+        peak_memory_mib: None,
+    });
+    Ok(())
+}
+
+/// The deletion of 10,000 captures (one publish of tombstones) in a catalog of its own in the big tables, beside the
+/// ideal: the server copying the same 10,000 rows (what the tombstones write, without the plan that finds them).
+async fn deletion(bench: &mut Bench<'_>, tables: &Tables, catalog: &str, publisher: &Publisher) -> anyhow::Result<()> {
+    const DELETED: u64 = 10_000;
+    let mut ids = Vec::new();
+    for _ in 0..DELETED / CAPTURES_PER_PUBLISH {
+        let pack = synthetic_pack(CAPTURES_PER_PUBLISH);
+        ids.extend(pack.entries.iter().map(|entry| entry.meta.capture_id));
+        publish_until_committed(publisher, &pack).await?;
+    }
+    let started = Instant::now();
+    let report = loop {
+        match publisher.publish_deletions(&ids, None).await {
+            Err(PublishError::NotCommitted | PublishError::NoLease) => {
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            other => break other?,
+        }
+    };
+    let capstore_ms = started.elapsed().as_secs_f64() * 1000.0;
+    anyhow::ensure!(report.deleted.len() as u64 == DELETED, "deleted {}", report.deleted.len());
+    let captures = &tables.captures;
+    let started = Instant::now();
+    bench
+        .client
+        .execute(&format!(
+            "INSERT INTO {captures} SELECT catalog, stream, captured_at_ns, capture_id, '', '', 0, 0, 0, 0, 0, \
+             label_keys, label_values, content_type, 0, publish_id FROM {captures} WHERE catalog = '{catalog}' \
+             AND pack_id != '' LIMIT {DELETED}"
+        ))
+        .await?;
+    let ideal_ms = started.elapsed().as_secs_f64() * 1000.0;
+    bench.results.push(ScaleRow {
+        rows: bench.rows,
+        read: format!("delete {DELETED} captures, ms (ideal: the server copying their rows)"),
+        capstore_ms,
+        ideal_ms: Some(ideal_ms),
+        ratio: Some(capstore_ms / ideal_ms),
         peak_memory_mib: None,
     });
     Ok(())
@@ -379,6 +426,9 @@ async fn publishes(bench: &mut Bench<'_>, config: &Config, tables: &Tables, coun
             let started = Instant::now();
             publish_until_committed(&publisher, &pack).await?;
             runs.push(started.elapsed().as_secs_f64() * 1000.0);
+        }
+        if catalog != CATALOG {
+            deletion(bench, tables, &catalog, &publisher).await?;
         }
         lease.stop().await;
         p50.push(median(&mut runs));
