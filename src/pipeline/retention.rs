@@ -99,7 +99,7 @@ impl Retention {
         for stream in self.deleter.catalog().streams().await? {
             let Some(keep) = self.keep_of(&stream.stream) else { continue };
             let cutoff = now_ns.saturating_sub(u64::try_from(keep.as_nanos()).unwrap_or(u64::MAX));
-            let rescan = self.passes % FULL_PASS_EVERY == 0;
+            let rescan = self.passes.is_multiple_of(FULL_PASS_EVERY);
             let done_before = if rescan { 0 } else { self.done_before.get(&stream.stream).copied().unwrap_or(0) };
             let since = done_before.max(stream.first_ns);
             if since >= cutoff {
