@@ -813,7 +813,7 @@ async fn a_schema_1_catalog_is_upgraded_and_its_captures_are_found_by_id_and_by_
 
     let (client, tables) = capstore::catalog::connect(&config).await.expect("the upgrade");
     let stamps = server.query(&format!("SELECT max(version) FROM {} FORMAT TSV", tables.schema)).unwrap();
-    assert_eq!(stamps.trim(), capstore::catalog::schema::SCHEMA_VERSION.to_string());
+    assert_eq!(stamps.trim(), capstore::catalog::schema::STAMPED_AT_START.to_string());
     let reader = CatalogReader::new(client.clone(), tables.clone(), "old-catalog");
     assert_eq!(reader.watermark().await.unwrap(), 1, "the watermark table was filled from the old publishes");
     let found = reader.get(before, None).await.unwrap().expect("a capture published before the upgrade");
@@ -1167,6 +1167,8 @@ async fn a_deletion_is_a_fenced_version_that_hides_the_capture_from_every_read_f
     let again = delete(vec![a]).await;
     assert_eq!((again.already_deleted, again.version), (vec![a], None));
     assert_eq!(catalog.committed_versions(), vec![1, 2, 3]);
+    let stamps = catalog.server.query(&format!("SELECT max(version) FROM {} FORMAT TSV", catalog.tables.schema));
+    assert_eq!(stamps.unwrap().trim(), "4", "the first deletion stamps schema 4");
 
     let reader = catalog.reader();
     let ids = |page: capstore::catalog::query::Page| {

@@ -169,6 +169,8 @@ pub struct Publisher {
     unresolved: Mutex<Option<Unresolved>>,
     /// Held from a publish's version allocation to its read-back: one publish at a time.
     turn: tokio::sync::Mutex<()>,
+    /// Schema 4 is known stamped (see [`super::schema::stamp_deletions`]).
+    deletions_stamped: std::sync::atomic::AtomicBool,
 }
 
 impl Publisher {
@@ -180,6 +182,7 @@ impl Publisher {
             lease,
             unresolved: Mutex::new(None),
             turn: tokio::sync::Mutex::new(()),
+            deletions_stamped: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -368,6 +371,10 @@ impl Publisher {
                 publish_id: publish_id_text.clone(),
             })
             .collect();
+        if !self.deletions_stamped.load(std::sync::atomic::Ordering::Relaxed) {
+            super::schema::stamp_deletions(&self.client, &self.tables).await?;
+            self.deletions_stamped.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         // Into the index tables only (see `super::query`): `by_version`, then its rows copied into `by_id` on the
         // server. Either may be left an orphan by a failure before the commit, which no read sees.
         self.client.insert_rows(&self.tables.by_version, &rows).await?;

@@ -35,9 +35,11 @@
 //! written before the views existed (server-side `INSERT ... SELECT`; a row copied twice, by a crash before the stamp
 //! or two daemons upgrading at once, is a duplicate every read already collapses), then stamps 2. 2 -> 3 adds
 //! `intents` and `intent_marks` (see [`super::intents`]); a catalog without a mark yet is reconciled once by listing
-//! the bucket, as every start did before. 3 -> 4 changes no table: from 4 on a row of `captures` may be a deletion (a
-//! tombstone, `pack_id` empty, see [`super::query`]), which a schema 3 reader would take for a capture in an object
-//! with no name; the stamp keeps such readers and writers out.
+//! the bucket, as every start did before. 3 -> 4 changes no table: from 4 on a row of `by_version` and `by_id` may be a
+//! deletion (a tombstone, `pack_id` empty, see [`super::query`]), which a schema 3 reader would take for a capture in
+//! an object with no name. A start stamps 3 ([`STAMPED_AT_START`]); the first deletion stamps 4, which from then on
+//! keeps schema 3 capstores out (one already running is not stopped by it: upgrade every daemon and reader of the
+//! tables before deleting).
 
 use super::client::{sql_string_literal, CatalogClient, CatalogError, ErrorKind};
 use crate::config::CatalogConfig;
@@ -420,12 +422,17 @@ pub async fn probe_grants(client: &CatalogClient, tables: &Tables) -> Result<Gra
     })
 }
 
-/// For a read-only connection, which creates and upgrades nothing: the catalog must be stamped with exactly this
-/// build's schema version.
+/// The version a start stamps: 4 adds no table, only rows a schema 3 capstore would misread (deletions), so it is
+/// stamped by the first deletion ([`stamp_deletions`]) and schema 3 daemons sharing the tables keep (re)starting
+/// until somebody deletes.
+pub const STAMPED_AT_START: u32 = 3;
+
+/// For a read-only connection, which creates and upgrades nothing: the catalog must be stamped with a schema version
+/// this build reads as its own (3 or 4).
 pub async fn check_schema(client: &CatalogClient, tables: &Tables) -> Result<(), SchemaError> {
     let found = stamped_version(client, tables).await?;
     match found {
-        SCHEMA_VERSION => Ok(()),
+        STAMPED_AT_START..=SCHEMA_VERSION => Ok(()),
         found if found > SCHEMA_VERSION => Err(SchemaError::TooNew { database: tables.database.clone(), found }),
         found => Err(SchemaError::NotUpgraded { database: tables.database.clone(), found }),
     }
@@ -459,17 +466,31 @@ pub async fn ensure_schema(client: &CatalogClient, tables: &Tables) -> Result<u3
             client.execute_with_timeout(&statement, BACKFILL_TIMEOUT).await?;
         }
     }
-    if found < SCHEMA_VERSION {
-        client
-            .execute(&format!(
-                "INSERT INTO {} (component, version, written_at_ms) SELECT {}, {SCHEMA_VERSION}, toUInt64(now()) * 1000",
-                tables.schema,
-                sql_string_literal("catalog")
-            ))
-            .await?;
-        tracing::info!(database = %tables.database, schema_version = SCHEMA_VERSION, "catalog schema stamped");
+    if found < STAMPED_AT_START {
+        stamp(client, tables, STAMPED_AT_START).await?;
     }
-    Ok(SCHEMA_VERSION)
+    Ok(found.max(STAMPED_AT_START))
+}
+
+/// Stamp schema 4 unless it is stamped already: before the first deletion's rows are written, so that from then on
+/// a schema 3 capstore refuses the catalog instead of taking a deletion for a capture. Idempotent.
+pub async fn stamp_deletions(client: &CatalogClient, tables: &Tables) -> Result<(), CatalogError> {
+    if stamped_version(client, tables).await? < SCHEMA_VERSION {
+        stamp(client, tables, SCHEMA_VERSION).await?;
+    }
+    Ok(())
+}
+
+async fn stamp(client: &CatalogClient, tables: &Tables, version: u32) -> Result<(), CatalogError> {
+    client
+        .execute(&format!(
+            "INSERT INTO {} (component, version, written_at_ms) SELECT {}, {version}, toUInt64(now()) * 1000",
+            tables.schema,
+            sql_string_literal("catalog")
+        ))
+        .await?;
+    tracing::info!(database = %tables.database, schema_version = version, "catalog schema stamped");
+    Ok(())
 }
 
 impl SchemaError {

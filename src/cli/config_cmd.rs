@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use capstore::bucket::Bucket;
 use capstore::catalog::client::CatalogClient;
-use capstore::catalog::schema::{installed_version, probe_grants, GrantsProbe, SCHEMA_VERSION};
+use capstore::catalog::schema::{installed_version, probe_grants, GrantsProbe, SCHEMA_VERSION, STAMPED_AT_START};
 use capstore::catalog::Tables;
 use capstore::config::Config;
 use capstore::exit_code;
@@ -115,13 +115,15 @@ async fn catalog_checks(config: &Config) -> Vec<Check> {
     });
     checks.push(match installed_version(&client, &tables).await {
         Ok(None) => pass("catalog schema", "no tables yet: the daemon creates them at its first start"),
-        Ok(Some(SCHEMA_VERSION)) => pass("catalog schema", format!("version {SCHEMA_VERSION}, as this build")),
+        Ok(Some(found @ STAMPED_AT_START..=SCHEMA_VERSION)) => {
+            pass("catalog schema", format!("version {found}, which this build reads and writes"))
+        }
         Ok(Some(found)) if found > SCHEMA_VERSION => fail(
             "catalog schema",
             format!("version {found}, newer than this build ({SCHEMA_VERSION}): upgrade capstore"),
         ),
         Ok(Some(found)) => {
-            pass("catalog schema", format!("version {found}: the daemon upgrades it to {SCHEMA_VERSION} at start"))
+            pass("catalog schema", format!("version {found}: the daemon upgrades it to {STAMPED_AT_START} at start"))
         }
         Err(error) => fail("catalog schema", error.to_string()),
     });
