@@ -1163,6 +1163,10 @@ async fn a_deletion_is_a_fenced_version_that_hides_the_capture_from_every_read_f
         "a listing paged on with a cursor from before the deletion keeps its snapshot"
     );
     assert_eq!((report.deleted, report.not_found, report.version), (vec![a, c], vec![unknown], Some(3)));
+    // A deletion as large as one may be plans in statements the server accepts (each under its max_query_size).
+    let many: Vec<Uuid> = (0..capstore::catalog::publish::DELETION_MAX_IDS).map(|_| Uuid::now_v7()).collect();
+    let unknown_many = delete(many.clone()).await;
+    assert_eq!((unknown_many.not_found.len(), unknown_many.version), (many.len(), None));
     // Deleting again is a no-op: no version is published for it.
     let again = delete(vec![a]).await;
     assert_eq!((again.already_deleted, again.version), (vec![a], None));

@@ -229,6 +229,8 @@ const LOCATION_COLUMNS: &str = "capture_id, stream, captured_at_ns, pack_id, obj
 
 /// Captures per [`CatalogReader::tail_page`], at most.
 pub const TAIL_PAGE_MAX: u64 = 100_000;
+/// Publishes a tail page reads first (more only when their captures do not fill the page).
+const TAIL_PUBLISHES_FIRST: u64 = 1000;
 
 /// A position in the log of publishes: every capture of the versions up to `version` has been read and, when
 /// `after_id` is set, those of the next version up to that capture id (tail order within a version is by capture_id,
@@ -746,10 +748,21 @@ impl CatalogReader {
         limit: u64,
     ) -> Result<TailPage, CatalogError> {
         let limit = limit.clamp(1, TAIL_PAGE_MAX);
-        let mut publishes = self.publishes_after(from.version, limit).await?;
-        if let Some(end) = through {
-            publishes.retain(|publish| publish.version <= end);
-        }
+        // As many publishes as the page can reach: every publish holds a capture at least, so `limit` of them are
+        // always enough, but most hold many, so read a few first and more only while their counts fall short.
+        let mut asked = limit.min(TAIL_PUBLISHES_FIRST);
+        let publishes = loop {
+            let mut publishes = self.publishes_after(from.version, asked).await?;
+            if let Some(end) = through {
+                publishes.retain(|publish| publish.version <= end);
+            }
+            let counted: u64 = publishes.iter().map(|publish| publish.captures).sum();
+            // Fewer than asked: the log (or `through`) ends within them.
+            if (publishes.len() as u64) < asked || counted >= limit || asked >= limit {
+                break publishes;
+            }
+            asked = asked.saturating_mul(8).min(limit);
+        };
         let Some(last) = publishes.last() else {
             return Ok(TailPage { captures: Vec::new(), from, next: from });
         };
