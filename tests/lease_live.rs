@@ -74,13 +74,17 @@ impl Catalog {
         CatalogReader::new(self.client.clone(), self.tables.clone(), &self.config.catalog_name)
     }
 
-    /// A capture row written straight into `captures` (as a publish's step 3 does), over a direct connection.
+    /// A capture row written straight into `captures` (as a publish's step 3 does; in a pack of its own: a row with
+    /// no pack is a deletion), over a direct connection.
     fn insert_capture_row(&self, capture: Uuid, stream: &str, captured_at_ns: u64, version: u64, publish_id: Uuid) {
         self.server
             .query(&format!(
-                "INSERT INTO {} (catalog, stream, captured_at_ns, capture_id, version, publish_id) \
-                 VALUES ('{}', '{stream}', {captured_at_ns}, '{capture}', {version}, '{publish_id}')",
-                self.tables.captures, self.config.catalog_name
+                "INSERT INTO {} (catalog, stream, captured_at_ns, capture_id, pack_id, object_key, version, publish_id) \
+                 VALUES ('{}', '{stream}', {captured_at_ns}, '{capture}', '{}', 'packs/{capture}.cpk', {version}, \
+                 '{publish_id}')",
+                self.tables.captures,
+                self.config.catalog_name,
+                Uuid::now_v7()
             ))
             .unwrap();
     }
