@@ -127,6 +127,12 @@ impl Reader {
         }
     }
 
+    /// Whether the local spool's pack `pack_id` holds `capture_id` (the record read and its id checked: the spool
+    /// index alone knows fingerprints, which collide).
+    pub async fn spool_holds(&self, capture_id: Uuid, pack_id: Uuid) -> Result<bool, ReadError> {
+        Ok(self.read_from_spool(capture_id, Some(pack_id)).await?.is_some())
+    }
+
     /// Several captures at once, in the order asked, each id once ([`Found::Unknown`] for an id neither the catalog
     /// nor the spool knows, [`Found::Unreadable`] for a damaged record or a lost pack object): one catalog statement for the whole list (at most [`GET_MANY_MAX`] ids), captures of local packs
     /// read from the spool, and each bucket pack's records fetched by one `get_ranges` call, which merges records

@@ -800,6 +800,24 @@ async fn a_deletion_hides_a_capture_from_every_read_at_once_tail_shows_it_and_th
     let response = delete_one(&pending_id, "").await.unwrap();
     assert_eq!(response.status(), StatusCode::OK, "{}", response.text().await.unwrap());
 
+    // An id that only shares its low 64 bits (the spool index's fingerprint) with a capture still in the spool is
+    // not pending: the record is checked.
+    let unpublished = uuid::Uuid::now_v7();
+    // (Another time in its high bits, minutes earlier.)
+    let twin = uuid::Uuid::from_u128(unpublished.as_u128() ^ (1u128 << 100));
+    assert_ne!(twin, unpublished);
+    let url = daemon.url(&format!("/v1/captures?stream=del/p&id={twin}&wait=published"));
+    let companion = client.post(daemon.url("/v1/captures?stream=del/p&wait=published")).body("companion").send();
+    let (posted_twin, _) = tokio::join!(client.post(url).body("twin").send(), companion);
+    assert_eq!(posted_twin.unwrap().status(), StatusCode::CREATED);
+    let url = daemon.url(&format!("/v1/captures?stream=del/p&id={unpublished}"));
+    assert_eq!(client.post(url).body("stays in the spool").send().await.unwrap().status(), StatusCode::CREATED);
+    let answer = json(delete_one(&twin.to_string(), "").await.unwrap()).await;
+    assert_eq!(answer["deleted"], serde_json::json!([twin.to_string()]), "{answer}");
+    let response = delete_one(&unpublished.to_string(), "").await.unwrap();
+    assert_eq!(response.status(), StatusCode::CONFLICT, "the one in the spool is pending");
+    post_batch_published(&daemon, &client, "del/p", 1, 11).await;
+
     // A dry run deletes nothing.
     let answer = json(delete_one(ids[0], "?dry_run=true").await.unwrap()).await;
     assert_eq!((answer["deleted"].clone(), answer["version"].clone()), (serde_json::json!([ids[0]]), Value::Null));

@@ -16,6 +16,7 @@ use uuid::Uuid;
 use super::PipelineCounters;
 use crate::catalog::publish::{plan_deletions, DeletionReport, PublishError, Publisher};
 use crate::catalog::query::CatalogReader;
+use crate::reader::{LocalSpool, ReadError, Reader};
 use crate::spool::index::SpoolIndex;
 
 /// What a deletion request found and did.
@@ -34,7 +35,8 @@ const LEASE_POLL: Duration = Duration::from_millis(100);
 
 pub struct Deleter {
     publisher: Arc<Publisher>,
-    catalog: CatalogReader,
+    /// The catalog, and the spool for telling which ids it still holds unpublished.
+    reader: Reader,
     spool_index: Arc<SpoolIndex>,
     counters: Arc<PipelineCounters>,
 }
@@ -42,9 +44,10 @@ pub struct Deleter {
 impl Deleter {
     /// A deleter publishing through `pipeline`'s publisher, counting in its counters.
     pub fn for_pipeline(pipeline: &super::Pipeline, catalog: CatalogReader) -> Deleter {
+        let spool = LocalSpool { paths: pipeline.paths.clone(), index_opt: Some(pipeline.spool_index.clone()) };
         Deleter {
             publisher: pipeline.publisher.clone(),
-            catalog,
+            reader: Reader::new(catalog, pipeline.bucket.clone(), Some(spool)),
             spool_index: pipeline.spool_index.clone(),
             counters: pipeline.counters.clone(),
         }
@@ -52,7 +55,7 @@ impl Deleter {
 
     /// The catalog this deleter reads.
     pub fn catalog(&self) -> &CatalogReader {
-        &self.catalog
+        self.reader.catalog()
     }
 
     /// Delete `ids` (at most [`crate::catalog::publish::DELETION_MAX_IDS`]) as one publish, or with `dry_run` say
@@ -89,7 +92,7 @@ impl Deleter {
         let started = std::time::Instant::now();
         let report = loop {
             let attempt = if dry_run {
-                plan_deletions(&self.catalog, &published, unchanged_since)
+                plan_deletions(self.reader.catalog(), &published, unchanged_since)
                     .await
                     .map(|(report, _)| report)
                     .map_err(PublishError::from)
@@ -129,10 +132,30 @@ impl Deleter {
         packs.sort();
         packs.dedup();
         let published = self.publisher.committed_packs(&packs).await?;
-        Ok(in_spool
-            .into_iter()
-            .filter(|(_, packs)| packs.iter().any(|pack| !published.contains(pack)))
-            .map(|(id, _)| id)
-            .collect())
+        let mut pending = Vec::new();
+        for (id, packs) in in_spool {
+            for pack in packs.into_iter().filter(|pack| !published.contains(pack)) {
+                // The index matched a fingerprint: the record tells whether it is this capture.
+                match self.reader.spool_holds(id, pack).await {
+                    Ok(true) => {
+                        pending.push(id);
+                        break;
+                    }
+                    Ok(false) => {}
+                    Err(error) => return Err(PublishError::Catalog(spool_read_failed(error))),
+                }
+            }
+        }
+        Ok(pending)
     }
+}
+
+/// A spool read that failed while telling pending ids apart, as the error a deletion answers with (the deletion
+/// is not made: it would be unsafe to delete what may still be published).
+fn spool_read_failed(error: ReadError) -> crate::catalog::CatalogError {
+    tracing::warn!(%error, "deletion: cannot read the spool to tell which ids are still unpublished");
+    crate::catalog::CatalogError::new(
+        crate::catalog::ErrorKind::DefinitelyFailed,
+        format!("spool read failed: {error}"),
+    )
 }
