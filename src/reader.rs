@@ -7,7 +7,7 @@
 //! for a pack still being written, its footer and the record for a sealed one. Without it (an offline `capstore get`
 //! on a stopped daemon's spool) every local pack is looked at.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
@@ -139,9 +139,7 @@ impl Reader {
     /// less than 1 MiB apart into one ranged GET (object_store's default gap: a GET costs far more than a megabyte of
     /// transfer on every backend), [`PACKS_IN_FLIGHT`] packs at a time.
     pub async fn get_many(&self, ids: &[Uuid]) -> Result<Vec<(Uuid, Found)>, ReadError> {
-        let mut unique = ids.to_vec();
-        let mut seen = HashSet::new();
-        unique.retain(|id| seen.insert(*id));
+        let unique = crate::util::unique_ids(ids);
         let mut locations = self.catalog.newest_rows(&unique).await?;
         let located = unique.into_iter().map(|id| (id, locations.remove(&id))).collect();
         self.read_asked(located).await

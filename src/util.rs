@@ -26,6 +26,12 @@ pub fn age_of_uuid_v7(id: uuid::Uuid) -> Option<Duration> {
     SystemTime::now().duration_since(UNIX_EPOCH + Duration::new(seconds, nanos)).ok()
 }
 
+/// `ids` with each id once, at its first place: a list of ids asked for is answered once per id.
+pub fn unique_ids(ids: &[uuid::Uuid]) -> Vec<uuid::Uuid> {
+    let mut seen = std::collections::HashSet::new();
+    ids.iter().copied().filter(|id| seen.insert(*id)).collect()
+}
+
 /// This machine's host name (`unknown-host` if the kernel will not say), for holder strings and the spool lock.
 pub fn host_name() -> String {
     nix::unistd::gethostname().map(|h| h.to_string_lossy().into_owned()).unwrap_or_else(|_| "unknown-host".into())

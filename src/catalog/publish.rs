@@ -76,9 +76,7 @@ pub async fn plan_deletions(
     ids: &[Uuid],
     unchanged_since: Option<u64>,
 ) -> Result<(DeletionReport, Vec<CaptureLocation>), CatalogError> {
-    let mut unique = ids.to_vec();
-    let mut seen = HashSet::new();
-    unique.retain(|id| seen.insert(*id));
+    let unique = crate::util::unique_ids(ids);
     let mut newest = reader.newest_rows(&unique).await?;
     let (mut report, mut targets) = (DeletionReport::default(), Vec::new());
     for id in unique {

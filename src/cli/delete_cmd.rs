@@ -107,10 +107,7 @@ pub fn delete(config: &Config, args: DeleteArgs) -> anyhow::Result<i32> {
             Ok(ids) => Some(ids),
             Err(code) => return Ok(code),
         },
-        None if !args.id.is_empty() => {
-            let mut seen = std::collections::HashSet::new();
-            Some(args.id.iter().copied().filter(|id| seen.insert(*id)).collect())
-        }
+        None if !args.id.is_empty() => Some(capstore::util::unique_ids(&args.id)),
         None => None,
     };
     let on_terminal = std::io::stdin().is_terminal();

@@ -71,8 +71,7 @@ pub(super) fn parse_ids(texts: &[String], max: usize) -> Result<Vec<Uuid>, ApiEr
 pub(super) async fn multi_get(State(state): State<Arc<HttpState>>, request: Request) -> Result<Response, ApiError> {
     let parsed: MultiGetRequest = json_body(&state, request, "{\"ids\": [capture ids]}").await?;
     let ids = parse_ids(&parsed.ids, MULTI_GET_MAX_IDS)?;
-    let mut seen = std::collections::HashSet::new();
-    let unique: Vec<Uuid> = ids.iter().copied().filter(|id| seen.insert(*id)).collect();
+    let unique = crate::util::unique_ids(&ids);
     // (An id list's pages are the ids of one multi-get statement, whatever the page size.)
     let page_captures = crate::export::EXPORT_PAGE;
     stream_tar(state, Selection::Ids(unique), None, page_captures, Framing::OneManifest { asked: ids }).await

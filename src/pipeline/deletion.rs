@@ -2,9 +2,9 @@
 //! asks the running daemon). A deletion is a publish of tombstones ([`Publisher::publish_deletions`]), so only the
 //! lease holder makes one, it is fenced and versioned, and `tail` consumers see it in order.
 //!
-//! An id whose capture this spool still holds in a pack not published yet (acknowledged, not yet visible) is *pending*: it is left out of the
-//! deletion, because its pack would publish it after the tombstone and make it visible again. The caller asks again
-//! once it is published (`wait=published` tells when). A dry run plans the same deletion and publishes nothing.
+//! An id whose capture this spool still holds in a pack not published yet (acknowledged, not yet visible) is
+//! *pending*: it is left out of the deletion, because its pack would publish it after the tombstone and make it
+//! visible again. The caller asks again once it is published (`wait=published` tells when). A dry run plans the same deletion and publishes nothing.
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
@@ -118,11 +118,10 @@ impl Deleter {
     /// published a moment ago may still be in the spool: one replay-guard lookup of those packs tells.
     async fn pending(&self, ids: &[Uuid]) -> Result<Vec<Uuid>, PublishError> {
         let mut in_spool: Vec<(Uuid, Vec<Uuid>)> = Vec::new();
-        let mut seen = HashSet::new();
-        for id in ids.iter().filter(|id| seen.insert(**id)) {
-            let packs: Vec<Uuid> = self.spool_index.candidates(*id).iter().map(|candidate| candidate.pack_id).collect();
+        for id in crate::util::unique_ids(ids) {
+            let packs: Vec<Uuid> = self.spool_index.candidates(id).iter().map(|candidate| candidate.pack_id).collect();
             if !packs.is_empty() {
-                in_spool.push((*id, packs));
+                in_spool.push((id, packs));
             }
         }
         if in_spool.is_empty() {
