@@ -1046,3 +1046,227 @@ async fn delete_when_publishing(
         }
     }
 }
+
+/// Every object of the daemon's file:// bucket: its path below the bucket, and its bytes.
+fn bucket_objects(daemon: &HttpDaemon) -> std::collections::BTreeMap<String, Vec<u8>> {
+    fn walk(root: &std::path::Path, dir: &std::path::Path, into: &mut std::collections::BTreeMap<String, Vec<u8>>) {
+        let Ok(entries) = std::fs::read_dir(dir) else { return };
+        for entry in entries {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                walk(root, &path, into);
+            } else {
+                let key = path.strip_prefix(root).unwrap().display().to_string();
+                into.insert(key, std::fs::read(&path).unwrap());
+            }
+        }
+    }
+    let root = daemon._dir.path().join("bucket");
+    let mut objects = std::collections::BTreeMap::new();
+    walk(&root, &root, &mut objects);
+    objects
+}
+
+/// Every capture of `stream` from a fresh listing: (capture_id, object_key).
+async fn listed_places(daemon: &HttpDaemon, client: &reqwest::Client, stream: &str) -> Vec<(String, String)> {
+    let page = json(daemon.get_ok(client, &format!("/v1/captures?stream={stream}&limit=1000")).await).await;
+    page["captures"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| (c["capture_id"].as_str().unwrap().to_string(), c["object_key"].as_str().unwrap().to_string()))
+        .collect()
+}
+
+/// Each of `posted` reads back byte-identical.
+async fn assert_bytes_identical(daemon: &HttpDaemon, client: &reqwest::Client, posted: &[(String, u64, Vec<u8>)]) {
+    for (id, _, body) in posted {
+        let read = daemon.get_ok(client, &format!("/v1/captures/{id}")).await.bytes().await.unwrap();
+        assert_eq!(read.as_ref(), body.as_slice(), "capture {id}");
+    }
+}
+
+/// Polls `condition` (async) every 100 ms for up to `within`.
+async fn wait_until_async<F, Fut>(daemon: &HttpDaemon, within: Duration, what: &str, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let started = Instant::now();
+    while !condition().await {
+        assert!(started.elapsed() < within, "{what} within {within:?}:\n{}", daemon.log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn metric(text: &str, name: &str) -> u64 {
+    text.lines()
+        .find_map(|line| line.strip_prefix(&format!("{name} ")))
+        .and_then(|value| value.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in\n{text}"))
+}
+
+#[tokio::test]
+async fn compaction_merges_small_packs_keeps_every_capture_byte_identical_and_removes_old_objects_after_the_grace() {
+    let daemon = HttpDaemon::start(&[
+        ("CAPSTORE_SPOOL_PACK_MAX_RECORDS", "3".into()),
+        ("CAPSTORE_LIFECYCLE_COMPACTION_INTERVAL", "1s".into()),
+        ("CAPSTORE_LIFECYCLE_COMPACTION_MIN_AGE", "8s".into()),
+        ("CAPSTORE_LIFECYCLE_READ_GRACE", "4s".into()),
+    ])
+    .await;
+    let client = reqwest::Client::new();
+    daemon.get_ok(&client, "/v1/tail").await;
+    let mut posted = Vec::new();
+    for round in 0..4u8 {
+        posted.extend(post_batch_published(&daemon, &client, "cmp/a", 3, round * 8).await);
+    }
+    let objects_before = bucket_objects(&daemon);
+    assert!(objects_before.len() >= 4, "{:?}", objects_before.keys());
+    // A listing taken before the compaction, to page on after it.
+    let first_page = json(daemon.get_ok(&client, "/v1/captures?stream=cmp/a&limit=4").await).await;
+    let cursor = first_page["next_cursor"].as_str().unwrap().to_string();
+
+    let compacted = |objects: &std::collections::BTreeMap<String, Vec<u8>>| {
+        objects.keys().filter(|key| key.ends_with(".compacted.cpk")).count()
+    };
+    wait_until_async(&daemon, Duration::from_secs(40), "every small pack merged", || async {
+        let metrics = daemon.get_ok(&client, "/metrics").await.text().await.unwrap();
+        metric(&metrics, "capstore_packs_compacted_total") == objects_before.len() as u64
+    })
+    .await;
+    assert_eq!(compacted(&bucket_objects(&daemon)), 1, "one day's small packs make one pack");
+    // Every capture once, at its new place, byte-identical; the log shows each once.
+    let places = listed_places(&daemon, &client, "cmp/a").await;
+    assert_eq!(places.len(), posted.len());
+    assert!(places.iter().all(|(_, key)| key.ends_with(".compacted.cpk")), "{places:?}");
+    let mut ids: Vec<&String> = places.iter().map(|(id, _)| id).collect();
+    ids.dedup();
+    assert_eq!(ids.len(), posted.len());
+    assert_bytes_identical(&daemon, &client, &posted).await;
+    let tail = json(daemon.get_ok(&client, "/v1/tail?after=0&limit=1000").await).await;
+    assert_eq!(tail["captures"].as_array().unwrap().len(), posted.len(), "moves are not log entries: {tail}");
+    // The listing paged on with its old cursor keeps its snapshot, whose objects are still there (the grace).
+    let rest =
+        json(daemon.get_ok(&client, &format!("/v1/captures?stream=cmp/a&limit=100&cursor={cursor}")).await).await;
+    let rest = rest["captures"].as_array().unwrap();
+    assert_eq!(rest.len(), posted.len() - 4);
+    let now = bucket_objects(&daemon);
+    for capture in rest {
+        let key = capture["object_key"].as_str().unwrap();
+        assert!(!key.ends_with(".compacted.cpk"), "the pinned snapshot names the old places: {key}");
+        let name = key.rsplit('/').next().unwrap();
+        assert!(now.keys().any(|held| held.ends_with(name)), "{key} is gone within the grace period");
+    }
+
+    // After the grace period the replaced objects are gone, and only the compacted pack is left.
+    wait_until_async(&daemon, Duration::from_secs(30), "the replaced objects removed", || async {
+        bucket_objects(&daemon).len() == 1
+    })
+    .await;
+    let metrics = daemon.get_ok(&client, "/metrics").await.text().await.unwrap();
+    assert_eq!(metric(&metrics, "capstore_objects_removed_total"), objects_before.len() as u64);
+    assert_bytes_identical(&daemon, &client, &posted).await;
+    let verify = daemon.env.command().args(["verify"]).output().unwrap();
+    assert!(
+        verify.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&verify.stdout),
+        String::from_utf8_lossy(&verify.stderr)
+    );
+}
+
+#[tokio::test]
+async fn erasure_rewrites_packs_without_their_deleted_captures_and_removes_the_old_bytes_from_the_bucket() {
+    let daemon = HttpDaemon::start(&[
+        ("CAPSTORE_LIFECYCLE_COMPACTION_INTERVAL", "1s".into()),
+        ("CAPSTORE_LIFECYCLE_COMPACTION_MIN_AGE", "1h".into()),
+        ("CAPSTORE_LIFECYCLE_READ_GRACE", "1s".into()),
+    ])
+    .await;
+    let client = reqwest::Client::new();
+    daemon.get_ok(&client, "/v1/tail").await;
+    let marked = |index: usize| format!("erasure-test-payload-{index}-{}", "x".repeat(64)).into_bytes();
+    let posts = (0..6).map(|index| {
+        let (client, url) = (&client, daemon.url("/v1/captures?stream=era/a&wait=published"));
+        async move {
+            let response = client.post(url).body(marked(index)).send().await.unwrap();
+            assert_eq!(response.status(), StatusCode::CREATED);
+            let answer = json(response).await;
+            (answer["capture_id"].as_str().unwrap().to_string(), answer["version"].as_u64().unwrap(), marked(index))
+        }
+    });
+    let posted: Vec<(String, u64, Vec<u8>)> = futures::future::join_all(posts).await;
+    let contains = |haystack: &[u8], needle: &[u8]| haystack.windows(needle.len()).any(|window| window == needle);
+    let everywhere = |needle: &[u8]| bucket_objects(&daemon).values().any(|bytes| contains(bytes, needle));
+    assert!(posted.iter().all(|(_, _, body)| everywhere(body)));
+
+    let (deleted, kept) = posted.split_at(2);
+    for (id, _, _) in deleted {
+        let answer = client.delete(daemon.url(&format!("/v1/captures/{id}"))).send().await.unwrap();
+        assert_eq!(answer.status(), StatusCode::OK, "{}", answer.text().await.unwrap());
+    }
+    wait_until_async(&daemon, Duration::from_secs(30), "the deleted bytes gone from the bucket", || async {
+        deleted.iter().all(|(_, _, body)| !everywhere(body))
+    })
+    .await;
+    assert!(kept.iter().all(|(_, _, body)| everywhere(body)), "the other captures' bytes stay");
+    assert_bytes_identical(&daemon, &client, kept).await;
+    for (id, _, _) in deleted {
+        let answer = client.get(daemon.url(&format!("/v1/captures/{id}"))).send().await.unwrap();
+        assert_eq!(answer.status(), StatusCode::NOT_FOUND);
+    }
+    let places = listed_places(&daemon, &client, "era/a").await;
+    let mut listed: Vec<String> = places.into_iter().map(|(id, _)| id).collect();
+    let mut expected: Vec<String> = kept.iter().map(|(id, _, _)| id.clone()).collect();
+    listed.sort();
+    expected.sort();
+    assert_eq!(listed, expected);
+    let verify = daemon.env.command().args(["verify"]).output().unwrap();
+    assert!(verify.status.success(), "{}", String::from_utf8_lossy(&verify.stdout));
+}
+
+#[tokio::test]
+async fn compaction_killed_at_each_step_ends_like_a_clean_run_with_no_dangling_locator_or_orphan_object() {
+    for failpoint in ["after_compacted_upload", "after_switch_commit", "during_object_deletion"] {
+        let mut daemon = HttpDaemon::start(&[
+            ("CAPSTORE_SPOOL_PACK_MAX_RECORDS", "3".into()),
+            ("CAPSTORE_LIFECYCLE_COMPACTION_INTERVAL", "1s".into()),
+            ("CAPSTORE_LIFECYCLE_COMPACTION_MIN_AGE", "5s".into()),
+            ("CAPSTORE_LIFECYCLE_READ_GRACE", "1s".into()),
+            ("CAPSTORE_FAILPOINTS", failpoint.into()),
+        ])
+        .await;
+        let client = reqwest::Client::new();
+        daemon.get_ok(&client, "/v1/tail").await;
+        let mut posted = Vec::new();
+        for round in 0..3u8 {
+            posted.extend(post_batch_published(&daemon, &client, "crash/c", 3, round * 8).await);
+        }
+        let started = Instant::now();
+        while daemon.daemon.exited().is_none() {
+            assert!(started.elapsed() < Duration::from_secs(40), "{failpoint} never reached:\n{}", daemon.log());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(daemon.log().contains(&format!("failpoint {failpoint} reached")), "{failpoint}:\n{}", daemon.log());
+        daemon.restart(&[("CAPSTORE_FAILPOINTS", "")]).await;
+
+        // Settled: every object of the bucket is where a listed capture is, and every listed capture's object is
+        // there; each capture listed once and byte-identical.
+        wait_until_async(&daemon, Duration::from_secs(40), &format!("settled after {failpoint}"), || async {
+            let places = listed_places(&daemon, &client, "crash/c").await;
+            let referenced: std::collections::BTreeSet<String> =
+                places.iter().map(|(_, key)| key.rsplit('/').next().unwrap().to_string()).collect();
+            let held: std::collections::BTreeSet<String> =
+                bucket_objects(&daemon).keys().map(|key| key.rsplit('/').next().unwrap().to_string()).collect();
+            places.len() == posted.len() && referenced == held && held.len() == 1
+        })
+        .await;
+        assert_bytes_identical(&daemon, &client, &posted).await;
+        let catalog = capstore::catalog::connect_reader(&daemon.env.config()).await.unwrap();
+        let versions: Vec<u64> = catalog.publishes_after(0, 1000).await.unwrap().iter().map(|p| p.version).collect();
+        assert_eq!(versions, (1..=versions.len() as u64).collect::<Vec<_>>(), "gapless after {failpoint}");
+        let staged = std::fs::read_dir(daemon._dir.path().join("spool/compaction")).unwrap().count();
+        assert_eq!(staged, 0, "no staged job left after {failpoint}");
+    }
+}

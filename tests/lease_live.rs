@@ -1221,3 +1221,139 @@ async fn a_deletion_is_a_fenced_version_that_hides_the_capture_from_every_read_f
     assert_eq!(catalog.committed_versions(), vec![1, 2, 3, 4]);
     assert!(reader.get(b, None).await.unwrap().is_some(), "the refused deletion hides nothing");
 }
+
+for_each_version!(a_relocation_moves_captures_in_one_fenced_version_and_every_reader_sees_each_once);
+async fn a_relocation_moves_captures_in_one_fenced_version_and_every_reader_sees_each_once(
+    server: &'static ClickHouseServer,
+) {
+    use capstore::catalog::publish::{Relocation, RelocationOutcome, SourcePack};
+    let catalog = catalog(server, false).await;
+    let keeper = catalog.keeper(identity("compactor"));
+    let (shutdown_tx, mut shutdown_rx) = watch::channel(false);
+    keeper.acquire_at_start(Duration::ZERO, &mut shutdown_rx).await.unwrap();
+    let handle = keeper.handle();
+    let keeper_task = tokio::spawn(keeper.run(shutdown_rx));
+    let publisher =
+        Publisher::new(catalog.client.clone(), catalog.tables.clone(), &catalog.config.catalog_name, handle.clone());
+    // (Retried on a refused fence, as the daemon's loop does: 18.16's whole-second lease times.)
+    macro_rules! retried {
+        ($call:expr) => {
+            loop {
+                match $call {
+                    Ok(outcome) => break outcome,
+                    Err(PublishError::NotCommitted | PublishError::NoLease) => {
+                        tokio::time::sleep(Duration::from_millis(50)).await
+                    }
+                    Err(other) => panic!("{other}"),
+                }
+            }
+        };
+    }
+    let [a, b, c] = [(); 3].map(|_| Uuid::now_v7());
+    let (first, second) = (pack(&[(a, "cam/1", 100), (b, "cam/1", 200)]), pack(&[(c, "cam/1", 300)]));
+    for batch in [&first, &second] {
+        let outcome = retried!(publisher.publish_batch(std::slice::from_ref(batch)).await);
+        assert!(matches!(outcome, PublishOutcome::Committed { .. }));
+    }
+    // The merged pack: the same records (same CRCs) at new offsets.
+    let merged = |sources: &[&PackDescriptor], keep: &[Uuid]| {
+        let mut pack = pack(&[]);
+        let mut offset = 40;
+        for source in sources {
+            for entry in source.entries.iter().filter(|entry| keep.contains(&entry.meta.capture_id)) {
+                pack.entries.push(IndexEntry { record_offset: offset, payload_offset: offset + 60, ..entry.clone() });
+                offset += 100;
+            }
+        }
+        pack.summary.records = pack.entries.len() as u64;
+        pack.object_key = format!("prefix/test/{}.compacted.cpk", pack.summary.pack_id);
+        pack
+    };
+    let source =
+        |pack: &PackDescriptor| SourcePack { pack_id: pack.summary.pack_id, object_key: pack.object_key.clone() };
+    let reader = catalog.reader();
+    let stream = ListQuery { stream: Some("cam/1".into()), limit: 100, ..Default::default() };
+    let first_page = reader.list(&ListQuery { limit: 1, ..stream.clone() }).await.unwrap();
+
+    // A relocation whose records are not what the catalog holds (a CRC differs: changed since) writes nothing.
+    let mut stale = merged(&[&first, &second], &[a, b, c]);
+    stale.entries[1].crc32c += 1;
+    let relocation = Relocation { new_pack: Some(stale), sources: vec![source(&first), source(&second)] };
+    let changed = retried!(publisher.publish_relocation(&relocation).await);
+    assert_eq!(changed, RelocationOutcome::Changed { changed: vec![b] });
+    assert_eq!(catalog.committed_versions(), vec![1, 2]);
+
+    let new_pack = merged(&[&first, &second], &[a, b, c]);
+    let new_id = new_pack.summary.pack_id.to_string();
+    let relocation = Relocation { new_pack: Some(new_pack.clone()), sources: vec![source(&first), source(&second)] };
+    let switched = retried!(publisher.publish_relocation(&relocation).await);
+    assert_eq!(switched, RelocationOutcome::Switched { version: 3, moved: 3 });
+    let again = retried!(publisher.publish_relocation(&relocation).await);
+    assert_eq!(again, RelocationOutcome::AlreadySwitched, "a switch asked again is found made");
+    assert_eq!(catalog.committed_versions(), vec![1, 2, 3]);
+    let stamps = catalog.server.query(&format!("SELECT max(version) FROM {} FORMAT TSV", catalog.tables.schema));
+    assert_eq!(stamps.unwrap().trim(), "5", "the first compaction stamps schema 5");
+
+    // Every read at or above the switch sees each capture once, at its new place; a reader pinned below, at its old.
+    let places = |page: capstore::catalog::query::Page| {
+        page.captures.iter().map(|c| (c.capture_id.clone(), c.pack_id.clone())).collect::<Vec<_>>()
+    };
+    let at_new: Vec<(String, String)> = [a, b, c].iter().map(|id| (id.to_string(), new_id.clone())).collect();
+    assert_eq!(places(reader.list(&stream).await.unwrap()), at_new);
+    let labelled = ListQuery { labels: BTreeMap::from([("site".into(), "berlin".into())]), ..stream.clone() };
+    assert_eq!(places(reader.list(&labelled).await.unwrap()), at_new, "with a label filter");
+    let everything = ListQuery { limit: 100, ..Default::default() };
+    assert_eq!(places(reader.list(&everything).await.unwrap()), at_new, "without a stream");
+    let old_places = vec![
+        (a.to_string(), first.summary.pack_id.to_string()),
+        (b.to_string(), first.summary.pack_id.to_string()),
+        (c.to_string(), second.summary.pack_id.to_string()),
+    ];
+    let pinned = ListQuery { watermark: Some(2), ..everything.clone() };
+    assert_eq!(places(reader.list(&pinned).await.unwrap()), old_places, "a listing pinned below the switch");
+    let rest = reader.list(&ListQuery { cursor: first_page.next_cursor.clone(), ..stream.clone() }).await.unwrap();
+    assert_eq!(places(rest), old_places[1..].to_vec(), "a listing paged on with a cursor from before the switch");
+    let got = reader.get(b, None).await.unwrap().unwrap();
+    assert_eq!((got.pack_id.as_str(), got.record_offset, got.version), (new_id.as_str(), 140, 3));
+    assert_eq!(reader.get(b, Some(2)).await.unwrap().unwrap().pack_id, first.summary.pack_id.to_string());
+    assert_eq!(reader.get_many(&[a, b, c]).await.unwrap().values().filter(|row| row.pack_id == new_id).count(), 3);
+    // A move is not an entry of the log: tail and exports by version skip it (version 3 is passed over).
+    let tail = reader.tail_page(capstore::catalog::query::TailPosition::after_version(2), None, 100).await.unwrap();
+    assert!(tail.captures.is_empty(), "{:?}", tail.captures);
+    assert_eq!(tail.next.to_string(), capstore::catalog::query::TailPosition::after_version(3).to_string());
+    assert_eq!(reader.captures_of_versions(0, 3).await.unwrap().len(), 3, "the three captures, once each");
+
+    // The sources are retired at version 3; with no grace they are due, and once marked removed, no longer.
+    let retired = reader.retired_packs();
+    let ids = [first.summary.pack_id, second.summary.pack_id];
+    assert_eq!(retired.committed_among(&ids).await.unwrap().len(), 2);
+    let due = retired.due(Duration::ZERO, 0, 10).await.unwrap();
+    assert_eq!(due.iter().map(|pack| pack.version).collect::<Vec<_>>(), [3, 3]);
+    assert!(retired.due(Duration::from_secs(3600), 0, 10).await.unwrap().is_empty(), "not before the grace");
+    retired.mark_removed(&due).await.unwrap();
+    assert!(retired.due(Duration::ZERO, 0, 10).await.unwrap().is_empty());
+
+    // Erasure: b deleted, the merged pack rewritten without it; the tombstone names the object b's bytes were in.
+    let deleted = retried!(publisher.publish_deletions(&[b], None).await);
+    assert_eq!(deleted.version, Some(4));
+    let (objects, through) = reader.objects_with_deletions(0, 100).await.unwrap();
+    assert_eq!((objects, through), (vec![new_pack.object_key.clone()], 4));
+    let rewritten = merged(&[&new_pack], &[a, c]);
+    let relocation = Relocation { new_pack: Some(rewritten.clone()), sources: vec![source(&new_pack)] };
+    let switched = retried!(publisher.publish_relocation(&relocation).await);
+    assert_eq!(switched, RelocationOutcome::Switched { version: 5, moved: 2 });
+    let rewritten_id = rewritten.summary.pack_id.to_string();
+    let at_rewritten: Vec<(String, String)> = [a, c].iter().map(|id| (id.to_string(), rewritten_id.clone())).collect();
+    assert_eq!(places(reader.list(&stream).await.unwrap()), at_rewritten);
+    assert!(reader.get(b, None).await.unwrap().is_none(), "the deleted capture stays deleted");
+    let tail = reader.tail_page(capstore::catalog::query::TailPosition::after_version(3), None, 100).await.unwrap();
+    let entries: Vec<(String, bool)> = tail.captures.iter().map(|e| (e.capture_id.clone(), e.is_deletion())).collect();
+    assert_eq!(entries, [(b.to_string(), true)], "the log shows the deletion, not the moves");
+
+    // A holder whose lease has ended relocates nothing.
+    shutdown_tx.send(true).unwrap();
+    keeper_task.await.unwrap();
+    let ended = publisher.publish_relocation(&Relocation { new_pack: None, sources: vec![source(&rewritten)] }).await;
+    assert!(matches!(ended, Err(PublishError::NoLease)), "{ended:?}");
+    assert_eq!(catalog.committed_versions(), vec![1, 2, 3, 4, 5]);
+}

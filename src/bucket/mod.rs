@@ -146,6 +146,19 @@ impl MetadataNames {
     }
 }
 /// The largest footer read from a bucket (a pack of 100,000 captures with modest labels has a 30 MiB one).
+/// The name part that marks a compacted pack's key (see [`Bucket::compacted_pack_key`]).
+pub const COMPACTED_MARK: &str = "compacted";
+
+/// A pack's id from its key, `<...>/<pack_id>.cpk` or `<...>/<pack_id>.compacted.cpk`, and whether it is compacted.
+pub fn pack_of_key(key: &str) -> Option<(uuid::Uuid, bool)> {
+    let name = key.rsplit('/').next()?;
+    let stem = name.strip_suffix(&format!(".{PACK_EXTENSION}"))?;
+    match stem.strip_suffix(&format!(".{COMPACTED_MARK}")) {
+        Some(compacted) => Some((uuid::Uuid::parse_str(compacted).ok()?, true)),
+        None => Some((uuid::Uuid::parse_str(stem).ok()?, false)),
+    }
+}
+
 pub const MAX_REMOTE_FOOTER_BYTES: u64 = 256 << 20;
 
 /// A pack's index as read from the bucket with two range reads.
@@ -247,11 +260,35 @@ impl Bucket {
 
     /// `<catalog prefix>/<yyyy>/<mm>/<dd>/<pack_id>.cpk`, the UTC day of the first capture.
     pub fn pack_key(&self, summary: &PackSummary) -> Path {
+        self.dated_key(summary, format!("{}.{PACK_EXTENSION}", summary.pack_id))
+    }
+
+    fn dated_key(&self, summary: &PackSummary, file_name: String) -> Path {
         let day_ns =
             if summary.first_captured_at_ns != 0 { summary.first_captured_at_ns } else { summary.created_at_ns };
         let (year, month, day) = utc_date(day_ns);
-        let file_name = format!("{}.{PACK_EXTENSION}", summary.pack_id);
         self.catalog_prefix.child(year).child(month).child(day).child(file_name)
+    }
+
+    /// `<catalog prefix>/<yyyy>/<mm>/<dd>/<pack_id>.compacted.cpk`: a pack a compaction wrote (see
+    /// [`crate::pipeline::compaction`]). Named apart so that reconcile never publishes one as new captures: its
+    /// captures are published already, and only the compaction's own switch-over may point at it.
+    pub fn compacted_pack_key(&self, summary: &PackSummary) -> Path {
+        self.dated_key(summary, format!("{}.{COMPACTED_MARK}.{PACK_EXTENSION}", summary.pack_id))
+    }
+
+    /// Delete the object at `key`; one that is gone already counts as deleted (S3 answers OK, Azure and local
+    /// directories NotFound).
+    pub async fn delete_object(&self, key: &str) -> Result<(), BucketError> {
+        let path = parse_key(key)?;
+        let path_ref = &path;
+        self.with_retries("delete", &path, || async move {
+            match self.store.delete(path_ref).await {
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+                Err(error) => Err(BucketError::from_store(format_args!("delete {key}"), error)),
+            }
+        })
+        .await
     }
 
     /// Prove the bucket takes what uploads need: create a probe object with `PutMode::Create`, read it back, create

@@ -26,12 +26,21 @@ pub struct UploadOutcome {
 impl Bucket {
     /// Uploads a sealed pack to its key, verifies it, and says whether it was already there. See the module doc.
     pub async fn upload_pack(&self, local_path: &FsPath, summary: &PackSummary) -> Result<UploadOutcome, BucketError> {
+        self.upload_pack_to(local_path, summary, self.pack_key(summary)).await
+    }
+
+    /// [`Bucket::upload_pack`] to `key` (a compacted pack's, see [`Bucket::compacted_pack_key`]).
+    pub async fn upload_pack_to(
+        &self,
+        local_path: &FsPath,
+        summary: &PackSummary,
+        key: Path,
+    ) -> Result<UploadOutcome, BucketError> {
         let _permit = self
             .upload_permits
             .acquire()
             .await
             .map_err(|_| BucketError::new(BucketErrorKind::Permanent, "upload permits closed"))?;
-        let key = self.pack_key(summary);
         let local = LocalPack::open(local_path).await?;
         if local.size != summary.bytes {
             return Err(BucketError::new(

@@ -8,12 +8,14 @@
 //! - [`intents`]: the packs about to be uploaded, recorded before the upload, so a start reconciles without a listing.
 //! - [`publish`]: publishing a batch of packs at version watermark + 1 behind the fence, with read-back.
 //! - [`query`]: reads with a pinned watermark, tailing by version, garbage collection.
+//! - [`retired`]: the packs a compaction replaced, and the removal of their objects after the reader grace period.
 
 pub mod client;
 pub mod intents;
 pub mod lease;
 pub mod publish;
 pub mod query;
+pub mod retired;
 pub mod schema;
 
 pub use client::{CatalogClient, CatalogError, ErrorKind};

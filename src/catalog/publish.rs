@@ -93,6 +93,34 @@ pub async fn plan_deletions(
     Ok((report, targets))
 }
 
+/// A compaction's switch-over ([`Publisher::publish_relocation`]): the captures copied into a new pack, and the
+/// packs it replaces.
+#[derive(Debug, Clone)]
+pub struct Relocation {
+    /// The new pack, uploaded already; `None` when no capture of the sources is left to move (every one deleted or
+    /// superseded): then the sources are only retired.
+    pub new_pack: Option<PackDescriptor>,
+    /// The packs replaced: once the switch commits, no capture's newest row names them.
+    pub sources: Vec<SourcePack>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SourcePack {
+    pub pack_id: Uuid,
+    pub object_key: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RelocationOutcome {
+    /// The new pack's captures are read from it from `version` on, and the sources are retired.
+    Switched { version: u64, moved: usize },
+    /// An earlier attempt switched them already (its outcome was lost): nothing was written.
+    AlreadySwitched,
+    /// Some captures of the new pack are no longer where the compaction copied them from (deleted or posted again
+    /// since): nothing was written, and no committed row names the new pack, which can go.
+    Changed { changed: Vec<Uuid> },
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum PublishError {
     #[error("not publishing: the lease is not held with enough time left")]
@@ -139,6 +167,17 @@ struct PackRow {
     publish_id: String,
 }
 
+/// A row of `retired_packs` (see [`super::retired`]).
+#[derive(clickhouse::Row, serde::Serialize)]
+pub(super) struct RetiredPackRow {
+    pub catalog: String,
+    pub pack_id: String,
+    pub object_key: String,
+    pub version: u64,
+    pub publish_id: String,
+    pub removed_at_ms: u64,
+}
+
 #[derive(clickhouse::Row, serde::Deserialize)]
 struct VersionRow {
     version: u64,
@@ -167,8 +206,9 @@ pub struct Publisher {
     unresolved: Mutex<Option<Unresolved>>,
     /// Held from a publish's version allocation to its read-back: one publish at a time.
     turn: tokio::sync::Mutex<()>,
-    /// Schema 4 is known stamped (see [`super::schema::stamp_deletions`]).
-    deletions_stamped: std::sync::atomic::AtomicBool,
+    /// The schema version known stamped (see [`super::schema::stamp_at_least`]); 0 until a deletion or a
+    /// compaction first needs one.
+    stamped: std::sync::atomic::AtomicU32,
 }
 
 impl Publisher {
@@ -180,7 +220,7 @@ impl Publisher {
             lease,
             unresolved: Mutex::new(None),
             turn: tokio::sync::Mutex::new(()),
-            deletions_stamped: std::sync::atomic::AtomicBool::new(false),
+            stamped: std::sync::atomic::AtomicU32::new(0),
         }
     }
 
@@ -355,7 +395,8 @@ impl Publisher {
                 captured_at_ns: target.captured_at_ns,
                 capture_id: target.capture_id,
                 pack_id: DELETED_PACK_ID.to_string(),
-                object_key: String::new(),
+                // Where the deleted bytes are: what erasure rewrites (see `crate::pipeline::compaction`).
+                object_key: target.object_key,
                 record_offset: 0,
                 record_len: 0,
                 payload_offset: 0,
@@ -369,29 +410,84 @@ impl Publisher {
                 publish_id: publish_id_text.clone(),
             })
             .collect();
-        if !self.deletions_stamped.load(std::sync::atomic::Ordering::Relaxed) {
-            super::schema::stamp_deletions(&self.client, &self.tables).await?;
-            self.deletions_stamped.store(true, std::sync::atomic::Ordering::Relaxed);
-        }
-        // Into the index tables only (see `super::query`): `by_version`, then its rows copied into `by_id` on the
-        // server. Either may be left an orphan by a failure before the commit, which no read sees.
-        self.client.insert_rows(&self.tables.by_version, &rows).await?;
-        self.client
-            .execute(&format!(
-                "INSERT INTO {by_id} (catalog, capture_id, version, publish_id) SELECT catalog, \
-                 UUIDStringToNum(capture_id), version, UUIDStringToNum(publish_id) FROM {by_version} \
-                 WHERE catalog = {catalog} AND version = {version} AND publish_id = {publish_id}",
-                by_id = self.tables.by_id,
-                by_version = self.tables.by_version,
-                catalog = self.catalog_literal(),
-                publish_id = sql_string_literal(&publish_id_text),
-            ))
-            .await?;
+        self.stamp_at_least(super::schema::STAMPED_BY_DELETION).await?;
+        self.insert_index_rows(&rows, version, &publish_id_text).await?;
         crate::failpoint::hit("after_tombstones_before_commit");
         self.commit(permit, version, publish_id, 0, rows.len()).await?;
         crate::failpoint::hit("after_deletion_commit");
         report.version = Some(version);
         Ok(report)
+    }
+
+    /// Switch the captures of `relocation.new_pack` to their new places and retire its sources, as one publish
+    /// under the lease held now (a compaction's switch-over, see [`crate::pipeline::compaction`]). Each capture is
+    /// moved only if its newest committed row is still the record the compaction copied (in a source, same CRC):
+    /// planned inside the publish turn, so no deletion or publish of this process comes in between, and only the
+    /// lease holder publishes. A move is a row of `by_version` and `by_id` only (like a deletion: in `captures` it
+    /// would replace the capture's row on a merge, committed or not, and readers pinned below the move would lose
+    /// it); the `packs` row of the new pack and a `retired_packs` row per source ride on the same version.
+    pub async fn publish_relocation(&self, relocation: &Relocation) -> Result<RelocationOutcome, PublishError> {
+        let _turn = self.turn.lock().await;
+        let permit = self.lease.permit().ok_or(PublishError::NoLease)?;
+        self.resolve_unresolved(&permit).await?;
+        let entries: &[IndexEntry] = relocation.new_pack.as_ref().map_or(&[], |pack| pack.entries.as_slice());
+        let ids: Vec<Uuid> = entries.iter().map(|entry| entry.meta.capture_id).collect();
+        let newest = self.reader().newest_rows(&ids).await?;
+        let new_pack_id = relocation.new_pack.as_ref().map(|pack| pack.summary.pack_id.to_string());
+        let sources: HashSet<String> = relocation.sources.iter().map(|source| source.pack_id.to_string()).collect();
+        let (mut switched, mut movable, mut changed) = (0, Vec::new(), Vec::new());
+        for entry in entries {
+            match newest.get(&entry.meta.capture_id) {
+                Some(row) if Some(&row.pack_id) == new_pack_id.as_ref() => switched += 1,
+                Some(row) if sources.contains(&row.pack_id) && row.crc32c == entry.crc32c => movable.push(entry),
+                _ => changed.push(entry.meta.capture_id),
+            }
+        }
+        if switched > 0 && movable.is_empty() {
+            return Ok(RelocationOutcome::AlreadySwitched);
+        }
+        if !changed.is_empty() && switched == 0 {
+            return Ok(RelocationOutcome::Changed { changed });
+        }
+        if relocation.new_pack.is_none() && self.retired(&relocation.sources).await? {
+            return Ok(RelocationOutcome::AlreadySwitched);
+        }
+
+        let version = self.watermark().await? + 1;
+        let publish_id = Uuid::now_v7();
+        let publish_id_text = publish_id.to_string();
+        self.stamp_at_least(super::schema::STAMPED_BY_COMPACTION).await?;
+        if let Some(pack) = &relocation.new_pack {
+            let rows: Vec<CaptureRow> =
+                movable.iter().map(|entry| self.row_of_entry(pack, entry, version, &publish_id_text)).collect();
+            self.insert_index_rows(&rows, version, &publish_id_text).await?;
+            self.client.insert_rows(&self.tables.packs, &[self.pack_row(pack, version, &publish_id_text)]).await?;
+        }
+        let retired: Vec<RetiredPackRow> = relocation
+            .sources
+            .iter()
+            .map(|source| RetiredPackRow {
+                catalog: self.catalog.clone(),
+                pack_id: source.pack_id.to_string(),
+                object_key: source.object_key.clone(),
+                version,
+                publish_id: publish_id_text.clone(),
+                removed_at_ms: 0,
+            })
+            .collect();
+        self.client.insert_rows(&self.tables.retired_packs, &retired).await?;
+        // `packs` = 0: a publish that adds no capture (see `CatalogReader::tail_page`).
+        self.commit(&permit, version, publish_id, 0, movable.len()).await?;
+        Ok(RelocationOutcome::Switched { version, moved: movable.len() })
+    }
+
+    /// Whether every one of `sources` is retired by a committed publish.
+    async fn retired(&self, sources: &[SourcePack]) -> Result<bool, CatalogError> {
+        let ids: Vec<Uuid> = sources.iter().map(|source| source.pack_id).collect();
+        let retired = super::retired::RetiredPacks::new(self.client.clone(), self.tables.clone(), &self.catalog)
+            .committed_among(&ids)
+            .await?;
+        Ok(ids.iter().all(|id| retired.contains(id)))
     }
 
     /// Steps 4 and 5 of a publish whose rows are written: the fenced `publishes` row at `version`, and its read-back.
@@ -444,6 +540,33 @@ impl Publisher {
         }
     }
 
+    async fn stamp_at_least(&self, version: u32) -> Result<(), CatalogError> {
+        use std::sync::atomic::Ordering;
+        if self.stamped.load(Ordering::Relaxed) < version {
+            super::schema::stamp_at_least(&self.client, &self.tables, version).await?;
+            self.stamped.fetch_max(version, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Rows that go into the index tables only (deletions and moves, see [`super::query`]): `by_version`, then its
+    /// rows of this publish copied into `by_id` on the server. Either may be left an orphan by a failure before the
+    /// commit, which no read sees.
+    async fn insert_index_rows(&self, rows: &[CaptureRow], version: u64, publish_id: &str) -> Result<(), CatalogError> {
+        self.client.insert_rows(&self.tables.by_version, rows).await?;
+        self.client
+            .execute(&format!(
+                "INSERT INTO {by_id} (catalog, capture_id, version, publish_id) SELECT catalog, \
+                 UUIDStringToNum(capture_id), version, UUIDStringToNum(publish_id) FROM {by_version} \
+                 WHERE catalog = {catalog} AND version = {version} AND publish_id = {publish_id}",
+                by_id = self.tables.by_id,
+                by_version = self.tables.by_version,
+                catalog = self.catalog_literal(),
+                publish_id = sql_string_literal(publish_id),
+            ))
+            .await
+    }
+
     async fn insert_descriptor_rows(
         &self,
         packs: &[&PackDescriptor],
@@ -454,41 +577,47 @@ impl Publisher {
         let mut capture_rows = Vec::new();
         let mut pack_rows = Vec::new();
         for pack in packs {
-            let pack_id = pack.summary.pack_id.to_string();
-            for entry in &pack.entries {
-                capture_rows.push(CaptureRow {
-                    catalog: self.catalog.clone(),
-                    stream: entry.meta.stream.clone(),
-                    captured_at_ns: entry.meta.captured_at_ns,
-                    capture_id: entry.meta.capture_id.to_string(),
-                    pack_id: pack_id.clone(),
-                    object_key: pack.object_key.clone(),
-                    record_offset: entry.record_offset,
-                    record_len: entry.record_len,
-                    payload_offset: entry.payload_offset,
-                    payload_len: entry.payload_len,
-                    crc32c: entry.crc32c,
-                    label_keys: entry.meta.labels.keys().cloned().collect(),
-                    label_values: entry.meta.labels.values().cloned().collect(),
-                    content_type: entry.meta.content_type.clone().unwrap_or_default(),
-                    version,
-                    publish_id: publish_id_text.clone(),
-                });
-            }
-            pack_rows.push(PackRow {
-                catalog: self.catalog.clone(),
-                pack_id,
-                object_key: pack.object_key.clone(),
-                bytes: pack.summary.bytes,
-                sha256: pack.summary.sha256_hex.clone(),
-                records: pack.summary.records,
-                first_captured_at_ns: pack.summary.first_captured_at_ns,
-                last_captured_at_ns: pack.summary.last_captured_at_ns,
-                version,
-                publish_id: publish_id_text.clone(),
-            });
+            capture_rows
+                .extend(pack.entries.iter().map(|entry| self.row_of_entry(pack, entry, version, &publish_id_text)));
+            pack_rows.push(self.pack_row(pack, version, &publish_id_text));
         }
         self.client.insert_rows(&self.tables.captures, &capture_rows).await?;
         self.client.insert_rows(&self.tables.packs, &pack_rows).await
+    }
+
+    fn row_of_entry(&self, pack: &PackDescriptor, entry: &IndexEntry, version: u64, publish_id: &str) -> CaptureRow {
+        CaptureRow {
+            catalog: self.catalog.clone(),
+            stream: entry.meta.stream.clone(),
+            captured_at_ns: entry.meta.captured_at_ns,
+            capture_id: entry.meta.capture_id.to_string(),
+            pack_id: pack.summary.pack_id.to_string(),
+            object_key: pack.object_key.clone(),
+            record_offset: entry.record_offset,
+            record_len: entry.record_len,
+            payload_offset: entry.payload_offset,
+            payload_len: entry.payload_len,
+            crc32c: entry.crc32c,
+            label_keys: entry.meta.labels.keys().cloned().collect(),
+            label_values: entry.meta.labels.values().cloned().collect(),
+            content_type: entry.meta.content_type.clone().unwrap_or_default(),
+            version,
+            publish_id: publish_id.to_string(),
+        }
+    }
+
+    fn pack_row(&self, pack: &PackDescriptor, version: u64, publish_id: &str) -> PackRow {
+        PackRow {
+            catalog: self.catalog.clone(),
+            pack_id: pack.summary.pack_id.to_string(),
+            object_key: pack.object_key.clone(),
+            bytes: pack.summary.bytes,
+            sha256: pack.summary.sha256_hex.clone(),
+            records: pack.summary.records,
+            first_captured_at_ns: pack.summary.first_captured_at_ns,
+            last_captured_at_ns: pack.summary.last_captured_at_ns,
+            version,
+            publish_id: publish_id.to_string(),
+        }
     }
 }

@@ -115,6 +115,28 @@ pub struct PackRecord {
     pub version: u64,
 }
 
+/// A committed pack as compaction plans with it.
+#[derive(Debug, Clone, PartialEq, Eq, clickhouse::Row, serde::Deserialize)]
+pub struct PackBrief {
+    pub pack_id: String,
+    pub object_key: String,
+    pub bytes: u64,
+    pub first_captured_at_ns: u64,
+}
+
+#[derive(clickhouse::Row, serde::Deserialize)]
+struct PackBriefRow {
+    pack_id: String,
+    object_key_v: String,
+    bytes_v: u64,
+    first_v: u64,
+}
+
+#[derive(clickhouse::Row, serde::Deserialize)]
+struct ObjectKeyRow {
+    object_key: String,
+}
+
 #[derive(Debug, Clone, Default)]
 pub struct ListQuery {
     pub stream: Option<String>,
@@ -224,6 +246,14 @@ const SUPERSEDED_IDS_PER_QUERY: usize = 1000;
 pub const MULTI_GET_BATCH: usize = 500;
 
 /// The columns of [`CaptureLocation`], read from `by_version` (whose rows are whole).
+/// The rows of `by_version` that are entries of the log of publishes (`tail`, exports by version): committed, and
+/// not a move. A publish of packs (`packs > 0`) holds captures (`pack_id` set); a publish of none holds deletions
+/// (`pack_id` empty), which are entries, or moves (a compaction's, `pack_id` set), which are not: a move changes
+/// where a capture's bytes are, not what the catalog holds. So a row is an entry when its committed publish's
+/// `packs > 0` equals its `pack_id != ''`.
+const LOG_ROW: &str = "(version, publish_id, pack_id != '')";
+const LOG_PUBLISH: &str = "packs > 0";
+
 const LOCATION_COLUMNS: &str = "capture_id, stream, captured_at_ns, pack_id, object_key, record_offset, record_len, \
      payload_offset, payload_len, crc32c, label_keys, label_values, content_type, version";
 
@@ -396,6 +426,11 @@ impl CatalogReader {
         sql_string_literal(&self.catalog)
     }
 
+    /// The packs of this catalog that compactions retired.
+    pub fn retired_packs(&self) -> super::retired::RetiredPacks {
+        super::retired::RetiredPacks::new(self.client.clone(), self.tables.clone(), &self.catalog)
+    }
+
     /// The highest committed version (0 before the first publish).
     ///
     /// `publishes` is read from the `watermark` table's version on, a lower bound (its view runs after the row's own
@@ -498,13 +533,23 @@ impl CatalogReader {
     /// committed. Primary-key reads throughout, whatever the catalog's history. Ids the catalog does not know are
     /// absent from the answer.
     pub async fn newest_rows(&self, ids: &[Uuid]) -> Result<HashMap<Uuid, CaptureLocation>, CatalogError> {
+        self.newest_rows_at(ids, u64::MAX).await
+    }
+
+    /// [`CatalogReader::newest_rows`] as a reader pinned at `watermark` sees them.
+    async fn newest_rows_at(
+        &self,
+        ids: &[Uuid],
+        watermark: u64,
+    ) -> Result<HashMap<Uuid, CaptureLocation>, CatalogError> {
         let catalog = self.catalog_literal();
         let mut newest: HashMap<Uuid, CaptureLocation> = HashMap::with_capacity(ids.len());
         for batch in ids.chunks(MULTI_GET_BATCH) {
             let texts: Vec<String> = batch.iter().map(|id| sql_string_literal(&id.to_string())).collect();
             let nums: Vec<String> = texts.iter().map(|text| format!("UUIDStringToNum({text})")).collect();
             let written = format!(
-                "SELECT version FROM {by_id} WHERE catalog = {catalog} AND capture_id IN ({nums})",
+                "SELECT version FROM {by_id} WHERE catalog = {catalog} AND capture_id IN ({nums}) AND \
+                 version <= {watermark}",
                 by_id = self.tables.by_id,
                 nums = nums.join(", ")
             );
@@ -619,7 +664,7 @@ impl CatalogReader {
             _ => None,
         };
         // The cursor is the last candidate's, so a page shortened here still goes on where it should.
-        let captures = self.without_superseded(candidates, watermark).await?;
+        let captures = self.newest_of(candidates, watermark, &query.labels).await?;
         Ok(Page { captures, next_cursor, watermark, window_ns: next_window })
     }
 
@@ -652,71 +697,72 @@ impl CatalogReader {
             .await
     }
 
-    /// `candidates` less the captures whose id has a newer visible version than the candidate's: a capture re-posted
-    /// into another stream (or with other labels or another time) is listed only as its newest version, as `get`
-    /// returns it. First one lookup in `by_id` for the page's ids, of every version written (committed or not): an id
-    /// with nothing newer than its candidate cannot be superseded, and that is almost every id. Only the ids with a
-    /// newer row are checked against `publishes` (a newer row may be an orphan, which must not hide the capture).
-    async fn without_superseded(
+    /// Each of `candidates` as its newest visible version: a capture whose id has a newer version than the candidate
+    /// is listed as that version if it is a move of the capture to another place (a compaction's, written to the
+    /// index tables only: same stream and time, and still carrying `labels`), and left out otherwise (a re-post into
+    /// another stream or with other labels or another time is listed where its own row is, and a deletion is not
+    /// listed), so that `list` returns what `get` returns. First one lookup in `by_id` for the page's ids, of every
+    /// version written (committed or not): an id with nothing newer than its candidate cannot be superseded, and
+    /// until compaction has moved them that is almost every id. Only the ids with a newer row are read from
+    /// `by_version` at their newest committed version (a newer row may be an orphan, which must not hide the
+    /// capture).
+    async fn newest_of(
         &self,
-        mut candidates: Vec<CaptureLocation>,
+        candidates: Vec<CaptureLocation>,
         watermark: u64,
+        labels: &BTreeMap<String, String>,
     ) -> Result<Vec<CaptureLocation>, CatalogError> {
-        let mut newest = std::collections::HashMap::new();
+        let mut newest: HashMap<Uuid, CaptureLocation> = HashMap::new();
         // In slices of ids: a statement must stay under the server's max_query_size (256 KiB).
         for slice in candidates.chunks(SUPERSEDED_IDS_PER_QUERY) {
-            let written: std::collections::HashMap<String, u64> = self
-                .newest_versions(slice, watermark, false)
-                .await?
-                .into_iter()
-                .map(|row| (row.id, row.newest))
-                .collect();
-            let suspects: Vec<CaptureLocation> = slice
+            let written: HashMap<String, u64> =
+                self.newest_versions(slice, watermark).await?.into_iter().map(|row| (row.id, row.newest)).collect();
+            let suspects: Vec<Uuid> = slice
                 .iter()
                 .filter(|capture| written.get(&capture.capture_id).is_some_and(|newest| *newest > capture.version))
-                .cloned()
+                .filter_map(|capture| Uuid::parse_str(&capture.capture_id).ok())
                 .collect();
-            if suspects.is_empty() {
-                continue;
-            }
-            for row in self.newest_versions(&suspects, watermark, true).await? {
-                newest.insert(row.id, row.newest);
+            if !suspects.is_empty() {
+                newest.extend(self.newest_rows_at(&suspects, watermark).await?);
             }
         }
-        candidates.retain(|capture| newest.get(&capture.capture_id).is_none_or(|newest| *newest <= capture.version));
-        Ok(candidates)
+        Ok(candidates
+            .into_iter()
+            .filter_map(|capture| {
+                let Some(newer) = Uuid::parse_str(&capture.capture_id).ok().and_then(|id| newest.remove(&id)) else {
+                    return Some(capture);
+                };
+                let moved = !newer.is_deletion()
+                    && newer.stream == capture.stream
+                    && newer.captured_at_ns == capture.captured_at_ns
+                    && labels.iter().all(|(key, value)| newer.labels_map().get(key) == Some(value));
+                match newer.version.cmp(&capture.version) {
+                    std::cmp::Ordering::Greater if moved => Some(newer),
+                    std::cmp::Ordering::Greater => None,
+                    _ => Some(capture),
+                }
+            })
+            .collect())
     }
 
-    /// The newest version at or below `watermark` of each capture of `captures` that has one: of the committed
-    /// versions only when `committed_only`, else of every version written.
+    /// The newest version at or below `watermark` that `by_id` holds for each capture of `captures` (committed or
+    /// not).
     async fn newest_versions(
         &self,
         captures: &[CaptureLocation],
         watermark: u64,
-        committed_only: bool,
     ) -> Result<Vec<NewestVersion>, CatalogError> {
         let ids: Vec<String> = captures
             .iter()
             .map(|capture| format!("UUIDStringToNum({})", sql_string_literal(&capture.capture_id)))
             .collect();
-        let ids = ids.join(", ");
-        let catalog = self.catalog_literal();
-        let by_id = &self.tables.by_id;
-        let committed = if committed_only {
-            format!(
-                " AND (version, UUIDNumToString(publish_id)) IN (SELECT version, publish_id FROM {publishes} \
-                 WHERE catalog = {catalog} AND version IN (SELECT version FROM {by_id} WHERE catalog = {catalog} AND \
-                 capture_id IN ({ids}) AND version <= {watermark}))",
-                publishes = self.tables.publishes,
-            )
-        } else {
-            String::new()
-        };
         self.client
             .fetch_all(&format!(
                 "SELECT UUIDNumToString(capture_id) AS id, max(version) AS newest FROM {by_id} \
-                 WHERE catalog = {catalog} AND capture_id IN ({ids}) AND version <= {watermark}{committed} \
-                 GROUP BY capture_id",
+                 WHERE catalog = {catalog} AND capture_id IN ({ids}) AND version <= {watermark} GROUP BY capture_id",
+                by_id = self.tables.by_id,
+                catalog = self.catalog_literal(),
+                ids = ids.join(", "),
             ))
             .await
     }
@@ -784,8 +830,9 @@ impl CatalogReader {
         };
         let sql = format!(
             "SELECT {LOCATION_COLUMNS} FROM {by_version} WHERE catalog = {catalog} AND \
-             version > {after} AND version <= {upto}{inside_first} AND (version, publish_id) IN (SELECT version, \
-             publish_id FROM {publishes} WHERE catalog = {catalog} AND version > {after} AND version <= {upto}) \
+             version > {after} AND version <= {upto}{inside_first} AND {LOG_ROW} IN (SELECT version, \
+             publish_id, {LOG_PUBLISH} FROM {publishes} WHERE catalog = {catalog} AND version > {after} AND \
+             version <= {upto}) \
              ORDER BY version, capture_id LIMIT 1 BY version, capture_id LIMIT {limit}",
             by_version = self.tables.by_version,
             publishes = self.tables.publishes,
@@ -810,8 +857,8 @@ impl CatalogReader {
     pub async fn captures_of_versions(&self, after: u64, through: u64) -> Result<Vec<CaptureLocation>, CatalogError> {
         let sql = format!(
             "SELECT {LOCATION_COLUMNS} FROM {by_version} WHERE catalog = {catalog} AND \
-             version > {after} AND version <= {through} AND (version, publish_id) IN (SELECT version, publish_id \
-             FROM {publishes} WHERE catalog = {catalog} AND version > {after} AND version <= {through}) \
+             version > {after} AND version <= {through} AND {LOG_ROW} IN (SELECT version, publish_id, \
+             {LOG_PUBLISH} FROM {publishes} WHERE catalog = {catalog} AND version > {after} AND version <= {through}) \
              ORDER BY version, captured_at_ns, capture_id LIMIT 1 BY version, capture_id",
             by_version = self.tables.by_version,
             publishes = self.tables.publishes,
@@ -837,6 +884,73 @@ impl CatalogReader {
         self.client.fetch_all(&sql).await
     }
 
+    /// Committed packs smaller than `below_bytes` with ids in `from_id..until_id` (text order, which for the UUIDv7
+    /// ids capstore gives packs is the order they were created in: a primary-key range of `packs`), at most
+    /// `limit`, in id order. Retired packs are among them (a retirement does not touch `packs`).
+    pub async fn small_packs(
+        &self,
+        below_bytes: u64,
+        from_id: &str,
+        until_id: &str,
+        limit: u64,
+    ) -> Result<Vec<PackBrief>, CatalogError> {
+        let catalog = self.catalog_literal();
+        let range = format!(
+            "catalog = {catalog} AND pack_id >= {from} AND pack_id < {until}",
+            from = sql_string_literal(from_id),
+            until = sql_string_literal(until_id)
+        );
+        self.client
+            .fetch_all(&format!(
+                "SELECT pack_id, any(object_key) AS object_key_v, any(bytes) AS bytes_v, \
+                 any(first_captured_at_ns) AS first_v FROM {packs} WHERE {range} AND bytes < {below_bytes} AND \
+                 records > 0 AND (version, publish_id) IN (SELECT version, publish_id FROM {publishes} WHERE \
+                 catalog = {catalog} AND version IN (SELECT version FROM {packs} WHERE {range})) \
+                 GROUP BY pack_id ORDER BY pack_id LIMIT {limit}",
+                packs = self.tables.packs,
+                publishes = self.tables.publishes,
+            ))
+            .await
+            .map(|rows: Vec<PackBriefRow>| {
+                rows.into_iter()
+                    .map(|row| PackBrief {
+                        pack_id: row.pack_id,
+                        object_key: row.object_key_v,
+                        bytes: row.bytes_v,
+                        first_captured_at_ns: row.first_v,
+                    })
+                    .collect()
+            })
+    }
+
+    /// The objects holding captures deleted by the committed publishes after version `after`, of the first `limit`
+    /// publishes without packs (deletions and compactions) there, and the last version read (`after` when there
+    /// are none): where erasure has bytes to remove.
+    pub async fn objects_with_deletions(&self, after: u64, limit: u64) -> Result<(Vec<String>, u64), CatalogError> {
+        let catalog = self.catalog_literal();
+        let versions: Vec<CommittedVersion> = self
+            .client
+            .fetch_all(&format!(
+                "SELECT version, publish_id FROM {publishes} WHERE catalog = {catalog} AND version > {after} AND \
+                 packs = 0 ORDER BY version LIMIT {limit}",
+                publishes = self.tables.publishes,
+            ))
+            .await?;
+        let Some(through) = versions.last().map(|row| row.version) else { return Ok((Vec::new(), after)) };
+        let pairs: Vec<String> =
+            versions.iter().map(|row| format!("({}, {})", row.version, sql_string_literal(&row.publish_id))).collect();
+        let rows: Vec<ObjectKeyRow> = self
+            .client
+            .fetch_all(&format!(
+                "SELECT DISTINCT object_key FROM {by_version} WHERE catalog = {catalog} AND version > {after} AND \
+                 version <= {through} AND (version, publish_id) IN ({pairs}) AND pack_id = '' AND object_key != ''",
+                by_version = self.tables.by_version,
+                pairs = pairs.join(", "),
+            ))
+            .await?;
+        Ok((rows.into_iter().map(|row| row.object_key).collect(), through))
+    }
+
     /// Remove orphan descriptor rows (never committed) below the watermark. Returns the watermark used.
     pub async fn gc_orphans(&self) -> Result<u64, CatalogError> {
         let watermark = self.watermark().await?;
@@ -847,6 +961,7 @@ impl CatalogReader {
             (&tables.by_version, "publish_id"),
             (&tables.by_id, "UUIDNumToString(publish_id)"),
             (&tables.packs, "publish_id"),
+            (&tables.retired_packs, "publish_id"),
         ] {
             self.client
                 .execute(&format!(

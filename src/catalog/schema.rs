@@ -17,6 +17,7 @@
 //! | `watermark` | AggregatingMergeTree | max(version) per catalog: a lower bound that keeps the watermark O(1) |
 //! | `intents` | MergeTree, monthly partitions | packs about to be uploaded, and marks: what a start reconciles |
 //! | `intent_marks` | AggregatingMergeTree | the newest mark per catalog: where a start's read of `intents` begins |
+//! | `retired_packs` | MergeTree | packs a compaction replaced, and when their objects were removed (see [`super::retired`]) |
 //! | `lease` | MergeTree | the publisher lease; plain MergeTree so merges never change what a decision reads |
 //! | `schema` | MergeTree | the schema version stamp |
 //!
@@ -39,12 +40,14 @@
 //! deletion (a tombstone, `pack_id` empty, see [`super::query`]), which a schema 3 reader would take for a capture in
 //! an object with no name. A start stamps 3 ([`STAMPED_AT_START`]); the first deletion stamps 4, which from then on
 //! keeps schema 3 capstores out (one already running is not stopped by it: upgrade every daemon and reader of the
-//! tables before deleting).
+//! tables before deleting). 4 -> 5 adds `retired_packs` (created at every start, like every table) and, in
+//! `by_version` and `by_id`, *moves*: a compaction's rows giving a capture its new place (see
+//! [`super::query`]), which a schema 4 reader would take for a re-post; the first compaction stamps 5.
 
 use super::client::{sql_string_literal, CatalogClient, CatalogError, ErrorKind};
 use crate::config::CatalogConfig;
 
-pub const SCHEMA_VERSION: u32 = 4;
+pub const SCHEMA_VERSION: u32 = 5;
 
 /// Fully qualified table names of one catalog configuration, plus the DDL flavour.
 #[derive(Debug, Clone)]
@@ -59,6 +62,7 @@ pub struct Tables {
     pub watermark: String,
     pub intents: String,
     pub intent_marks: String,
+    pub retired_packs: String,
     pub lease: String,
     pub schema: String,
     cluster: Option<String>,
@@ -84,6 +88,7 @@ impl Tables {
             watermark: table("watermark"),
             intents: table("intents"),
             intent_marks: table("intent_marks"),
+            retired_packs: table("retired_packs"),
             lease: table("lease"),
             schema: table("schema"),
             cluster: cluster.map(str::to_string),
@@ -201,6 +206,14 @@ impl Tables {
                      GROUP BY catalog",
                     self.intents
                 ),
+            ),
+            format!(
+                "CREATE TABLE IF NOT EXISTS {}{on_cluster} (\
+                 catalog String, pack_id String, object_key String, version UInt64, publish_id String, \
+                 removed_at_ms UInt64\
+                 ) ENGINE = {} ORDER BY (catalog, version, pack_id)",
+                self.retired_packs,
+                self.engine(&self.retired_packs, "MergeTree", "")
             ),
             format!(
                 "CREATE TABLE IF NOT EXISTS {}{on_cluster} (\
@@ -422,13 +435,13 @@ pub async fn probe_grants(client: &CatalogClient, tables: &Tables) -> Result<Gra
     })
 }
 
-/// The version a start stamps: 4 adds no table, only rows a schema 3 capstore would misread (deletions), so it is
-/// stamped by the first deletion ([`stamp_deletions`]) and schema 3 daemons sharing the tables keep (re)starting
-/// until somebody deletes.
+/// The version a start stamps: 4 and 5 add only rows a schema 3 capstore would misread (deletions, moves), so they
+/// are stamped by the first deletion and the first compaction ([`stamp_at_least`]), and schema 3 daemons sharing
+/// the tables keep (re)starting until somebody deletes or compacts.
 pub const STAMPED_AT_START: u32 = 3;
 
 /// For a read-only connection, which creates and upgrades nothing: the catalog must be stamped with a schema version
-/// this build reads as its own (3 or 4).
+/// this build reads as its own (3 to 5).
 pub async fn check_schema(client: &CatalogClient, tables: &Tables) -> Result<(), SchemaError> {
     let found = stamped_version(client, tables).await?;
     match found {
@@ -472,11 +485,16 @@ pub async fn ensure_schema(client: &CatalogClient, tables: &Tables) -> Result<u3
     Ok(found.max(STAMPED_AT_START))
 }
 
-/// Stamp schema 4 unless it is stamped already: before the first deletion's rows are written, so that from then on
-/// a schema 3 capstore refuses the catalog instead of taking a deletion for a capture. Idempotent.
-pub async fn stamp_deletions(client: &CatalogClient, tables: &Tables) -> Result<(), CatalogError> {
-    if stamped_version(client, tables).await? < SCHEMA_VERSION {
-        stamp(client, tables, SCHEMA_VERSION).await?;
+/// The schema a deletion needs stamped before its rows are written (see the module doc).
+pub const STAMPED_BY_DELETION: u32 = 4;
+/// The schema a compaction needs stamped before its rows are written (see the module doc).
+pub const STAMPED_BY_COMPACTION: u32 = 5;
+
+/// Stamp `version` unless it (or a newer one) is stamped already: before the first rows that a capstore of an older
+/// schema would misread are written, so that from then on such a capstore refuses the catalog. Idempotent.
+pub async fn stamp_at_least(client: &CatalogClient, tables: &Tables, version: u32) -> Result<(), CatalogError> {
+    if stamped_version(client, tables).await? < version {
+        stamp(client, tables, version).await?;
     }
     Ok(())
 }

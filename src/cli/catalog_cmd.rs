@@ -198,7 +198,10 @@ pub fn verify(config: &Config, json: bool) -> anyhow::Result<i32> {
     super::runtime()?.block_on(async {
         let catalog = capstore::catalog::connect_reader(config).await?;
         let bucket = Bucket::from_config(config)?;
-        let packs = catalog.committed_packs().await?;
+        // A retired pack (replaced by compaction) may be gone from the bucket after its grace period.
+        let retired = catalog.retired_packs().all_committed().await?;
+        let mut packs = catalog.committed_packs().await?;
+        packs.retain(|pack| uuid::Uuid::parse_str(&pack.pack_id).is_ok_and(|id| !retired.contains(&id)));
         let bar = super::progress(Some(packs.len() as u64), "verify");
         let mut problems = Vec::new();
         for pack in &packs {

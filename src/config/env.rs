@@ -83,6 +83,12 @@ pub(super) const KEYS: &[(&str, &str, ValueKind)] = {
         ("", "retention", Table),
         ("lifecycle", "retention_interval", Text),
         ("lifecycle", "retention_batch", Integer),
+        ("lifecycle", "compaction", Boolean),
+        ("lifecycle", "compaction_interval", Text),
+        ("lifecycle", "compaction_small_pack_bytes", Text),
+        ("lifecycle", "compaction_min_age", Text),
+        ("lifecycle", "compaction_pass_bytes", Text),
+        ("lifecycle", "read_grace", Text),
     ]
 };
 

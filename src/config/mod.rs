@@ -75,6 +75,19 @@ pub struct LifecycleConfig {
     pub retention_interval: HumanDuration,
     /// Captures deleted per look at most (each 10,000 one publish): the rate retention runs at.
     pub retention_batch: u64,
+    /// Merge small published packs, rewrite packs holding deleted captures, and remove replaced objects.
+    pub compaction: bool,
+    /// How often the lease holder compacts (and removes objects whose grace period is over).
+    pub compaction_interval: HumanDuration,
+    /// Packs smaller than this are merged with the other small packs of their day.
+    pub compaction_small_pack_bytes: ByteSize,
+    /// A pack is merged only once it was created at least this long ago (deleted bytes are rewritten at any age).
+    pub compaction_min_age: HumanDuration,
+    /// Bytes of packs read per pass at most: the rate compaction runs at.
+    pub compaction_pass_bytes: ByteSize,
+    /// How long a replaced pack's object stays after its switch-over, for readers pinned at an older watermark (a
+    /// listing paged with an older cursor, a pinned get) and reads in flight.
+    pub read_grace: HumanDuration,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -221,7 +234,16 @@ impl Default for Config {
 
 impl Default for LifecycleConfig {
     fn default() -> Self {
-        LifecycleConfig { retention_interval: HumanDuration::secs(60), retention_batch: 100_000 }
+        LifecycleConfig {
+            retention_interval: HumanDuration::secs(60),
+            retention_batch: 100_000,
+            compaction: true,
+            compaction_interval: HumanDuration::secs(300),
+            compaction_small_pack_bytes: ByteSize(16 * MIB),
+            compaction_min_age: HumanDuration::secs(600),
+            compaction_pass_bytes: ByteSize(1024 * MIB),
+            read_grace: HumanDuration::secs(3600),
+        }
     }
 }
 

@@ -199,6 +199,18 @@ impl Config {
         if self.lifecycle.retention_batch == 0 {
             bad("lifecycle.retention_batch", "must be at least 1".into());
         }
+        if self.lifecycle.compaction_interval.0 < Duration::from_secs(1) {
+            bad("lifecycle.compaction_interval", "must be at least 1s".into());
+        }
+        if self.lifecycle.compaction_pass_bytes.0 < self.spool.pack_max_bytes.0 {
+            bad(
+                "lifecycle.compaction_pass_bytes",
+                format!(
+                    "must be at least spool.pack_max_bytes ({}): a pass reads a pack at least",
+                    self.spool.pack_max_bytes.0
+                ),
+            );
+        }
         if tracing_subscriber::EnvFilter::try_new(&self.log.level).is_err() {
             bad(
                 "log.level",

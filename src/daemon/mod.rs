@@ -34,10 +34,12 @@ use crate::bucket::Bucket;
 use crate::catalog::lease::{LeaseHandle, LeaseKeeper, LeaseState, RunningLease, StartError};
 use crate::catalog::publish::Publisher;
 use crate::catalog::query::CatalogReader;
+use crate::catalog::retired::RetiredPacks;
 use crate::catalog::{CatalogClient, Tables};
 use crate::config::Config;
 use crate::exit_code;
 use crate::http::HttpServer;
+use crate::pipeline::compaction::Compactor;
 use crate::pipeline::deletion::Deleter;
 use crate::pipeline::retention::Retention;
 use crate::pipeline::status::{status_file_loop, write_status, StatusBoard};
@@ -263,8 +265,8 @@ impl Running {
         pipeline.published = self.published.clone();
         pipeline.spool_index = self.spool.index();
         pipeline.stopping = Some(shutdown_rx.clone());
-        let catalog = CatalogReader::new(client.clone(), tables.clone(), &config.catalog_name);
-        let deleter = Arc::new(Deleter::for_pipeline(&pipeline, catalog));
+        let catalog_reader = CatalogReader::new(client.clone(), tables.clone(), &config.catalog_name);
+        let deleter = Arc::new(Deleter::for_pipeline(&pipeline, catalog_reader.clone()));
         if let Some(http) = &self.http {
             http.state().set_deleter(deleter.clone());
         }
@@ -272,6 +274,12 @@ impl Running {
             let stopping = shutdown_rx.clone();
             let lease = lease.clone();
             tokio::spawn(async move { retention.run(lease, stopping).await })
+        });
+        let retired = RetiredPacks::new(client.clone(), tables.clone(), &config.catalog_name);
+        let compaction = Compactor::for_pipeline(&pipeline, catalog_reader.clone(), retired).map(|compactor| {
+            let stopping = shutdown_rx.clone();
+            let lease = lease.clone();
+            tokio::spawn(async move { compactor.run(lease, stopping).await })
         });
         self.board.set_pipeline_counters(pipeline.counters.clone());
         self.systemd.set_phase(Phase::Publishing);
@@ -303,10 +311,11 @@ impl Running {
             tracing::error!("lease latched: sealing the open pack and exiting");
             return Ok(exit_code::CATALOG_HELD);
         }
-        if let Some(mut retention) = retention {
-            // It stops between two deletions once it sees the shutdown; one in flight is given a moment to land.
-            if tokio::time::timeout(Duration::from_secs(5), &mut retention).await.is_err() {
-                retention.abort();
+        // Each stops between two steps once it sees the shutdown; one in flight is given a moment to land (a publish
+        // runs on a task of its own, which the abort does not cut).
+        for mut lifecycle_task in [retention, compaction].into_iter().flatten() {
+            if tokio::time::timeout(Duration::from_secs(5), &mut lifecycle_task).await.is_err() {
+                lifecycle_task.abort();
             }
         }
         tracing::info!(grace = ?config.shutdown_grace.0, "shutting down: intake stopped, sealing the open pack");

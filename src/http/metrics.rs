@@ -120,6 +120,17 @@ impl MetricsSample {
             ("capstore_captures_indexed", "captures published to the catalog", pipeline(|p| p.captures_indexed)),
             ("capstore_publishes", "catalog publishes (versions committed)", pipeline(|p| p.publishes)),
             ("capstore_captures_deleted", "captures deleted (API and retention)", pipeline(|p| p.captures_deleted)),
+            ("capstore_packs_compacted", "packs replaced by compaction", pipeline(|p| p.packs_compacted)),
+            (
+                "capstore_compaction_rewritten_bytes",
+                "bytes of captures copied into compacted packs",
+                pipeline(|p| p.compaction_bytes_rewritten),
+            ),
+            (
+                "capstore_objects_removed",
+                "objects of replaced packs removed from the bucket",
+                pipeline(|p| p.objects_removed),
+            ),
             ("capstore_packs_quarantined", "packs moved to quarantine", pipeline(|p| p.packs_quarantined)),
             ("capstore_upload_failures", "pack uploads that failed (each is retried)", pipeline(|p| p.upload_failures)),
             (

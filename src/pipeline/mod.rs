@@ -4,6 +4,8 @@
 //!   and nothing is owed (a mark only once reconciled in the lease's current tenure).
 //! - [`indexer`]: `.uploaded` (the durable `pending_index`) -> fenced publish -> deleted.
 //! - [`deletion`]: deletions asked for by id -> a fenced publish of tombstones (not of ids still in the spool).
+//! - [`compaction`]: small published packs -> merged, packs holding deleted captures -> rewritten without them, and
+//!   the replaced objects removed after the reader grace period; by the lease holder.
 //! - [`retention`]: the captures older than their stream's policy keeps -> deleted, in batches, by the lease holder.
 //! - [`reconcile`]: packs in the bucket that the catalog lacks (found by intents, or by a listing) -> published from
 //!   their footers.
@@ -17,6 +19,7 @@
 //!    \--conflicting object in the bucket--> quarantine/packs      \--rejected max_index_attempts times--> quarantine
 //! ```
 
+pub mod compaction;
 pub mod deletion;
 pub mod indexer;
 pub mod reconcile;
@@ -52,6 +55,12 @@ pub struct PipelineCounters {
     pub packs_reconciled: AtomicU64,
     /// Captures deleted (asked for through the API, or by retention).
     pub captures_deleted: AtomicU64,
+    /// Packs a compaction replaced (merged into a bigger one, or rewritten without their deleted captures).
+    pub packs_compacted: AtomicU64,
+    /// Bytes of captures a compaction copied into new packs.
+    pub compaction_bytes_rewritten: AtomicU64,
+    /// Objects of replaced packs removed from the bucket after the reader grace period.
+    pub objects_removed: AtomicU64,
     /// Pack uploads that failed (the bucket unreachable or refusing); each is retried.
     pub upload_failures: AtomicU64,
     /// Busy while the daemon's loop runs a round; every pack uploaded, publish answered or reconcile step is progress.
@@ -76,6 +85,9 @@ impl Default for PipelineCounters {
             packs_quarantined: AtomicU64::default(),
             packs_reconciled: AtomicU64::default(),
             captures_deleted: AtomicU64::default(),
+            packs_compacted: AtomicU64::default(),
+            compaction_bytes_rewritten: AtomicU64::default(),
+            objects_removed: AtomicU64::default(),
             upload_failures: AtomicU64::default(),
             liveness: Liveness::default(),
             upload_latency: Latency::between(0.001, 300.0),
@@ -95,6 +107,9 @@ pub struct PipelineCounts {
     pub packs_quarantined: u64,
     pub packs_reconciled: u64,
     pub captures_deleted: u64,
+    pub packs_compacted: u64,
+    pub compaction_bytes_rewritten: u64,
+    pub objects_removed: u64,
     pub upload_failures: u64,
 }
 
@@ -110,6 +125,9 @@ impl PipelineCounters {
             packs_quarantined: load(&self.packs_quarantined),
             packs_reconciled: load(&self.packs_reconciled),
             captures_deleted: load(&self.captures_deleted),
+            packs_compacted: load(&self.packs_compacted),
+            compaction_bytes_rewritten: load(&self.compaction_bytes_rewritten),
+            objects_removed: load(&self.objects_removed),
             upload_failures: load(&self.upload_failures),
         }
     }

@@ -36,7 +36,7 @@ use crate::bucket::{BucketError, BucketErrorKind, DayRange};
 use crate::catalog::intents::Intent;
 use crate::catalog::lease::PublishPermit;
 use crate::catalog::publish::{PackDescriptor, PublishError, PublishOutcome};
-use crate::pack::{PackSummary, PACK_EXTENSION};
+use crate::pack::PackSummary;
 
 /// Candidates resolved per catalog query. The pack ids of a listing are scattered over the whole `packs` table, so
 /// each query reads most of its granules whatever its size: fewer, larger queries are faster (2,000 ids keep the
@@ -63,6 +63,8 @@ pub struct ReconcileReport {
     pub local: u64,
     /// Intents whose upload never landed.
     pub not_uploaded: u64,
+    /// Packs a compaction wrote (listing only): never published by reconcile.
+    pub compacted: u64,
     pub invalid_count: u64,
     /// The first [`INVALID_KEYS_KEPT`] invalid keys.
     pub invalid: Vec<String>,
@@ -77,6 +79,7 @@ impl ReconcileReport {
             published: 0,
             local: 0,
             not_uploaded: 0,
+            compacted: 0,
             invalid_count: 0,
             invalid: Vec::new(),
         }
@@ -166,8 +169,11 @@ impl Pipeline {
             for object in slice {
                 let (key, _size) = object?;
                 report.examined += 1;
-                match pack_id_of_key(&key) {
-                    Some(pack_id) => candidates.push((pack_id, key)),
+                match crate::bucket::pack_of_key(&key) {
+                    Some((pack_id, false)) => candidates.push((pack_id, key)),
+                    // A compaction's pack: its captures are published already, and only its own switch-over may
+                    // name it (see `super::compaction`).
+                    Some((_, true)) => report.compacted += 1,
                     None => {
                         tracing::warn!(%key, "object under the catalog prefix is not named like a pack; skipped");
                         report.add_invalid(key);
@@ -268,22 +274,18 @@ impl Pipeline {
     }
 }
 
-/// `<...>/<pack_id>.cpk` -> pack_id.
-fn pack_id_of_key(key: &str) -> Option<Uuid> {
-    let name = key.rsplit('/').next()?;
-    let stem = name.strip_suffix(&format!(".{PACK_EXTENSION}"))?;
-    Uuid::parse_str(stem).ok()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn pack_ids_come_from_object_names() {
+        use crate::bucket::pack_of_key;
         let id = Uuid::now_v7();
-        assert_eq!(pack_id_of_key(&format!("capstore/edge/2026/11/30/{id}.cpk")), Some(id));
-        assert_eq!(pack_id_of_key("capstore/edge/2026/11/30/notes.txt"), None);
-        assert_eq!(pack_id_of_key(&format!("x/{id}.cpk.tmp")), None);
+        assert_eq!(pack_of_key(&format!("capstore/edge/2026/11/30/{id}.cpk")), Some((id, false)));
+        assert_eq!(pack_of_key(&format!("capstore/edge/2026/11/30/{id}.compacted.cpk")), Some((id, true)));
+        assert_eq!(pack_of_key("capstore/edge/2026/11/30/notes.txt"), None);
+        assert_eq!(pack_of_key(&format!("x/{id}.cpk.tmp")), None);
+        assert_eq!(pack_of_key(&format!("x/{id}.other.cpk")), None);
     }
 }

@@ -27,6 +27,8 @@ pub struct SpoolPaths {
     pub inbox: PathBuf,
     pub packs: PathBuf,
     pub quarantine: PathBuf,
+    /// Compaction's staged jobs (see `crate::pipeline::compaction`).
+    pub compaction: PathBuf,
 }
 
 impl SpoolPaths {
@@ -36,6 +38,7 @@ impl SpoolPaths {
             inbox: root.join("inbox"),
             packs: root.join("packs"),
             quarantine: root.join("quarantine"),
+            compaction: root.join("compaction"),
         }
     }
 
@@ -103,7 +106,7 @@ impl SpoolPaths {
 
     /// The spool's directories, where missing: 0750, the inbox 0770 (producers of the spool's group write there).
     pub(super) fn create_dirs(&self) -> io::Result<()> {
-        for dir in [&self.root, &self.packs, &self.quarantine] {
+        for dir in [&self.root, &self.packs, &self.quarantine, &self.compaction] {
             durable::create_dirs(dir)?;
         }
         durable::create_dirs_with_mode(&self.inbox, durable::INBOX_DIR_MODE)?;

@@ -1,0 +1,569 @@
+//! Compaction and erasure: the lease holder merges small published packs, rewrites packs that hold deleted
+//! captures without them, and removes the objects they replace once readers are done with them.
+//!
+//! A pass (every `lifecycle.compaction_interval`, only while this process may publish):
+//! 1. Finishes the jobs a crash left in the spool's `compaction/` directory (see below).
+//! 2. Plans jobs. *Erasure*: every pack named by a deletion published since the last look (a tombstone keeps the
+//!    object its capture was in) is rewritten, whatever its size or age. *Merging*: committed packs smaller than
+//!    `compaction_small_pack_bytes` created more than `compaction_min_age` ago are grouped by the UTC day of their
+//!    first capture into jobs of up to `spool.pack_max_bytes` (a day with one small pack and nothing to erase is
+//!    left alone). Retired packs are left out. A pass reads at most `compaction_pass_bytes` of packs.
+//! 3. Runs each job: reads its source packs' index from the bucket, keeps the captures whose newest committed row
+//!    is still in that pack (a deleted or superseded capture is not copied: that is the erasure), copies their
+//!    records (CRC checked) into a new pack in the spool, uploads it under its compacted key (which reconcile
+//!    never publishes), and switches the captures to it with one fenced publish
+//!    ([`Publisher::publish_relocation`]) that also retires the sources. A job with nothing left to copy only
+//!    retires its sources.
+//! 4. Removes the objects of retired packs whose switch-over is older than `lifecycle.read_grace` (see
+//!    [`crate::catalog::retired`]).
+//!
+//! Readers see every capture byte-identical throughout: before the switch at its old place, from the switch's
+//! version on at its new one, and a reader pinned below the switch keeps reading the old object for the grace
+//! period. The spin model `specs/compaction.pml` checks that a reader sees each capture exactly once while its pack
+//! moves.
+//!
+//! States of a job in the spool (`compaction/<new pack id>.json`, the sources, written durably first; then
+//! `<new pack id>.cpk`, the new pack): *writing* (the pack file torn or missing: never uploaded, removed by the
+//! next pass), *staged* (the pack complete: it may be in the bucket; the next pass uploads it again, which is
+//! idempotent, and publishes the switch), *done* (switched, or found changed and its object deleted: files
+//! removed, pack file first). The switch decides by the catalog alone: a capture whose newest row names the new
+//! pack is switched; so a switch whose answer was lost (or whose process was killed) is found switched, and one
+//! that can no longer be made (a capture deleted or posted again since) is dropped with its object, which no
+//! committed row names. Invariants: no object is deleted while a committed row that a reader at or above the
+//! current watermark could read names it; a new pack is named by the catalog only through its switch.
+//!
+//! What is kept in memory only (a restart reads it all again once): the version up to which deletions were read,
+//! the pack id below which small packs were looked at, and the version up to which retired objects are removed. An
+//! orphan compacted object whose spool was lost with its host stays in the bucket (`capstore reconcile` counts it).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use uuid::Uuid;
+
+use super::PipelineCounters;
+use crate::bucket::{pack_of_key, Bucket, BucketErrorKind};
+use crate::catalog::lease::LeaseHandle;
+use crate::catalog::publish::{PackDescriptor, Publisher, Relocation, RelocationOutcome, SourcePack};
+use crate::catalog::query::{CatalogReader, PackBrief};
+use crate::catalog::retired::RetiredPacks;
+use crate::pack::{decode_record, IndexEntry, PackFile, PackWriter};
+
+/// Packs of one job at most (their retirements are one INSERT, their ids one statement).
+const SOURCES_PER_JOB: usize = 1000;
+/// Small packs read from the catalog per request while planning.
+const SMALL_PACKS_PER_READ: u64 = 10_000;
+/// Deletion publishes read per request while planning.
+const DELETIONS_PER_READ: u64 = 1000;
+/// Retired packs removed per catalog request.
+const REMOVALS_PER_READ: u64 = 1000;
+/// Bytes of records read from the bucket at once while copying.
+const COPY_CHUNK_BYTES: u64 = 16 << 20;
+
+/// What one pass did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct CompactionPass {
+    /// Packs replaced by a committed switch-over (merged, rewritten or retired).
+    pub packs_replaced: u64,
+    /// New packs switched to.
+    pub packs_written: u64,
+    /// Bytes of captures copied into new packs.
+    pub bytes_rewritten: u64,
+    /// Objects of retired packs removed from the bucket.
+    pub objects_removed: u64,
+    /// The pass stopped at `compaction_pass_bytes`: more is due.
+    pub more_due: bool,
+}
+
+/// A planned job: packs of one day to replace by one new pack.
+#[derive(Debug, Clone)]
+struct Job {
+    sources: Vec<PackBrief>,
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct StagedPlan {
+    sources: Vec<SourcePack>,
+}
+
+pub struct Compactor {
+    publisher: Arc<Publisher>,
+    catalog: CatalogReader,
+    retired: RetiredPacks,
+    bucket: Arc<Bucket>,
+    counters: Arc<PipelineCounters>,
+    staging: PathBuf,
+    interval: Duration,
+    small_pack_bytes: u64,
+    min_age: Duration,
+    pass_bytes: u64,
+    target_bytes: u64,
+    read_grace: Duration,
+    /// Deletions published at or below this version are planned for.
+    deletions_read_through: u64,
+    /// Packs named by deletions, still to rewrite (pack id -> key).
+    to_erase: BTreeMap<Uuid, String>,
+    /// Every small pack with an id below this was planned for by an earlier pass.
+    small_packs_from: String,
+    /// Every retired pack at or below this version is removed (a lower bound that keeps the removal read short).
+    removed_through: u64,
+}
+
+impl Compactor {
+    /// A compactor publishing through `pipeline`'s publisher, staging in its spool; `None` when
+    /// `lifecycle.compaction` is off.
+    pub fn for_pipeline(
+        pipeline: &super::Pipeline,
+        catalog: CatalogReader,
+        retired: RetiredPacks,
+    ) -> Option<Compactor> {
+        let lifecycle = &pipeline.config.lifecycle;
+        if !lifecycle.compaction {
+            return None;
+        }
+        Some(Compactor {
+            publisher: pipeline.publisher.clone(),
+            catalog,
+            retired,
+            bucket: pipeline.bucket.clone(),
+            counters: pipeline.counters.clone(),
+            staging: pipeline.paths.compaction.clone(),
+            interval: lifecycle.compaction_interval.0,
+            small_pack_bytes: lifecycle.compaction_small_pack_bytes.0,
+            min_age: lifecycle.compaction_min_age.0,
+            pass_bytes: lifecycle.compaction_pass_bytes.0,
+            target_bytes: pipeline.config.spool.pack_max_bytes.0,
+            read_grace: lifecycle.read_grace.0,
+            deletions_read_through: 0,
+            to_erase: BTreeMap::new(),
+            small_packs_from: String::new(),
+            removed_through: 0,
+        })
+    }
+
+    /// Passes every interval until `stopping`; a pass with more due runs again at once. Errors (the catalog or the
+    /// bucket away, the lease lost in the middle) are logged and the pass is tried again at the next interval.
+    pub async fn run(mut self, lease: LeaseHandle, mut stopping: tokio::sync::watch::Receiver<bool>) {
+        loop {
+            let mut pause = self.interval;
+            if lease.permit().is_some() {
+                match self.pass(&stopping).await {
+                    Ok(pass) if pass.more_due => pause = Duration::ZERO,
+                    Ok(_) => {}
+                    Err(error) => {
+                        tracing::warn!(error = %format!("{error:#}"), "compaction pass failed; trying again at the next interval")
+                    }
+                }
+            }
+            if *stopping.borrow() {
+                return;
+            }
+            if tokio::time::timeout(pause, stopping.changed()).await.is_ok() {
+                return;
+            }
+        }
+    }
+
+    /// One pass; see the module doc.
+    pub async fn pass(&mut self, stopping: &tokio::sync::watch::Receiver<bool>) -> anyhow::Result<CompactionPass> {
+        let mut pass = CompactionPass::default();
+        self.finish_staged_jobs(&mut pass).await?;
+        let (jobs, small_packs_next) = self.plan().await?;
+        let mut budget = self.pass_bytes;
+        let mut all_done = true;
+        for job in jobs {
+            let bytes: u64 = job.sources.iter().map(|source| source.bytes).sum();
+            if *stopping.borrow() || (bytes > budget && pass.packs_replaced > 0) {
+                all_done = false;
+                pass.more_due = !*stopping.borrow();
+                break;
+            }
+            budget = budget.saturating_sub(bytes);
+            self.compact(&job, &mut pass).await?;
+            for source in &job.sources {
+                if let Ok(id) = Uuid::parse_str(&source.pack_id) {
+                    self.to_erase.remove(&id);
+                }
+            }
+        }
+        if all_done {
+            self.small_packs_from = small_packs_next;
+        }
+        self.remove_due_objects(&mut pass).await?;
+        if pass != CompactionPass::default() {
+            tracing::info!(
+                packs_replaced = pass.packs_replaced,
+                packs_written = pass.packs_written,
+                bytes_rewritten = pass.bytes_rewritten,
+                objects_removed = pass.objects_removed,
+                "compaction pass"
+            );
+        }
+        Ok(pass)
+    }
+
+    /// The jobs due now, erasures first, and the pack id the next pass reads small packs from.
+    async fn plan(&mut self) -> anyhow::Result<(Vec<Job>, String)> {
+        // Packs named by deletions since the last look.
+        loop {
+            let (keys, through) =
+                self.catalog.objects_with_deletions(self.deletions_read_through, DELETIONS_PER_READ).await?;
+            for key in keys {
+                if let Some((pack_id, _)) = pack_of_key(&key) {
+                    self.to_erase.insert(pack_id, key);
+                }
+            }
+            if through == self.deletions_read_through {
+                break;
+            }
+            self.deletions_read_through = through;
+        }
+        let erase_ids: Vec<Uuid> = self.to_erase.keys().copied().collect();
+        for retired in self.retired_among(&erase_ids).await? {
+            self.to_erase.remove(&retired);
+        }
+
+        let until = uuid_v7_text_floor(crate::util::now_ns().saturating_sub(self.min_age.as_nanos() as u64));
+        let mut small = Vec::new();
+        let mut from = self.small_packs_from.clone();
+        loop {
+            let page = self.catalog.small_packs(self.small_pack_bytes, &from, &until, SMALL_PACKS_PER_READ).await?;
+            let Some(last) = page.last() else { break };
+            from = format!("{}\u{0}", last.pack_id);
+            let full = page.len() as u64 == SMALL_PACKS_PER_READ;
+            small.extend(page);
+            if !full {
+                break;
+            }
+        }
+        let small_ids: Vec<Uuid> = small.iter().filter_map(|pack| Uuid::parse_str(&pack.pack_id).ok()).collect();
+        let retired = self.retired_among(&small_ids).await?;
+        small.retain(|pack| Uuid::parse_str(&pack.pack_id).is_ok_and(|id| !retired.contains(&id)));
+
+        // Erasures: one job per pack (its size is whatever it is). A small pack named by a deletion is merged
+        // instead, which erases as well.
+        let small_by_id: HashMap<&str, &PackBrief> = small.iter().map(|pack| (pack.pack_id.as_str(), pack)).collect();
+        let mut jobs = Vec::new();
+        for (pack_id, key) in &self.to_erase {
+            if !small_by_id.contains_key(pack_id.to_string().as_str()) {
+                let brief = PackBrief {
+                    pack_id: pack_id.to_string(),
+                    object_key: key.clone(),
+                    bytes: 0,
+                    first_captured_at_ns: 0,
+                };
+                jobs.push(Job { sources: vec![brief] });
+            }
+        }
+        let must: std::collections::HashSet<String> = self.to_erase.keys().map(Uuid::to_string).collect();
+        let mut by_day: BTreeMap<u64, Vec<PackBrief>> = BTreeMap::new();
+        for pack in small {
+            by_day.entry(pack.first_captured_at_ns / NS_PER_DAY).or_default().push(pack);
+        }
+        // Where the next pass starts reading small packs: past everything planned here, except a pack left alone
+        // in a day that may still get more packs (today's, mostly), which must be read again to be merged with
+        // them. A day is over once its end is older than the minimum age.
+        let now_ns = crate::util::now_ns();
+        let mut next_from = until;
+        for (day, packs) in by_day {
+            let day_open = ((day + 1) * NS_PER_DAY).saturating_add(self.min_age.as_nanos() as u64) > now_ns;
+            let mut groups: Vec<Vec<PackBrief>> = vec![Vec::new()];
+            let mut group_bytes = 0;
+            for pack in packs {
+                let group = groups.last_mut().expect("one group at least");
+                if !group.is_empty() && (group_bytes + pack.bytes > self.target_bytes || group.len() >= SOURCES_PER_JOB)
+                {
+                    groups.push(Vec::new());
+                    group_bytes = 0;
+                }
+                group_bytes += pack.bytes;
+                groups.last_mut().expect("just pushed").push(pack);
+            }
+            for group in groups {
+                if group.len() > 1 || group.iter().any(|pack| must.contains(&pack.pack_id)) {
+                    jobs.push(Job { sources: group });
+                } else if let Some(alone) = group.first().filter(|_| day_open) {
+                    next_from = next_from.min(alone.pack_id.clone());
+                }
+            }
+        }
+        Ok((jobs, next_from))
+    }
+
+    async fn retired_among(&self, ids: &[Uuid]) -> anyhow::Result<std::collections::HashSet<Uuid>> {
+        let mut retired = std::collections::HashSet::new();
+        for chunk in ids.chunks(SOURCES_PER_JOB) {
+            retired.extend(self.retired.committed_among(chunk).await?);
+        }
+        Ok(retired)
+    }
+
+    /// Copy the live captures of `job`'s sources into a new pack and switch them to it (or only retire the
+    /// sources when none is live).
+    async fn compact(&self, job: &Job, pass: &mut CompactionPass) -> anyhow::Result<()> {
+        let mut sources = Vec::new();
+        let mut indexes = Vec::new();
+        for brief in &job.sources {
+            let Ok(pack_id) = Uuid::parse_str(&brief.pack_id) else { continue };
+            match self.bucket.read_pack_index(&brief.object_key).await {
+                Ok(remote) => indexes.push((pack_id, brief.object_key.clone(), remote.entries)),
+                Err(error) if error.kind == BucketErrorKind::NotFound => {
+                    // Only a pack no capture is left in can go missing (its retirement's removal): leave it out.
+                    tracing::warn!(key = %brief.object_key, "a pack to compact is not in the bucket; left alone");
+                    continue;
+                }
+                Err(error) => return Err(error.into()),
+            }
+            sources.push(SourcePack { pack_id, object_key: brief.object_key.clone() });
+        }
+        if sources.is_empty() {
+            return Ok(());
+        }
+        let ids: Vec<Uuid> =
+            indexes.iter().flat_map(|(_, _, entries)| entries.iter().map(|entry| entry.meta.capture_id)).collect();
+        let newest = self.catalog.newest_rows(&crate::util::unique_ids(&ids)).await?;
+        let live: Vec<(String, Vec<IndexEntry>)> = indexes
+            .into_iter()
+            .map(|(pack_id, key, entries)| {
+                let pack_id = pack_id.to_string();
+                let kept = entries
+                    .into_iter()
+                    .filter(|entry| {
+                        newest.get(&entry.meta.capture_id).is_some_and(|row| {
+                            row.pack_id == pack_id
+                                && row.crc32c == entry.crc32c
+                                && row.record_offset == entry.record_offset
+                        })
+                    })
+                    .collect();
+                (key, kept)
+            })
+            .collect();
+        if live.iter().all(|(_, entries)| entries.is_empty()) {
+            let relocation = Relocation { new_pack: None, sources };
+            if let RelocationOutcome::Switched { version, .. } = self.switch(relocation.clone()).await? {
+                tracing::info!(version, packs = relocation.sources.len(), "retired packs left with no capture");
+                self.count_switch(&relocation, pass);
+            }
+            return Ok(());
+        }
+
+        let new_pack_id = Uuid::now_v7();
+        let (plan_path, pack_path) = self.staged_paths(new_pack_id);
+        let plan = serde_json::to_vec(&StagedPlan { sources })?;
+        blocking(move || crate::durable::write_file_durable(&plan_path, &plan)).await?;
+        let mut writer = {
+            let pack_path = pack_path.clone();
+            blocking(move || {
+                PackWriter::create(&pack_path, new_pack_id, crate::util::now_ns()).map_err(std::io::Error::other)
+            })
+            .await?
+        };
+        for (key, entries) in &live {
+            for chunk in chunks_of(entries, COPY_CHUNK_BYTES) {
+                let ranges: Vec<_> = chunk.iter().map(IndexEntry::record_range).collect();
+                let records = self.bucket.read_ranges(key, &ranges).await?;
+                for (entry, record) in chunk.iter().zip(records) {
+                    let (meta, payload) = decode_record(&record, entry)
+                        .map_err(|error| anyhow::anyhow!("{key}: capture {}: {error}", entry.meta.capture_id))?;
+                    writer.append(&meta, Bytes::from(payload))?;
+                }
+            }
+        }
+        let summary = blocking(move || writer.finish().map_err(std::io::Error::other)).await?;
+        tracing::debug!(pack_id = %new_pack_id, bytes = summary.bytes, "compacted pack written");
+        self.finish_staged_job(new_pack_id, pass).await
+    }
+
+    /// Jobs a crash (or a failed switch) left staged: each is finished or dropped (see the module doc).
+    async fn finish_staged_jobs(&self, pass: &mut CompactionPass) -> anyhow::Result<()> {
+        let mut staged = Vec::new();
+        for entry in std::fs::read_dir(&self.staging)? {
+            let name = entry?.file_name().to_string_lossy().into_owned();
+            let Some((stem, extension)) = name.rsplit_once('.') else { continue };
+            let Ok(pack_id) = Uuid::parse_str(stem) else { continue };
+            match extension {
+                "json" => staged.push(pack_id),
+                // A pack without its plan: the plan is written first and removed last, so it was never uploaded.
+                "cpk" if !self.staged_paths(pack_id).0.exists() => {
+                    crate::durable::remove_durable(&self.staged_paths(pack_id).1)?
+                }
+                _ => {}
+            }
+        }
+        for pack_id in staged {
+            self.finish_staged_job(pack_id, pass).await?;
+        }
+        Ok(())
+    }
+
+    /// Upload the staged pack `new_pack_id` (again: idempotent), switch to it, and remove its files; a pack that
+    /// was never completed is only removed.
+    async fn finish_staged_job(&self, new_pack_id: Uuid, pass: &mut CompactionPass) -> anyhow::Result<()> {
+        let (plan_path, pack_path) = self.staged_paths(new_pack_id);
+        let plan: StagedPlan = serde_json::from_slice(&std::fs::read(&plan_path)?)?;
+        let opened = {
+            let pack_path = pack_path.clone();
+            blocking(move || PackFile::open(&pack_path).map_err(std::io::Error::other)).await
+        };
+        let Ok(pack) = opened else {
+            // Torn or missing: written no further than the spool.
+            self.remove_staged(new_pack_id).await?;
+            return Ok(());
+        };
+        let summary = pack.summary();
+        let key = self.bucket.compacted_pack_key(&summary);
+        self.bucket.upload_pack_to(&pack_path, &summary, key.clone()).await?;
+        crate::failpoint::hit("after_compacted_upload");
+        let object_key = key.to_string();
+        let new_pack = PackDescriptor { summary, object_key: object_key.clone(), entries: pack.entries().to_vec() };
+        let relocation = Relocation { new_pack: Some(new_pack), sources: plan.sources };
+        match self.switch(relocation.clone()).await? {
+            RelocationOutcome::Switched { version, moved } => {
+                crate::failpoint::hit("after_switch_commit");
+                tracing::info!(version, moved, packs = relocation.sources.len(), key = %object_key, "packs compacted");
+                self.count_switch(&relocation, pass);
+            }
+            RelocationOutcome::AlreadySwitched => {}
+            RelocationOutcome::Changed { changed } => {
+                tracing::info!(
+                    changed = changed.len(),
+                    key = %object_key,
+                    "captures changed while being compacted; the compacted pack is dropped, the next pass plans again"
+                );
+                self.bucket.delete_object(&object_key).await?;
+            }
+        }
+        self.remove_staged(new_pack_id).await
+    }
+
+    /// The switch-over publish, on a task of its own: a pass cut short (the shutdown) must not cut a publish
+    /// between its statement and its read-back.
+    async fn switch(&self, relocation: Relocation) -> anyhow::Result<RelocationOutcome> {
+        let publisher = self.publisher.clone();
+        let outcome = tokio::spawn(async move { publisher.publish_relocation(&relocation).await })
+            .await
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic.into_panic()))?;
+        Ok(outcome)
+    }
+
+    fn count_switch(&self, relocation: &Relocation, pass: &mut CompactionPass) {
+        let replaced = relocation.sources.len() as u64;
+        pass.packs_replaced += replaced;
+        self.counters.packs_compacted.fetch_add(replaced, Ordering::Relaxed);
+        if let Some(pack) = &relocation.new_pack {
+            let bytes: u64 = pack.entries.iter().map(|entry| entry.record_len).sum();
+            pass.packs_written += 1;
+            pass.bytes_rewritten += bytes;
+            self.counters.compaction_bytes_rewritten.fetch_add(bytes, Ordering::Relaxed);
+        }
+    }
+
+    /// Remove the objects of retired packs whose grace period is over, recording each removal.
+    async fn remove_due_objects(&mut self, pass: &mut CompactionPass) -> anyhow::Result<()> {
+        loop {
+            let due = self.retired.due(self.read_grace, self.removed_through, REMOVALS_PER_READ).await?;
+            let Some(last) = due.last() else { return Ok(()) };
+            let full = due.len() as u64 == REMOVALS_PER_READ;
+            for pack in &due {
+                self.bucket.delete_object(&pack.object_key).await?;
+                crate::failpoint::hit("during_object_deletion");
+                pass.objects_removed += 1;
+                self.counters.objects_removed.fetch_add(1, Ordering::Relaxed);
+            }
+            self.retired.mark_removed(&due).await?;
+            // Removed rows are never read as due again; a cut inside one version reads that version again.
+            self.removed_through = if full { last.version.saturating_sub(1) } else { last.version };
+            if !full {
+                return Ok(());
+            }
+        }
+    }
+
+    fn staged_paths(&self, pack_id: Uuid) -> (PathBuf, PathBuf) {
+        (self.staging.join(format!("{pack_id}.json")), self.staging.join(format!("{pack_id}.cpk")))
+    }
+
+    /// The pack file first, then the plan (see the module doc).
+    async fn remove_staged(&self, pack_id: Uuid) -> anyhow::Result<()> {
+        let (plan_path, pack_path) = self.staged_paths(pack_id);
+        blocking(move || {
+            crate::durable::remove_durable(&pack_path)?;
+            crate::durable::remove_durable(&plan_path)
+        })
+        .await?;
+        Ok(())
+    }
+}
+
+const NS_PER_DAY: u64 = 86_400 * 1_000_000_000;
+
+/// The text every UUIDv7 made before `at_ns` sorts below (and none made at or after it does): its 48-bit
+/// millisecond time as the first 12 hex digits, in the id's `8-4` layout.
+fn uuid_v7_text_floor(at_ns: u64) -> String {
+    let ms = at_ns / 1_000_000;
+    format!("{:08x}-{:04x}", (ms >> 16) & 0xffff_ffff, ms & 0xffff)
+}
+
+/// `entries` in runs of about `max_bytes` of records (one at least).
+fn chunks_of(entries: &[IndexEntry], max_bytes: u64) -> Vec<&[IndexEntry]> {
+    let mut chunks = Vec::new();
+    let (mut start, mut bytes) = (0, 0);
+    for (index, entry) in entries.iter().enumerate() {
+        if index > start && bytes + entry.record_len > max_bytes {
+            chunks.push(&entries[start..index]);
+            (start, bytes) = (index, 0);
+        }
+        bytes += entry.record_len;
+    }
+    if start < entries.len() {
+        chunks.push(&entries[start..]);
+    }
+    chunks
+}
+
+async fn blocking<T: Send + 'static>(work: impl FnOnce() -> std::io::Result<T> + Send + 'static) -> anyhow::Result<T> {
+    Ok(tokio::task::spawn_blocking(work).await??)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_v7_floor_sorts_between_ids_made_before_and_after() {
+        let at_ns = 1_764_000_000_123_000_000;
+        let before = Uuid::new_v7(uuid::Timestamp::from_unix(uuid::NoContext, 1_764_000_000, 122_000_000));
+        let after = Uuid::new_v7(uuid::Timestamp::from_unix(uuid::NoContext, 1_764_000_000, 123_000_000));
+        let floor = uuid_v7_text_floor(at_ns);
+        assert!(before.to_string() < floor, "{before} < {floor}");
+        assert!(after.to_string() >= floor, "{after} >= {floor}");
+    }
+
+    #[test]
+    fn copies_are_cut_into_bounded_chunks() {
+        let entry = |len: u64| IndexEntry {
+            record_offset: 0,
+            record_len: len,
+            payload_offset: 0,
+            payload_len: 0,
+            crc32c: 0,
+            meta: crate::capture::CaptureMeta {
+                capture_id: Uuid::now_v7(),
+                stream: "s".into(),
+                captured_at_ns: 1,
+                labels: Default::default(),
+                content_type: None,
+                source_name: None,
+            },
+        };
+        let entries: Vec<IndexEntry> = [4, 4, 4, 20, 1].into_iter().map(entry).collect();
+        let sizes: Vec<usize> = chunks_of(&entries, 8).iter().map(|chunk| chunk.len()).collect();
+        assert_eq!(sizes, vec![2, 1, 1, 1]);
+        assert!(chunks_of(&[], 8).is_empty());
+    }
+}
