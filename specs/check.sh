@@ -43,6 +43,11 @@ takeover.pml|EMB_REPLY,LITERAL_I3|exhaustive|refuted|I3_publisher_held_head_leas
 lease_live.pml|-|ltl|holds|-
 lease_live.pml|LATCH_EARLY|ltl|refuted|LATCH_ONLY_AFTER_LONG_REFUSAL
 lease_live.pml|STUCK_QUAR|ltl|refuted|held_eventually
+compaction.pml|-|exhaustive|holds|-
+compaction.pml|MOVE_IN_CAPTURES|exhaustive|refuted|READ_EXACTLY_ONCE
+compaction.pml|LIST_DROPS_MOVES|exhaustive|refuted|READ_EXACTLY_ONCE
+compaction.pml|NO_RECHECK|exhaustive|refuted|NO_RESURRECTION
+compaction.pml|NO_GRACE|exhaustive|refuted|NO_DANGLING_LOCATOR
 '
 # Slower "holds" runs (about 2 more minutes), run with CHECK_ALL=1:
 if [ "${CHECK_ALL:-0}" = 1 ]; then

@@ -1,0 +1,180 @@
+/*
+ * capstore: a capture's pack moving under readers (compaction's switch-over, erasure and the removal of the old
+ * object; src/pipeline/compaction.rs, Publisher::publish_relocation, CatalogReader::list, src/catalog/retired.rs).
+ *
+ * One capture X, first published in pack A (object 0). A compactor copies it into pack B (object 1) and switches
+ * it there with one versioned publish of a *move* row; a deleter may delete X (a tombstone row) at any instant; a
+ * reader pins a watermark and lists X any number of times, at any instant, until it lets go. Small enough for an
+ * exhaustive search. Each option of the world's loop is one atomic step.
+ *
+ * Tables, as rows of X: (version, kind, committed, in `captures`, still in `captures`). `by_version`/`by_id` hold
+ * every row ever written; `captures` (ReplacingMergeTree by version) holds the rows written to it, and a merge
+ * may at any instant keep only its highest-version row of X, committed or not. A publish writes its rows, then
+ * commits its version (the fenced `publishes` row) or is refused and leaves them orphans. The publish turn makes
+ * the switch's re-check, rows and commit one step against a deletion of this process.
+ *
+ * A list at watermark W (CatalogReader::list then newest_of): the candidate is X's highest committed row at or
+ * below W in `captures`; if by_id has a newer committed row at or below W, a move replaces the candidate and
+ * anything else (a tombstone) drops it.
+ *
+ * Grace (lifecycle.read_grace): the old object is removed only once no reader pinned below its retirement is still
+ * reading; the grace period is what bounds such a reader in the real system.
+ *
+ * Variants (spin -DNAME -a compaction.pml); expected verdicts are in check.sh.
+ *   (none)            the design
+ *   MOVE_IN_CAPTURES  control: move rows also written to `captures` (a merge then loses X for pinned readers)
+ *   LIST_DROPS_MOVES  control: a list drops a candidate with any newer row (schema 4's rule)
+ *   NO_RECHECK        control: the switch does not re-check X's newest row inside the turn
+ *   NO_GRACE          control: the old object is removed as soon as its retirement commits
+ *
+ * Properties (assertion markers):
+ *   READ_EXACTLY_ONCE     a list at W returns X once, at the place of its newest committed row at or below W,
+ *                         when that row is not a tombstone, and not at all when it is
+ *   NO_DANGLING_LOCATOR   a place a list returns is an object that exists
+ *   NO_RESURRECTION       once a deletion commits, X's newest committed row stays a tombstone
+ */
+
+#define CAP_A 1     /* the capture, in pack A */
+#define MOVE_B 2    /* a move of the capture to pack B */
+#define TOMB 3      /* a deletion */
+#define MAXROWS 5
+
+typedef Row { byte v; byte kind; bool com; bool incap; };
+Row rows[MAXROWS];
+byte nrows = 1;
+byte wm = 1;                  /* the watermark: versions 1..wm are committed */
+bool exists[2];               /* objects of A (0) and B (1) */
+byte retired_at = 0;          /* the version that retired A */
+byte cstate = 0;              /* compactor: 0 idle, 1 B written and uploaded, 2 done */
+byte failures = 0;            /* refused switches so far (at most 1) */
+bool deleted_ever = false;
+byte rstate = 0;              /* reader: 0 not started, 1 pinned, 2 done */
+byte rw = 0;                  /* the reader's pinned watermark */
+
+/* Assertion markers: always 0, named in pan's message when their assertion fails. */
+bit READ_EXACTLY_ONCE;
+bit NO_DANGLING_LOCATOR;
+bit NO_RESURRECTION;
+
+/* Scratch, reset at the end of each step (not part of the state between steps). */
+byte i, best, cand, newest, loc, truth;
+
+/* best := index of the highest committed row at or below w (over all rows when all, else those in captures) */
+inline highest(w, all) {
+  best = 255; i = 0;
+  do
+  :: i < nrows ->
+     if
+     :: rows[i].com && rows[i].v <= w && (all || rows[i].incap) &&
+        (best == 255 || rows[i].v > rows[best].v || (rows[i].v == rows[best].v && i > best)) -> best = i
+     :: else -> skip
+     fi; i++
+  :: else -> break
+  od
+}
+
+/* a row's object: 0 for A, 1 for B */
+#define place(k) ((k) == MOVE_B -> 1 : 0)
+
+inline add_row(version, k, committed, in_captures) {
+  rows[nrows].v = version; rows[nrows].kind = k; rows[nrows].com = committed; rows[nrows].incap = in_captures;
+  nrows++
+}
+
+#ifdef MOVE_IN_CAPTURES
+#define MOVES_IN_CAPTURES true
+#else
+#define MOVES_IN_CAPTURES false
+#endif
+
+inline list_and_check() {
+  highest(rw, false); cand = best;
+  highest(rw, true); newest = best;
+  /* truth: the newest committed row at or below rw */
+  truth = (newest == 255 -> 0 : rows[newest].kind);
+  if
+  :: cand == 255 -> loc = 255
+  :: else ->
+     if
+#ifdef LIST_DROPS_MOVES
+     :: rows[newest].v > rows[cand].v -> loc = 255
+#else
+     :: rows[newest].v > rows[cand].v && rows[newest].kind == MOVE_B -> loc = 1
+     :: rows[newest].v > rows[cand].v && rows[newest].kind != MOVE_B -> loc = 255
+#endif
+     :: else -> loc = place(rows[cand].kind)
+     fi
+  fi;
+  assert(((truth == TOMB || truth == 0) && loc == 255) ||
+         (truth != TOMB && truth != 0 && loc == place(truth)) || READ_EXACTLY_ONCE);
+  assert(loc == 255 || exists[loc] || NO_DANGLING_LOCATOR)
+}
+
+init {
+  rows[0].v = 1; rows[0].kind = CAP_A; rows[0].com = true; rows[0].incap = true;
+  exists[0] = true;
+  do
+  /* The reader: pins the current watermark, lists any number of times, lets go. */
+  :: atomic { rstate == 0 -> rw = wm; rstate = 1 }
+  :: atomic { rstate == 1 -> list_and_check(); i = 0; best = 0; cand = 0; newest = 0; loc = 0; truth = 0 }
+  :: atomic { rstate == 1 -> rstate = 2 }
+  /* A reader that pins later reads at the newest watermark (the current reads of every other client). */
+  :: atomic { rstate == 2 -> rw = wm; list_and_check(); i = 0; best = 0; cand = 0; newest = 0; loc = 0; truth = 0 }
+
+  /* The compactor plans on X's newest committed row and copies it into B (uploaded). */
+  :: atomic { cstate == 0 -> highest(wm, true);
+       if
+       :: rows[best].kind == CAP_A -> exists[1] = true; cstate = 1
+       :: rows[best].kind == TOMB && retired_at == 0 && nrows < MAXROWS ->
+          /* nothing left to copy: A is only retired, by a version of its own */
+          wm++; retired_at = wm; cstate = 2
+       :: else -> skip
+       fi; i = 0; best = 0 }
+  /* The switch, in the publish turn: re-check, write the move row, commit or be refused. */
+  :: atomic { cstate == 1 && nrows < MAXROWS -> highest(wm, true);
+       if
+#ifdef NO_RECHECK
+       :: true ->
+#else
+       :: rows[best].kind == CAP_A ->
+#endif
+          if
+          :: add_row(wm + 1, MOVE_B, true, MOVES_IN_CAPTURES); wm++; retired_at = wm; cstate = 2
+          :: failures == 0 -> add_row(wm + 1, MOVE_B, false, MOVES_IN_CAPTURES); failures++
+          fi
+       :: else ->
+          /* changed since the plan: no committed row names B, which is deleted */
+          exists[1] = false; cstate = 2
+       fi; i = 0; best = 0 }
+  /* The deleter, once: a tombstone at the next version (in the turn, so never inside a switch). */
+  :: atomic { !deleted_ever && nrows < MAXROWS -> highest(wm, true);
+       if
+       :: rows[best].kind != TOMB -> add_row(wm + 1, TOMB, true, false); wm++; deleted_ever = true
+       :: else -> skip
+       fi; i = 0; best = 0 }
+  /* The old object is removed once its retirement is committed and no reader pinned below it is reading. */
+#ifdef NO_GRACE
+  :: atomic { retired_at > 0 && exists[0] -> exists[0] = false }
+#else
+  :: atomic { retired_at > 0 && exists[0] && !(rstate == 1 && rw < retired_at) -> exists[0] = false }
+#endif
+  /* A merge of `captures`: only the highest-version row of X stays there, committed or not. */
+  :: atomic { true -> best = 255; i = 0;
+       do
+       :: i < nrows ->
+          if
+          :: rows[i].incap && (best == 255 || rows[i].v >= rows[best].v) -> best = i
+          :: else -> skip
+          fi; i++
+       :: else -> break
+       od;
+       i = 0;
+       do
+       :: i < nrows -> if :: i != best -> rows[i].incap = false :: else -> skip fi; i++
+       :: else -> break
+       od; i = 0; best = 0 }
+
+  /* NO_RESURRECTION, checked after every step. */
+  :: atomic { deleted_ever -> highest(wm, true); assert(rows[best].kind == TOMB || NO_RESURRECTION); i = 0; best = 0 }
+  od
+}
