@@ -187,7 +187,7 @@ impl Reader {
             }
         }
         let packs: Vec<Result<Vec<(usize, Found)>, ReadError>> = futures::stream::iter(from_bucket)
-            .map(|(key, records)| self.read_records_of_pack(key, records))
+            .map(|(key, records)| self.read_records_of_pack(key, records, true))
             .buffer_unordered(PACKS_IN_FLIGHT)
             .collect()
             .await;
@@ -200,11 +200,13 @@ impl Reader {
     }
 
     /// The records of one bucket pack, fetched together; a failure of the pack object or of one record is that
-    /// pack's or record's [`Found::Unreadable`], any other fails the read.
+    /// pack's or record's [`Found::Unreadable`], any other fails the read. With `follow_moves`, records of a pack
+    /// that is gone from the bucket are read where compaction moved them (see [`Reader::read_moved`]).
     async fn read_records_of_pack(
         &self,
         key: String,
         records: Vec<(usize, Uuid, CaptureLocation)>,
+        follow_moves: bool,
     ) -> Result<Vec<(usize, Found)>, ReadError> {
         let fetched: Result<Vec<_>, ReadError> = async {
             let ranges =
@@ -224,7 +226,11 @@ impl Reader {
                 }));
             }
             Err(error) => {
+                let gone = matches!(&error, ReadError::Bucket(error) if error.kind == BucketErrorKind::NotFound);
                 let reason = own_failure(error)?;
+                if gone && follow_moves {
+                    return self.read_moved(records, reason).await;
+                }
                 return Ok(records
                     .into_iter()
                     .map(|(position, _, _)| (position, Found::Unreadable(reason.clone())))
@@ -239,6 +245,39 @@ impl Reader {
                 Err(error) => Ok((position, Found::Unreadable(own_failure(error)?))),
             })
             .collect()
+    }
+
+    /// Records located in a pack that is gone from the bucket: compaction replaced it and its grace period is over
+    /// (a version-range export, or a listing paged with a cursor older than `lifecycle.read_grace`). A record whose
+    /// capture's newest committed row is the same record elsewhere (same CRC and length: a move) is read there,
+    /// reported at the version it was asked at; any other (deleted, and so erased, or posted again) is
+    /// [`Found::Unreadable`] with `reason`.
+    async fn read_moved(
+        &self,
+        records: Vec<(usize, Uuid, CaptureLocation)>,
+        reason: String,
+    ) -> Result<Vec<(usize, Found)>, ReadError> {
+        let ids: Vec<Uuid> = records.iter().map(|(_, id, _)| *id).collect();
+        let newest = self.catalog.newest_rows(&crate::util::unique_ids(&ids)).await?;
+        let mut moved: BTreeMap<String, Vec<(usize, Uuid, CaptureLocation)>> = BTreeMap::new();
+        let mut found = Vec::new();
+        for (position, id, old) in records {
+            match newest.get(&id) {
+                Some(new)
+                    if !new.is_deletion()
+                        && new.object_key != old.object_key
+                        && (new.crc32c, new.record_len) == (old.crc32c, old.record_len) =>
+                {
+                    let at_new = CaptureLocation { version: old.version, ..new.clone() };
+                    moved.entry(new.object_key.clone()).or_default().push((position, id, at_new));
+                }
+                _ => found.push((position, Found::Unreadable(reason.clone()))),
+            }
+        }
+        for (key, records) in moved {
+            found.extend(Box::pin(self.read_records_of_pack(key, records, false)).await?);
+        }
+        Ok(found)
     }
 
     async fn read_from_bucket(&self, capture_id: Uuid, location: &CaptureLocation) -> Result<ReadCapture, ReadError> {

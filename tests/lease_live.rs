@@ -1278,14 +1278,23 @@ async fn a_relocation_moves_captures_in_one_fenced_version_and_every_reader_sees
     // A relocation whose records are not what the catalog holds (a CRC differs: changed since) writes nothing.
     let mut stale = merged(&[&first, &second], &[a, b, c]);
     stale.entries[1].crc32c += 1;
-    let relocation = Relocation { new_pack: Some(stale), sources: vec![source(&first), source(&second)] };
+    let sources = vec![source(&first), source(&second)];
+    let relocation = Relocation { new_pack: Some(stale), sources: sources.clone(), source_captures: vec![a, b, c] };
     let changed = retried!(publisher.publish_relocation(&relocation).await);
     assert_eq!(changed, RelocationOutcome::Changed { changed: vec![b] });
+    // One that would retire a source still holding a capture it does not move writes nothing either.
+    let partial = merged(&[&first, &second], &[a, c]);
+    let relocation = Relocation { new_pack: Some(partial), sources: sources.clone(), source_captures: vec![a, b, c] };
+    let changed = retried!(publisher.publish_relocation(&relocation).await);
+    assert_eq!(changed, RelocationOutcome::Changed { changed: vec![b] }, "b would be left in a retired pack");
+    let retire_only = Relocation { new_pack: None, sources: sources.clone(), source_captures: vec![a, b, c] };
+    let changed = retried!(publisher.publish_relocation(&retire_only).await);
+    assert!(matches!(changed, RelocationOutcome::Changed { .. }), "{changed:?}");
     assert_eq!(catalog.committed_versions(), vec![1, 2]);
 
     let new_pack = merged(&[&first, &second], &[a, b, c]);
     let new_id = new_pack.summary.pack_id.to_string();
-    let relocation = Relocation { new_pack: Some(new_pack.clone()), sources: vec![source(&first), source(&second)] };
+    let relocation = Relocation { new_pack: Some(new_pack.clone()), sources, source_captures: vec![a, b, c] };
     let switched = retried!(publisher.publish_relocation(&relocation).await);
     assert_eq!(switched, RelocationOutcome::Switched { version: 3, moved: 3 });
     let again = retried!(publisher.publish_relocation(&relocation).await);
@@ -1339,7 +1348,11 @@ async fn a_relocation_moves_captures_in_one_fenced_version_and_every_reader_sees
     let (objects, through) = reader.objects_with_deletions(0, 100).await.unwrap();
     assert_eq!((objects, through), (vec![new_pack.object_key.clone()], 4));
     let rewritten = merged(&[&new_pack], &[a, c]);
-    let relocation = Relocation { new_pack: Some(rewritten.clone()), sources: vec![source(&new_pack)] };
+    let relocation = Relocation {
+        new_pack: Some(rewritten.clone()),
+        sources: vec![source(&new_pack)],
+        source_captures: vec![a, b, c],
+    };
     let switched = retried!(publisher.publish_relocation(&relocation).await);
     assert_eq!(switched, RelocationOutcome::Switched { version: 5, moved: 2 });
     let rewritten_id = rewritten.summary.pack_id.to_string();
@@ -1353,7 +1366,8 @@ async fn a_relocation_moves_captures_in_one_fenced_version_and_every_reader_sees
     // A holder whose lease has ended relocates nothing.
     shutdown_tx.send(true).unwrap();
     keeper_task.await.unwrap();
-    let ended = publisher.publish_relocation(&Relocation { new_pack: None, sources: vec![source(&rewritten)] }).await;
+    let retire = Relocation { new_pack: None, sources: vec![source(&rewritten)], source_captures: vec![] };
+    let ended = publisher.publish_relocation(&retire).await;
     assert!(matches!(ended, Err(PublishError::NoLease)), "{ended:?}");
     assert_eq!(catalog.committed_versions(), vec![1, 2, 3, 4, 5]);
 }

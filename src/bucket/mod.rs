@@ -145,7 +145,6 @@ impl MetadataNames {
         }
     }
 }
-/// The largest footer read from a bucket (a pack of 100,000 captures with modest labels has a 30 MiB one).
 /// The name part that marks a compacted pack's key (see [`Bucket::compacted_pack_key`]).
 pub const COMPACTED_MARK: &str = "compacted";
 
@@ -159,6 +158,7 @@ pub fn pack_of_key(key: &str) -> Option<(uuid::Uuid, bool)> {
     }
 }
 
+/// The largest footer read from a bucket (a pack of 100,000 captures with modest labels has a 30 MiB one).
 pub const MAX_REMOTE_FOOTER_BYTES: u64 = 256 << 20;
 
 /// A pack's index as read from the bucket with two range reads.

@@ -78,12 +78,20 @@ pub async fn plan_deletions(
 ) -> Result<(DeletionReport, Vec<CaptureLocation>), CatalogError> {
     let unique = crate::util::unique_ids(ids);
     let mut newest = reader.newest_rows(&unique).await?;
+    // A capture moved by compaction since `unchanged_since` is the same capture: not a change.
+    let newer: Vec<u64> = match unchanged_since {
+        Some(since) => newest.values().filter(|row| row.version > since).map(|row| row.version).collect(),
+        None => Vec::new(),
+    };
+    let moves = reader.versions_without_packs(&newer).await?;
     let (mut report, mut targets) = (DeletionReport::default(), Vec::new());
     for id in unique {
         match newest.remove(&id) {
             None => report.not_found.push(id),
             Some(row) if row.is_deletion() => report.already_deleted.push(id),
-            Some(row) if unchanged_since.is_some_and(|since| row.version > since) => report.changed.push(id),
+            Some(row) if unchanged_since.is_some_and(|since| row.version > since) && !moves.contains(&row.version) => {
+                report.changed.push(id)
+            }
             Some(row) => {
                 report.deleted.push(id);
                 targets.push(row);
@@ -102,6 +110,9 @@ pub struct Relocation {
     pub new_pack: Option<PackDescriptor>,
     /// The packs replaced: once the switch commits, no capture's newest row names them.
     pub sources: Vec<SourcePack>,
+    /// Every capture the sources' records name (from their footers): the switch is refused if one of them still
+    /// lives in a source and is not moved, so that retiring the sources can never leave a capture behind.
+    pub source_captures: Vec<Uuid>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -431,8 +442,9 @@ impl Publisher {
         let permit = self.lease.permit().ok_or(PublishError::NoLease)?;
         self.resolve_unresolved(&permit).await?;
         let entries: &[IndexEntry] = relocation.new_pack.as_ref().map_or(&[], |pack| pack.entries.as_slice());
-        let ids: Vec<Uuid> = entries.iter().map(|entry| entry.meta.capture_id).collect();
-        let newest = self.reader().newest_rows(&ids).await?;
+        let mut ids: Vec<Uuid> = entries.iter().map(|entry| entry.meta.capture_id).collect();
+        ids.extend(&relocation.source_captures);
+        let newest = self.reader().newest_rows(&crate::util::unique_ids(&ids)).await?;
         let new_pack_id = relocation.new_pack.as_ref().map(|pack| pack.summary.pack_id.to_string());
         let sources: HashSet<String> = relocation.sources.iter().map(|source| source.pack_id.to_string()).collect();
         let (mut switched, mut movable, mut changed) = (0, Vec::new(), Vec::new());
@@ -443,10 +455,27 @@ impl Publisher {
                 _ => changed.push(entry.meta.capture_id),
             }
         }
+        // A capture of a source that lives there still and is not moved (the copy missed it): retiring the source
+        // would lose it.
+        let moving: HashSet<Uuid> = movable.iter().map(|entry| entry.meta.capture_id).collect();
+        changed.extend(
+            relocation
+                .source_captures
+                .iter()
+                .filter(|id| !moving.contains(id) && newest.get(id).is_some_and(|row| sources.contains(&row.pack_id))),
+        );
+        changed = crate::util::unique_ids(&changed);
         if switched > 0 && movable.is_empty() {
             return Ok(RelocationOutcome::AlreadySwitched);
         }
-        if !changed.is_empty() && switched == 0 {
+        if !changed.is_empty() {
+            // A switch that committed (its answer lost) and whose captures all changed since is found by its pack:
+            // its object stays (readers pinned in between read it; a deletion since names it for erasure).
+            if let Some(pack) = &relocation.new_pack {
+                if switched > 0 || !self.committed_packs(&[pack.summary.pack_id]).await?.is_empty() {
+                    return Ok(RelocationOutcome::AlreadySwitched);
+                }
+            }
             return Ok(RelocationOutcome::Changed { changed });
         }
         if relocation.new_pack.is_none() && self.retired(&relocation.sources).await? {

@@ -12,6 +12,12 @@
 //! sees the capture, and `tail`, the log, shows it as a deletion entry at its version. A later post of the same id is
 //! newer still and makes the capture visible again.
 //!
+//! A *move* (a compaction's switch-over, see [`super::publish::Publisher::publish_relocation`]) is likewise a row of
+//! `by_version` and `by_id` only: the same capture (stream, time, labels, record) at a new place, in a publish of no
+//! pack (`packs = 0`). `get` and multi-get return it as the newest row; `list` finds the capture's row in `captures`
+//! and shows the move in its place ([`CatalogReader::newest_of`]); `tail` and exports by version skip it (it changes
+//! where the bytes are, not what the catalog holds; see `LOG_ROW`).
+//!
 //! Reads never use `FINAL` and never rely on merges: duplicates from unmerged parts or a repeated copy collapse in the
 //! query (`argMax` by version, `LIMIT 1 BY`, `max`), so what a read returns depends only on committed rows.
 //!
@@ -25,8 +31,9 @@
 //! - `captures_of_version`: `by_version` at one version, O(captures of that version); `tail_page`: the publishes
 //!   after a position and one `by_version` range up to the version the page reaches, O(page);
 //! - `list`: time windows of `captures` (see [`CatalogReader::list`]), each a primary-key range, visibility against
-//!   the publishes at the versions of the window's rows, and one `by_id` lookup for the page's ids (checked against
-//!   `publishes` only for ids with a newer row): about O(page) per page. Every read is bounded by `catalog.read_max_memory` and the request timeout.
+//!   the publishes at the versions of the window's rows, and one `by_id` lookup for the page's ids; the ids with a
+//!   newer row (a re-post, a deletion, or a compaction's move: after compaction that is most ids) have that row read
+//!   from `by_version` at its version: about O(page) per page, about twice the statements once compacted. Every read is bounded by `catalog.read_max_memory` and the request timeout.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -121,6 +128,7 @@ pub struct PackBrief {
     pub pack_id: String,
     pub object_key: String,
     pub bytes: u64,
+    pub records: u64,
     pub first_captured_at_ns: u64,
 }
 
@@ -129,6 +137,7 @@ struct PackBriefRow {
     pack_id: String,
     object_key_v: String,
     bytes_v: u64,
+    records_v: u64,
     first_v: u64,
 }
 
@@ -245,7 +254,6 @@ const SUPERSEDED_IDS_PER_QUERY: usize = 1000;
 /// max_query_size of 256 KiB.
 pub const MULTI_GET_BATCH: usize = 500;
 
-/// The columns of [`CaptureLocation`], read from `by_version` (whose rows are whole).
 /// The rows of `by_version` that are entries of the log of publishes (`tail`, exports by version): committed, and
 /// not a move. A publish of packs (`packs > 0`) holds captures (`pack_id` set); a publish of none holds deletions
 /// (`pack_id` empty), which are entries, or moves (a compaction's, `pack_id` set), which are not: a move changes
@@ -254,6 +262,7 @@ pub const MULTI_GET_BATCH: usize = 500;
 const LOG_ROW: &str = "(version, publish_id, pack_id != '')";
 const LOG_PUBLISH: &str = "packs > 0";
 
+/// The columns of [`CaptureLocation`], read from `by_version` (whose rows are whole).
 const LOCATION_COLUMNS: &str = "capture_id, stream, captured_at_ns, pack_id, object_key, record_offset, record_len, \
      payload_offset, payload_len, crc32c, label_keys, label_values, content_type, version";
 
@@ -794,8 +803,9 @@ impl CatalogReader {
         limit: u64,
     ) -> Result<TailPage, CatalogError> {
         let limit = limit.clamp(1, TAIL_PAGE_MAX);
-        // As many publishes as the page can reach: every publish holds a capture at least, so `limit` of them are
-        // always enough, but most hold many, so read a few first and more only while their counts fall short.
+        // As many publishes as the page can reach: most hold many captures, so read a few first and more only while
+        // their counts fall short. (A compaction's publish counts its moves, which are no entries, and one that only
+        // retires packs counts none: a page over such versions is short or empty, and its `next` still moves on.)
         let mut asked = limit.min(TAIL_PUBLISHES_FIRST);
         let publishes = loop {
             let mut publishes = self.publishes_after(from.version, asked).await?;
@@ -886,7 +896,8 @@ impl CatalogReader {
 
     /// Committed packs smaller than `below_bytes` with ids in `from_id..until_id` (text order, which for the UUIDv7
     /// ids capstore gives packs is the order they were created in: a primary-key range of `packs`), at most
-    /// `limit`, in id order. Retired packs are among them (a retirement does not touch `packs`).
+    /// `limit`, in id order, less the packs a compaction retired (or tried to: a pack whose retirement never
+    /// committed is only merged later than it could be).
     pub async fn small_packs(
         &self,
         below_bytes: u64,
@@ -902,13 +913,16 @@ impl CatalogReader {
         );
         self.client
             .fetch_all(&format!(
-                "SELECT pack_id, any(object_key) AS object_key_v, any(bytes) AS bytes_v, \
+                "SELECT pack_id, any(object_key) AS object_key_v, any(bytes) AS bytes_v, any(records) AS records_v, \
                  any(first_captured_at_ns) AS first_v FROM {packs} WHERE {range} AND bytes < {below_bytes} AND \
                  records > 0 AND (version, publish_id) IN (SELECT version, publish_id FROM {publishes} WHERE \
-                 catalog = {catalog} AND version IN (SELECT version FROM {packs} WHERE {range})) \
+                 catalog = {catalog} AND version IN (SELECT version FROM {packs} WHERE {range})) AND pack_id NOT IN \
+                 (SELECT pack_id FROM {retired} WHERE catalog = {catalog} AND pack_id >= {from}) \
                  GROUP BY pack_id ORDER BY pack_id LIMIT {limit}",
                 packs = self.tables.packs,
                 publishes = self.tables.publishes,
+                retired = self.tables.retired_packs,
+                from = sql_string_literal(from_id),
             ))
             .await
             .map(|rows: Vec<PackBriefRow>| {
@@ -917,10 +931,36 @@ impl CatalogReader {
                         pack_id: row.pack_id,
                         object_key: row.object_key_v,
                         bytes: row.bytes_v,
+                        records: row.records_v,
                         first_captured_at_ns: row.first_v,
                     })
                     .collect()
             })
+    }
+
+    /// Which of `versions` are committed publishes of no pack (deletions and compactions' moves).
+    pub async fn versions_without_packs(
+        &self,
+        versions: &[u64],
+    ) -> Result<std::collections::HashSet<u64>, CatalogError> {
+        let mut versions = versions.to_vec();
+        versions.sort_unstable();
+        versions.dedup();
+        if versions.is_empty() {
+            return Ok(Default::default());
+        }
+        let list: Vec<String> = versions.iter().map(u64::to_string).collect();
+        let rows: Vec<CommittedVersion> = self
+            .client
+            .fetch_all(&format!(
+                "SELECT version, publish_id FROM {publishes} WHERE catalog = {catalog} AND version IN ({list}) AND \
+                 packs = 0",
+                publishes = self.tables.publishes,
+                catalog = self.catalog_literal(),
+                list = list.join(", "),
+            ))
+            .await?;
+        Ok(rows.into_iter().map(|row| row.version).collect())
     }
 
     /// The objects holding captures deleted by the committed publishes after version `after`, of the first `limit`
@@ -963,14 +1003,20 @@ impl CatalogReader {
             (&tables.packs, "publish_id"),
             (&tables.retired_packs, "publish_id"),
         ] {
-            self.client
+            let removed = self
+                .client
                 .execute(&format!(
                     "ALTER TABLE {table} DELETE WHERE catalog = {catalog} AND version <= {watermark} AND \
                      (version, {publish_id}) NOT IN (SELECT version, publish_id FROM {publishes} WHERE catalog = {catalog})",
                     catalog = self.catalog_literal(),
                     publishes = tables.publishes,
                 ))
-                .await?;
+                .await;
+            match removed {
+                // Tables of a capstore older than `retired_packs`: nothing was retired.
+                Err(error) if table == &tables.retired_packs && super::retired::is_unknown_table(&error) => {}
+                other => other?,
+            }
         }
         Ok(watermark)
     }

@@ -27,6 +27,11 @@ use super::schema::Tables;
 /// them know that nothing was retired).
 const UNKNOWN_TABLE_CODE: u32 = 60;
 
+/// The table a statement names does not exist.
+pub(super) fn is_unknown_table(error: &CatalogError) -> bool {
+    error.server_code == Some(UNKNOWN_TABLE_CODE)
+}
+
 /// A retired pack whose grace period is over and whose object is still to be removed.
 #[derive(Debug, Clone, PartialEq, Eq, clickhouse::Row, serde::Deserialize)]
 pub struct DuePack {
@@ -76,7 +81,7 @@ impl RetiredPacks {
     /// Every pack of the catalog a committed publish retired (removed or not). O(retired packs).
     pub async fn all_committed(&self) -> Result<HashSet<Uuid>, CatalogError> {
         match self.pack_ids_where(&format!("catalog = {}", sql_string_literal(&self.catalog))).await {
-            Err(error) if error.server_code == Some(UNKNOWN_TABLE_CODE) => Ok(HashSet::new()),
+            Err(error) if is_unknown_table(&error) => Ok(HashSet::new()),
             answer => answer,
         }
     }

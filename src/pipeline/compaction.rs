@@ -6,8 +6,11 @@
 //! 2. Plans jobs. *Erasure*: every pack named by a deletion published since the last look (a tombstone keeps the
 //!    object its capture was in) is rewritten, whatever its size or age. *Merging*: committed packs smaller than
 //!    `compaction_small_pack_bytes` created more than `compaction_min_age` ago are grouped by the UTC day of their
-//!    first capture into jobs of up to `spool.pack_max_bytes` (a day with one small pack and nothing to erase is
-//!    left alone). Retired packs are left out. A pass reads at most `compaction_pass_bytes` of packs.
+//!    first capture. While the day is open (it may still get packs), packs of one size tier (a factor of 4 apart)
+//!    are merged once 4 of them are there, so each byte is rewritten about once per tier rather than once per
+//!    pass; once the day is over, its small packs are merged into as few as fit. Jobs hold up to
+//!    `spool.pack_max_bytes`, 1,000 packs and 20,000 captures. Retired packs are left out. A pass reads about
+//!    `compaction_pass_bytes` of packs (one job at least; an erasure's size is known once its index is read).
 //! 3. Runs each job: reads its source packs' index from the bucket, keeps the captures whose newest committed row
 //!    is still in that pack (a deleted or superseded capture is not copied: that is the erasure), copies their
 //!    records (CRC checked) into a new pack in the spool, uploads it under its compacted key (which reconcile
@@ -32,11 +35,14 @@
 //! committed row names. Invariants: no object is deleted while a committed row that a reader at or above the
 //! current watermark could read names it; a new pack is named by the catalog only through its switch.
 //!
-//! What is kept in memory only (a restart reads it all again once): the version up to which deletions were read,
-//! the pack id below which small packs were looked at, and the version up to which retired objects are removed. An
-//! orphan compacted object whose spool was lost with its host stays in the bucket (`capstore reconcile` counts it).
+//! What is kept in memory only: the version up to which deletions were read, the pack id below which small packs
+//! were looked at (held back to the oldest pack of an open day left unmerged, and of a job a change undid), and
+//! the version up to which retired objects are removed. A restart's first pass reads from the start again: every
+//! deletion's tombstones and every small pack's row of the catalog (O(history), once per start). An orphan
+//! compacted object whose spool was lost with its host stays in the bucket (`capstore reconcile` leaves every
+//! compacted pack alone and counts them).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -55,6 +61,10 @@ use crate::pack::{decode_record, IndexEntry, PackFile, PackWriter};
 
 /// Packs of one job at most (their retirements are one INSERT, their ids one statement).
 const SOURCES_PER_JOB: usize = 1000;
+/// Captures of one job at most: its switch re-checks each inside the publish turn, which other publishes wait for.
+const RECORDS_PER_JOB: u64 = 20_000;
+/// Packs of one size tier merged together while their day is open (see [`Compactor::tier_of`]).
+const TIER_FAN_IN: usize = 4;
 /// Small packs read from the catalog per request while planning.
 const SMALL_PACKS_PER_READ: u64 = 10_000;
 /// Deletion publishes read per request while planning.
@@ -88,6 +98,7 @@ struct Job {
 #[derive(serde::Serialize, serde::Deserialize)]
 struct StagedPlan {
     sources: Vec<SourcePack>,
+    source_captures: Vec<Uuid>,
 }
 
 pub struct Compactor {
@@ -172,25 +183,32 @@ impl Compactor {
     pub async fn pass(&mut self, stopping: &tokio::sync::watch::Receiver<bool>) -> anyhow::Result<CompactionPass> {
         let mut pass = CompactionPass::default();
         self.finish_staged_jobs(&mut pass).await?;
-        let (jobs, small_packs_next) = self.plan().await?;
+        let (jobs, mut small_packs_next) = self.plan().await?;
         let mut budget = self.pass_bytes;
-        let mut all_done = true;
+        let (mut all_planned, mut ran_one) = (true, false);
         for job in jobs {
             let bytes: u64 = job.sources.iter().map(|source| source.bytes).sum();
-            if *stopping.borrow() || (bytes > budget && pass.packs_replaced > 0) {
-                all_done = false;
+            if *stopping.borrow() || (ran_one && (budget == 0 || bytes > budget)) {
+                all_planned = false;
                 pass.more_due = !*stopping.borrow();
                 break;
             }
-            budget = budget.saturating_sub(bytes);
-            self.compact(&job, &mut pass).await?;
-            for source in &job.sources {
-                if let Ok(id) = Uuid::parse_str(&source.pack_id) {
-                    self.to_erase.remove(&id);
+            // (An erasure's pack size is known once its index is read: it is charged then.)
+            let (read, replaced) = self.compact(&job, &mut pass).await?;
+            ran_one = true;
+            budget = budget.saturating_sub(read.max(bytes));
+            if replaced {
+                for source in &job.sources {
+                    if let Ok(id) = Uuid::parse_str(&source.pack_id) {
+                        self.to_erase.remove(&id);
+                    }
                 }
+            } else if let Some(first) = job.sources.iter().map(|source| &source.pack_id).min() {
+                // Changed under the copy: planned again from the catalog by the next pass.
+                small_packs_next = small_packs_next.min(first.clone());
             }
         }
-        if all_done {
+        if all_planned {
             self.small_packs_from = small_packs_next;
         }
         self.remove_due_objects(&mut pass).await?;
@@ -240,20 +258,17 @@ impl Compactor {
                 break;
             }
         }
-        let small_ids: Vec<Uuid> = small.iter().filter_map(|pack| Uuid::parse_str(&pack.pack_id).ok()).collect();
-        let retired = self.retired_among(&small_ids).await?;
-        small.retain(|pack| Uuid::parse_str(&pack.pack_id).is_ok_and(|id| !retired.contains(&id)));
-
         // Erasures: one job per pack (its size is whatever it is). A small pack named by a deletion is merged
         // instead, which erases as well.
-        let small_by_id: HashMap<&str, &PackBrief> = small.iter().map(|pack| (pack.pack_id.as_str(), pack)).collect();
+        let small_ids: std::collections::HashSet<&str> = small.iter().map(|pack| pack.pack_id.as_str()).collect();
         let mut jobs = Vec::new();
         for (pack_id, key) in &self.to_erase {
-            if !small_by_id.contains_key(pack_id.to_string().as_str()) {
+            if !small_ids.contains(pack_id.to_string().as_str()) {
                 let brief = PackBrief {
                     pack_id: pack_id.to_string(),
                     object_key: key.clone(),
                     bytes: 0,
+                    records: 0,
                     first_captured_at_ns: 0,
                 };
                 jobs.push(Job { sources: vec![brief] });
@@ -264,34 +279,71 @@ impl Compactor {
         for pack in small {
             by_day.entry(pack.first_captured_at_ns / NS_PER_DAY).or_default().push(pack);
         }
-        // Where the next pass starts reading small packs: past everything planned here, except a pack left alone
-        // in a day that may still get more packs (today's, mostly), which must be read again to be merged with
+        // Where the next pass starts reading small packs: past everything planned here, except the packs left
+        // unmerged in a day that may still get more (today's, mostly), which must be read again to be merged with
         // them. A day is over once its end is older than the minimum age.
         let now_ns = crate::util::now_ns();
         let mut next_from = until;
         for (day, packs) in by_day {
             let day_open = ((day + 1) * NS_PER_DAY).saturating_add(self.min_age.as_nanos() as u64) > now_ns;
-            let mut groups: Vec<Vec<PackBrief>> = vec![Vec::new()];
-            let mut group_bytes = 0;
+            // Size tiers while the day is open (each byte is rewritten about once per tier, not once per pass);
+            // once it is over, whatever is left small is merged into as few packs as fit.
+            let mut tiers: BTreeMap<u32, Vec<PackBrief>> = BTreeMap::new();
             for pack in packs {
-                let group = groups.last_mut().expect("one group at least");
-                if !group.is_empty() && (group_bytes + pack.bytes > self.target_bytes || group.len() >= SOURCES_PER_JOB)
-                {
-                    groups.push(Vec::new());
-                    group_bytes = 0;
-                }
-                group_bytes += pack.bytes;
-                groups.last_mut().expect("just pushed").push(pack);
+                let tier = if day_open { self.tier_of(pack.bytes) } else { 0 };
+                tiers.entry(tier).or_default().push(pack);
             }
-            for group in groups {
-                if group.len() > 1 || group.iter().any(|pack| must.contains(&pack.pack_id)) {
-                    jobs.push(Job { sources: group });
-                } else if let Some(alone) = group.first().filter(|_| day_open) {
-                    next_from = next_from.min(alone.pack_id.clone());
+            for (_, packs) in tiers {
+                let erasing = packs.iter().any(|pack| must.contains(&pack.pack_id));
+                if day_open && packs.len() < TIER_FAN_IN && !erasing {
+                    if let Some(first) = packs.first() {
+                        next_from = next_from.min(first.pack_id.clone());
+                    }
+                    continue;
+                }
+                for group in self.groups_of(packs) {
+                    if group.len() > 1 || group.iter().any(|pack| must.contains(&pack.pack_id)) {
+                        jobs.push(Job { sources: group });
+                    } else if let Some(alone) = group.first().filter(|_| day_open) {
+                        next_from = next_from.min(alone.pack_id.clone());
+                    }
                 }
             }
         }
         Ok((jobs, next_from))
+    }
+
+    /// A pack's size tier: 0 below 1/256 of the small-pack size, then one more per factor of [`TIER_FAN_IN`].
+    fn tier_of(&self, bytes: u64) -> u32 {
+        let base = (self.small_pack_bytes / 256).max(1);
+        let mut tier = 0;
+        let mut bound = base;
+        while bytes >= bound.saturating_mul(TIER_FAN_IN as u64) && tier < 16 {
+            bound = bound.saturating_mul(TIER_FAN_IN as u64);
+            tier += 1;
+        }
+        tier
+    }
+
+    /// `packs` (in id order) cut into jobs of up to `spool.pack_max_bytes`, [`SOURCES_PER_JOB`] packs and
+    /// [`RECORDS_PER_JOB`] captures.
+    fn groups_of(&self, packs: Vec<PackBrief>) -> Vec<Vec<PackBrief>> {
+        let mut groups: Vec<Vec<PackBrief>> = vec![Vec::new()];
+        let (mut bytes, mut records) = (0, 0);
+        for pack in packs {
+            let group = groups.last_mut().expect("one group at least");
+            let full = bytes + pack.bytes > self.target_bytes
+                || records + pack.records > RECORDS_PER_JOB
+                || group.len() >= SOURCES_PER_JOB;
+            if !group.is_empty() && full {
+                groups.push(Vec::new());
+                (bytes, records) = (0, 0);
+            }
+            bytes += pack.bytes;
+            records += pack.records;
+            groups.last_mut().expect("just pushed").push(pack);
+        }
+        groups
     }
 
     async fn retired_among(&self, ids: &[Uuid]) -> anyhow::Result<std::collections::HashSet<Uuid>> {
@@ -303,14 +355,19 @@ impl Compactor {
     }
 
     /// Copy the live captures of `job`'s sources into a new pack and switch them to it (or only retire the
-    /// sources when none is live).
-    async fn compact(&self, job: &Job, pass: &mut CompactionPass) -> anyhow::Result<()> {
+    /// sources when none is live). Returns the bytes of the source packs, and whether they are replaced now (false
+    /// when a capture changed under the copy: the job is planned again).
+    async fn compact(&self, job: &Job, pass: &mut CompactionPass) -> anyhow::Result<(u64, bool)> {
         let mut sources = Vec::new();
+        let mut source_bytes = 0;
         let mut indexes = Vec::new();
         for brief in &job.sources {
             let Ok(pack_id) = Uuid::parse_str(&brief.pack_id) else { continue };
             match self.bucket.read_pack_index(&brief.object_key).await {
-                Ok(remote) => indexes.push((pack_id, brief.object_key.clone(), remote.entries)),
+                Ok(remote) => {
+                    source_bytes += remote.size;
+                    indexes.push((pack_id, brief.object_key.clone(), remote.entries))
+                }
                 Err(error) if error.kind == BucketErrorKind::NotFound => {
                     // Only a pack no capture is left in can go missing (its retirement's removal): leave it out.
                     tracing::warn!(key = %brief.object_key, "a pack to compact is not in the bucket; left alone");
@@ -321,11 +378,15 @@ impl Compactor {
             sources.push(SourcePack { pack_id, object_key: brief.object_key.clone() });
         }
         if sources.is_empty() {
-            return Ok(());
+            return Ok((source_bytes, true));
         }
-        let ids: Vec<Uuid> =
-            indexes.iter().flat_map(|(_, _, entries)| entries.iter().map(|entry| entry.meta.capture_id)).collect();
-        let newest = self.catalog.newest_rows(&crate::util::unique_ids(&ids)).await?;
+        let source_captures = crate::util::unique_ids(
+            &indexes
+                .iter()
+                .flat_map(|(_, _, entries)| entries.iter().map(|entry| entry.meta.capture_id))
+                .collect::<Vec<_>>(),
+        );
+        let newest = self.catalog.newest_rows(&source_captures).await?;
         let live: Vec<(String, Vec<IndexEntry>)> = indexes
             .into_iter()
             .map(|(pack_id, key, entries)| {
@@ -344,17 +405,18 @@ impl Compactor {
             })
             .collect();
         if live.iter().all(|(_, entries)| entries.is_empty()) {
-            let relocation = Relocation { new_pack: None, sources };
-            if let RelocationOutcome::Switched { version, .. } = self.switch(relocation.clone()).await? {
+            let relocation = Relocation { new_pack: None, sources, source_captures };
+            let outcome = self.switch(relocation.clone()).await?;
+            if let RelocationOutcome::Switched { version, .. } = outcome {
                 tracing::info!(version, packs = relocation.sources.len(), "retired packs left with no capture");
                 self.count_switch(&relocation, pass);
             }
-            return Ok(());
+            return Ok((source_bytes, !matches!(outcome, RelocationOutcome::Changed { .. })));
         }
 
         let new_pack_id = Uuid::now_v7();
         let (plan_path, pack_path) = self.staged_paths(new_pack_id);
-        let plan = serde_json::to_vec(&StagedPlan { sources })?;
+        let plan = serde_json::to_vec(&StagedPlan { sources, source_captures })?;
         blocking(move || crate::durable::write_file_durable(&plan_path, &plan)).await?;
         let mut writer = {
             let pack_path = pack_path.clone();
@@ -376,7 +438,8 @@ impl Compactor {
         }
         let summary = blocking(move || writer.finish().map_err(std::io::Error::other)).await?;
         tracing::debug!(pack_id = %new_pack_id, bytes = summary.bytes, "compacted pack written");
-        self.finish_staged_job(new_pack_id, pass).await
+        let replaced = self.finish_staged_job(new_pack_id, pass).await?;
+        Ok((source_bytes, replaced))
     }
 
     /// Jobs a crash (or a failed switch) left staged: each is finished or dropped (see the module doc).
@@ -403,7 +466,7 @@ impl Compactor {
 
     /// Upload the staged pack `new_pack_id` (again: idempotent), switch to it, and remove its files; a pack that
     /// was never completed is only removed.
-    async fn finish_staged_job(&self, new_pack_id: Uuid, pass: &mut CompactionPass) -> anyhow::Result<()> {
+    async fn finish_staged_job(&self, new_pack_id: Uuid, pass: &mut CompactionPass) -> anyhow::Result<bool> {
         let (plan_path, pack_path) = self.staged_paths(new_pack_id);
         let plan: StagedPlan = serde_json::from_slice(&std::fs::read(&plan_path)?)?;
         let opened = {
@@ -413,7 +476,7 @@ impl Compactor {
         let Ok(pack) = opened else {
             // Torn or missing: written no further than the spool.
             self.remove_staged(new_pack_id).await?;
-            return Ok(());
+            return Ok(false);
         };
         let summary = pack.summary();
         let key = self.bucket.compacted_pack_key(&summary);
@@ -421,10 +484,13 @@ impl Compactor {
         crate::failpoint::hit("after_compacted_upload");
         let object_key = key.to_string();
         let new_pack = PackDescriptor { summary, object_key: object_key.clone(), entries: pack.entries().to_vec() };
-        let relocation = Relocation { new_pack: Some(new_pack), sources: plan.sources };
-        match self.switch(relocation.clone()).await? {
+        let relocation =
+            Relocation { new_pack: Some(new_pack), sources: plan.sources, source_captures: plan.source_captures };
+        let outcome = self.switch(relocation.clone()).await?;
+        match &outcome {
             RelocationOutcome::Switched { version, moved } => {
                 crate::failpoint::hit("after_switch_commit");
+                let (version, moved) = (*version, *moved);
                 tracing::info!(version, moved, packs = relocation.sources.len(), key = %object_key, "packs compacted");
                 self.count_switch(&relocation, pass);
             }
@@ -438,7 +504,8 @@ impl Compactor {
                 self.bucket.delete_object(&object_key).await?;
             }
         }
-        self.remove_staged(new_pack_id).await
+        self.remove_staged(new_pack_id).await?;
+        Ok(!matches!(outcome, RelocationOutcome::Changed { .. }))
     }
 
     /// The switch-over publish, on a task of its own: a pass cut short (the shutdown) must not cut a publish
