@@ -1342,11 +1342,13 @@ async fn a_relocation_moves_captures_in_one_fenced_version_and_every_reader_sees
     retired.mark_removed(&due).await.unwrap();
     assert!(retired.due(Duration::ZERO, 0, 10).await.unwrap().is_empty());
 
-    // Erasure: b deleted, the merged pack rewritten without it; the tombstone names the object b's bytes were in.
+    // Erasure: b deleted, the merged pack rewritten without it.
     let deleted = retried!(publisher.publish_deletions(&[b], None).await);
     assert_eq!(deleted.version, Some(4));
-    let (objects, through) = reader.objects_with_deletions(0, 100).await.unwrap();
-    assert_eq!((objects, through), (vec![new_pack.object_key.clone()], 4));
+    assert_eq!(reader.deleted_after(0, 100).await.unwrap(), (vec![b], 4));
+    // Every object any version of b was in: its first pack (retired already) and the merged one.
+    let holding = reader.objects_holding(&[b]).await.unwrap();
+    assert_eq!(holding, [first.object_key.clone(), new_pack.object_key.clone()].into_iter().collect());
     let rewritten = merged(&[&new_pack], &[a, c]);
     let relocation = Relocation {
         new_pack: Some(rewritten.clone()),

@@ -142,6 +142,11 @@ struct PackBriefRow {
 }
 
 #[derive(clickhouse::Row, serde::Deserialize)]
+struct IdRow {
+    capture_id: String,
+}
+
+#[derive(clickhouse::Row, serde::Deserialize)]
 struct ObjectKeyRow {
     object_key: String,
 }
@@ -963,10 +968,10 @@ impl CatalogReader {
         Ok(rows.into_iter().map(|row| row.version).collect())
     }
 
-    /// The objects holding captures deleted by the committed publishes after version `after`, of the first `limit`
-    /// publishes without packs (deletions and compactions) there, and the last version read (`after` when there
-    /// are none): where erasure has bytes to remove.
-    pub async fn objects_with_deletions(&self, after: u64, limit: u64) -> Result<(Vec<String>, u64), CatalogError> {
+    /// The captures deleted by the committed publishes after version `after`, of the first `limit` publishes
+    /// without packs (deletions and compactions) there, and the last version read (`after` when there are none):
+    /// whose bytes erasure removes.
+    pub async fn deleted_after(&self, after: u64, limit: u64) -> Result<(Vec<Uuid>, u64), CatalogError> {
         let catalog = self.catalog_literal();
         let versions: Vec<CommittedVersion> = self
             .client
@@ -979,16 +984,45 @@ impl CatalogReader {
         let Some(through) = versions.last().map(|row| row.version) else { return Ok((Vec::new(), after)) };
         let pairs: Vec<String> =
             versions.iter().map(|row| format!("({}, {})", row.version, sql_string_literal(&row.publish_id))).collect();
-        let rows: Vec<ObjectKeyRow> = self
+        let rows: Vec<IdRow> = self
             .client
             .fetch_all(&format!(
-                "SELECT DISTINCT object_key FROM {by_version} WHERE catalog = {catalog} AND version > {after} AND \
-                 version <= {through} AND (version, publish_id) IN ({pairs}) AND pack_id = '' AND object_key != ''",
+                "SELECT DISTINCT capture_id FROM {by_version} WHERE catalog = {catalog} AND version > {after} AND \
+                 version <= {through} AND (version, publish_id) IN ({pairs}) AND pack_id = ''",
                 by_version = self.tables.by_version,
                 pairs = pairs.join(", "),
             ))
             .await?;
-        Ok((rows.into_iter().map(|row| row.object_key).collect(), through))
+        Ok((rows.iter().filter_map(|row| Uuid::parse_str(&row.capture_id).ok()).collect(), through))
+    }
+
+    /// The objects any committed version of `ids` was published in (not only the newest: a capture posted again
+    /// left its older bytes where they were), in one statement per [`MULTI_GET_BATCH`] ids.
+    pub async fn objects_holding(&self, ids: &[Uuid]) -> Result<std::collections::BTreeSet<String>, CatalogError> {
+        let catalog = self.catalog_literal();
+        let mut objects = std::collections::BTreeSet::new();
+        for batch in ids.chunks(MULTI_GET_BATCH) {
+            let texts: Vec<String> = batch.iter().map(|id| sql_string_literal(&id.to_string())).collect();
+            let nums: Vec<String> = texts.iter().map(|text| format!("UUIDStringToNum({text})")).collect();
+            let written = format!(
+                "SELECT version FROM {by_id} WHERE catalog = {catalog} AND capture_id IN ({nums})",
+                by_id = self.tables.by_id,
+                nums = nums.join(", ")
+            );
+            let rows: Vec<ObjectKeyRow> = self
+                .client
+                .fetch_all(&format!(
+                    "SELECT DISTINCT object_key FROM {by_version} WHERE catalog = {catalog} AND version IN ({written}) \
+                     AND capture_id IN ({texts}) AND pack_id != '' AND (version, publish_id) IN (SELECT version, \
+                     publish_id FROM {publishes} WHERE catalog = {catalog} AND version IN ({written}))",
+                    by_version = self.tables.by_version,
+                    publishes = self.tables.publishes,
+                    texts = texts.join(", "),
+                ))
+                .await?;
+            objects.extend(rows.into_iter().map(|row| row.object_key));
+        }
+        Ok(objects)
     }
 
     /// Remove orphan descriptor rows (never committed) below the watermark. Returns the watermark used.

@@ -3,8 +3,8 @@
 //!
 //! A pass (every `lifecycle.compaction_interval`, only while this process may publish):
 //! 1. Finishes the jobs a crash left in the spool's `compaction/` directory (see below).
-//! 2. Plans jobs. *Erasure*: every pack named by a deletion published since the last look (a tombstone keeps the
-//!    object its capture was in) is rewritten, whatever its size or age. *Merging*: committed packs smaller than
+//! 2. Plans jobs. *Erasure*: every pack holding any version of a capture deleted since the last look is rewritten,
+//!    whatever its size or age. *Merging*: committed packs smaller than
 //!    `compaction_small_pack_bytes` created more than `compaction_min_age` ago are grouped by the UTC day of their
 //!    first capture. While the day is open (it may still get packs), packs of one size tier (a factor of 4 apart)
 //!    are merged once 4 of them are there, so each byte is rewritten about once per tier rather than once per
@@ -54,7 +54,7 @@ use uuid::Uuid;
 use super::PipelineCounters;
 use crate::bucket::{pack_of_key, Bucket, BucketErrorKind};
 use crate::catalog::lease::LeaseHandle;
-use crate::catalog::publish::{PackDescriptor, Publisher, Relocation, RelocationOutcome, SourcePack};
+use crate::catalog::publish::{PackDescriptor, PublishError, Publisher, Relocation, RelocationOutcome, SourcePack};
 use crate::catalog::query::{CatalogReader, PackBrief};
 use crate::catalog::retired::RetiredPacks;
 use crate::pack::{decode_record, IndexEntry, PackFile, PackWriter};
@@ -182,6 +182,8 @@ impl Compactor {
     /// One pass; see the module doc.
     pub async fn pass(&mut self, stopping: &tokio::sync::watch::Receiver<bool>) -> anyhow::Result<CompactionPass> {
         let mut pass = CompactionPass::default();
+        // Removals first: a job that keeps failing must not hold back the removal of what earlier jobs replaced.
+        self.remove_due_objects(&mut pass).await?;
         self.finish_staged_jobs(&mut pass).await?;
         let (jobs, mut small_packs_next) = self.plan().await?;
         let mut budget = self.pass_bytes;
@@ -193,8 +195,16 @@ impl Compactor {
                 pass.more_due = !*stopping.borrow();
                 break;
             }
-            // (An erasure's pack size is known once its index is read: it is charged then.)
-            let (read, replaced) = self.compact(&job, &mut pass).await?;
+            // (An erasure's pack size is known once its index is read: it is charged then.) A job that fails (a
+            // damaged source record, the bucket away) is tried again by the next pass; the others go on.
+            let (read, replaced) = match self.compact(&job, &mut pass).await {
+                Ok(done) => done,
+                Err(error) if error.downcast_ref::<PublishError>().is_some() => return Err(error),
+                Err(error) => {
+                    tracing::warn!(error = %format!("{error:#}"), packs = job.sources.len(), "a compaction job failed; the next pass tries it again");
+                    (0, false)
+                }
+            };
             ran_one = true;
             budget = budget.saturating_sub(read.max(bytes));
             if replaced {
@@ -211,7 +221,6 @@ impl Compactor {
         if all_planned {
             self.small_packs_from = small_packs_next;
         }
-        self.remove_due_objects(&mut pass).await?;
         if pass != CompactionPass::default() {
             tracing::info!(
                 packs_replaced = pass.packs_replaced,
@@ -228,9 +237,9 @@ impl Compactor {
     async fn plan(&mut self) -> anyhow::Result<(Vec<Job>, String)> {
         // Packs named by deletions since the last look.
         loop {
-            let (keys, through) =
-                self.catalog.objects_with_deletions(self.deletions_read_through, DELETIONS_PER_READ).await?;
-            for key in keys {
+            let (deleted, through) =
+                self.catalog.deleted_after(self.deletions_read_through, DELETIONS_PER_READ).await?;
+            for key in self.catalog.objects_holding(&deleted).await? {
                 if let Some((pack_id, _)) = pack_of_key(&key) {
                     self.to_erase.insert(pack_id, key);
                 }
@@ -429,11 +438,23 @@ impl Compactor {
             for chunk in chunks_of(entries, COPY_CHUNK_BYTES) {
                 let ranges: Vec<_> = chunk.iter().map(IndexEntry::record_range).collect();
                 let records = self.bucket.read_ranges(key, &ranges).await?;
-                for (entry, record) in chunk.iter().zip(records) {
-                    let (meta, payload) = decode_record(&record, entry)
-                        .map_err(|error| anyhow::anyhow!("{key}: capture {}: {error}", entry.meta.capture_id))?;
-                    writer.append(&meta, Bytes::from(payload))?;
-                }
+                anyhow::ensure!(
+                    records.len() == chunk.len(),
+                    "{key}: {} records read of {}",
+                    records.len(),
+                    chunk.len()
+                );
+                let (chunk, key) = (chunk.to_vec(), key.clone());
+                // Off the runtime: appends write the file.
+                writer = tokio::task::spawn_blocking(move || -> anyhow::Result<PackWriter> {
+                    for (entry, record) in chunk.iter().zip(records) {
+                        let (meta, payload) = decode_record(&record, entry)
+                            .map_err(|error| anyhow::anyhow!("{key}: capture {}: {error}", entry.meta.capture_id))?;
+                        writer.append(&meta, Bytes::from(payload))?;
+                    }
+                    Ok(writer)
+                })
+                .await??;
             }
         }
         let summary = blocking(move || writer.finish().map_err(std::io::Error::other)).await?;
