@@ -178,17 +178,6 @@ struct PackRow {
     publish_id: String,
 }
 
-/// A row of `retired_packs` (see [`super::retired`]).
-#[derive(clickhouse::Row, serde::Serialize)]
-pub(super) struct RetiredPackRow {
-    pub catalog: String,
-    pub pack_id: String,
-    pub object_key: String,
-    pub version: u64,
-    pub publish_id: String,
-    pub removed_at_ms: u64,
-}
-
 #[derive(clickhouse::Row, serde::Deserialize)]
 struct VersionRow {
     version: u64,
@@ -492,10 +481,10 @@ impl Publisher {
             self.insert_index_rows(&rows, version, &publish_id_text).await?;
             self.client.insert_rows(&self.tables.packs, &[self.pack_row(pack, version, &publish_id_text)]).await?;
         }
-        let retired: Vec<RetiredPackRow> = relocation
+        let retired: Vec<super::retired::RetiredPackRow> = relocation
             .sources
             .iter()
-            .map(|source| RetiredPackRow {
+            .map(|source| super::retired::RetiredPackRow {
                 catalog: self.catalog.clone(),
                 pack_id: source.pack_id.to_string(),
                 object_key: source.object_key.clone(),

@@ -20,12 +20,22 @@ use uuid::Uuid;
 
 use super::client::{sql_string_literal, CatalogClient, CatalogError};
 use super::lease::server_now_ms_expr;
-use super::publish::RetiredPackRow;
 use super::schema::Tables;
 
 /// ClickHouse's UNKNOWN_TABLE: tables created by a capstore older than `retired_packs` (read-only tools reading
 /// them know that nothing was retired).
 const UNKNOWN_TABLE_CODE: u32 = 60;
+
+/// A row of `retired_packs`.
+#[derive(clickhouse::Row, serde::Serialize)]
+pub(super) struct RetiredPackRow {
+    pub catalog: String,
+    pub pack_id: String,
+    pub object_key: String,
+    pub version: u64,
+    pub publish_id: String,
+    pub removed_at_ms: u64,
+}
 
 /// The table a statement names does not exist.
 pub(super) fn is_unknown_table(error: &CatalogError) -> bool {
