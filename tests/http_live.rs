@@ -1247,6 +1247,39 @@ async fn erasure_rewrites_packs_without_their_deleted_captures_and_removes_the_o
     assert_eq!(listed, expected);
     let verify = daemon.env.command().args(["verify"]).output().unwrap();
     assert!(verify.status.success(), "{}", String::from_utf8_lossy(&verify.stdout));
+
+    // Their rows go from the catalog too (after the grace): only the tombstones stay, which tail still delivers.
+    let config = daemon.env.config();
+    let tables = capstore::catalog::Tables::from_config(&config.catalog);
+    let ids: Vec<String> = deleted.iter().map(|(id, _, _)| format!("'{id}'")).collect();
+    let rows_in = |table: String| {
+        let (client, url) = (&client, config.catalog.url.clone());
+        let sql = format!("SELECT count() FROM {table} WHERE capture_id IN ({}) FORMAT TSV", ids.join(", "));
+        async move { client.post(url).body(sql).send().await.unwrap().text().await.unwrap().trim().to_string() }
+    };
+    wait_until_async(&daemon, Duration::from_secs(30), "the deleted captures' rows removed", || async {
+        rows_in(tables.captures.clone()).await == "0" && rows_in(tables.by_version.clone()).await == "2"
+    })
+    .await;
+    let metrics = daemon.get_ok(&client, "/metrics").await.text().await.unwrap();
+    assert_eq!(metric(&metrics, "capstore_captures_purged_total"), 2);
+    let tail = json(daemon.get_ok(&client, "/v1/tail?after=0&limit=100").await).await;
+    let mut tail_deleted: Vec<String> = tail["captures"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|entry| entry["deleted"] == true)
+        .map(|entry| entry["capture_id"].as_str().unwrap().to_string())
+        .collect();
+    let mut deleted_ids: Vec<String> = deleted.iter().map(|(id, _, _)| id.clone()).collect();
+    tail_deleted.sort();
+    deleted_ids.sort();
+    assert_eq!(tail_deleted, deleted_ids, "tail still delivers the deletions: {tail}");
+    for (id, _, _) in deleted {
+        let answer = client.get(daemon.url(&format!("/v1/captures/{id}"))).send().await.unwrap();
+        assert_eq!(answer.status(), StatusCode::NOT_FOUND);
+    }
+    assert_bytes_identical(&daemon, &client, kept).await;
 }
 
 #[tokio::test]
@@ -1293,4 +1326,57 @@ async fn compaction_killed_at_each_step_ends_like_a_clean_run_with_no_dangling_l
         let staged = std::fs::read_dir(daemon._dir.path().join("spool/compaction")).unwrap().count();
         assert_eq!(staged, 0, "no staged job left after {failpoint}");
     }
+}
+
+#[tokio::test]
+async fn a_row_removal_killed_between_its_statements_is_finished_after_the_restart() {
+    let mut daemon = HttpDaemon::start(&[
+        ("CAPSTORE_LIFECYCLE_COMPACTION_INTERVAL", "1s".into()),
+        ("CAPSTORE_LIFECYCLE_COMPACTION_MIN_AGE", "1h".into()),
+        ("CAPSTORE_LIFECYCLE_READ_GRACE", "1s".into()),
+        ("CAPSTORE_FAILPOINTS", "during_row_purge".into()),
+    ])
+    .await;
+    let client = reqwest::Client::new();
+    daemon.get_ok(&client, "/v1/tail").await;
+    let posted = post_batch_published(&daemon, &client, "purge/p", 3, 7).await;
+    let (deleted, kept) = posted.split_at(1);
+    let answer = client.delete(daemon.url(&format!("/v1/captures/{}", deleted[0].0))).send().await.unwrap();
+    assert_eq!(answer.status(), StatusCode::OK, "{}", answer.text().await.unwrap());
+    let started = Instant::now();
+    while daemon.daemon.exited().is_none() {
+        assert!(started.elapsed() < Duration::from_secs(40), "during_row_purge never reached:\n{}", daemon.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(daemon.log().contains("failpoint during_row_purge reached"), "{}", daemon.log());
+    daemon.restart(&[("CAPSTORE_FAILPOINTS", "")]).await;
+
+    // The restarted compactor finds the capture's rows in by_id still and removes what the kill left.
+    let config = daemon.env.config();
+    let tables = capstore::catalog::Tables::from_config(&config.catalog);
+    let id = deleted[0].0.clone();
+    let versions_in = |table: String, id_column: &'static str| {
+        let (client, url, id) = (&client, config.catalog.url.clone(), id.clone());
+        let sql = format!("SELECT version FROM {table} WHERE {id_column} = '{id}' ORDER BY version FORMAT TSV");
+        async move { client.post(url).body(sql).send().await.unwrap().text().await.unwrap() }
+    };
+    let catalog = capstore::catalog::connect_reader(&config).await.unwrap();
+    let tombstone = catalog.lookup(id.parse().unwrap(), None).await.unwrap().unwrap();
+    assert!(tombstone.is_deletion());
+    let only_tombstone = format!("{}\n", tombstone.version);
+    wait_until_async(&daemon, Duration::from_secs(40), "the deleted capture's rows removed", || async {
+        versions_in(tables.captures.clone(), "capture_id").await.is_empty()
+            && versions_in(tables.by_version.clone(), "capture_id").await == only_tombstone
+            && versions_in(tables.by_id.clone(), "UUIDNumToString(capture_id)").await == only_tombstone
+    })
+    .await;
+    let places = listed_places(&daemon, &client, "purge/p").await;
+    let mut listed: Vec<String> = places.into_iter().map(|(id, _)| id).collect();
+    let mut expected: Vec<String> = kept.iter().map(|(id, _, _)| id.clone()).collect();
+    listed.sort();
+    expected.sort();
+    assert_eq!(listed, expected, "the other captures are listed, each once");
+    assert_bytes_identical(&daemon, &client, kept).await;
+    let versions: Vec<u64> = catalog.publishes_after(0, 1000).await.unwrap().iter().map(|p| p.version).collect();
+    assert_eq!(versions, (1..=versions.len() as u64).collect::<Vec<_>>(), "gapless");
 }

@@ -1373,3 +1373,134 @@ async fn a_relocation_moves_captures_in_one_fenced_version_and_every_reader_sees
     assert!(matches!(ended, Err(PublishError::NoLease)), "{ended:?}");
     assert_eq!(catalog.committed_versions(), vec![1, 2, 3, 4, 5]);
 }
+
+for_each_version!(the_rows_of_captures_deleted_longer_ago_than_the_grace_are_removed_and_nothing_else);
+async fn the_rows_of_captures_deleted_longer_ago_than_the_grace_are_removed_and_nothing_else(
+    server: &'static ClickHouseServer,
+) {
+    use capstore::catalog::publish::{Relocation, RelocationOutcome, SourcePack};
+    use capstore::catalog::purge::{PurgeBatch, RowPurge};
+    use capstore::catalog::query::TailPosition;
+    let catalog = catalog(server, false).await;
+    let keeper = catalog.keeper(identity("purger"));
+    let (shutdown_tx, mut shutdown_rx) = watch::channel(false);
+    keeper.acquire_at_start(Duration::ZERO, &mut shutdown_rx).await.unwrap();
+    let handle = keeper.handle();
+    let keeper_task = tokio::spawn(keeper.run(shutdown_rx));
+    let publisher =
+        Publisher::new(catalog.client.clone(), catalog.tables.clone(), &catalog.config.catalog_name, handle.clone());
+    // (Retried on a refused fence, as the daemon's loop does: 18.16's whole-second lease times.)
+    macro_rules! retried {
+        ($call:expr) => {
+            loop {
+                match $call {
+                    Ok(outcome) => break outcome,
+                    Err(PublishError::NotCommitted | PublishError::NoLease) => {
+                        tokio::time::sleep(Duration::from_millis(50)).await
+                    }
+                    Err(other) => panic!("{other}"),
+                }
+            }
+        };
+    }
+    let [a, b, c, d] = [(); 4].map(|_| Uuid::now_v7());
+    let first = pack(&[(a, "cam/1", 100), (b, "cam/1", 200), (c, "cam/1", 300)]);
+    for batch in [first.clone(), pack(&[(d, "cam/2", 400)])] {
+        let outcome = retried!(publisher.publish_batch(std::slice::from_ref(&batch)).await);
+        assert!(matches!(outcome, PublishOutcome::Committed { .. }));
+    }
+    // Version 3 moves the three (a compaction), 4 deletes a and b, 5 posts a again, 6 deletes c.
+    let mut merged = pack(&[(a, "cam/1", 100), (b, "cam/1", 200), (c, "cam/1", 300)]);
+    merged.object_key = format!("prefix/test/{}.compacted.cpk", merged.summary.pack_id);
+    let relocation = Relocation {
+        new_pack: Some(merged),
+        sources: vec![SourcePack { pack_id: first.summary.pack_id, object_key: first.object_key.clone() }],
+        source_captures: vec![a, b, c],
+    };
+    let switched = retried!(publisher.publish_relocation(&relocation).await);
+    assert_eq!(switched, RelocationOutcome::Switched { version: 3, moved: 3 });
+    assert_eq!(retried!(publisher.publish_deletions(&[a, b], None).await).version, Some(4));
+    let reposted = retried!(publisher.publish_batch(&[pack(&[(a, "cam/1", 100)])]).await);
+    assert!(matches!(reposted, PublishOutcome::Committed { version: 5, .. }), "{reposted:?}");
+    assert_eq!(retried!(publisher.publish_deletions(&[c], None).await).version, Some(6));
+
+    let purge = RowPurge::new(catalog.client.clone(), catalog.tables.clone(), &catalog.config.catalog_name);
+    assert_eq!(purge.next_batch(0, 6, Duration::from_secs(3600)).await.unwrap(), None, "nothing before the grace");
+    // Only up to the version it is allowed to reach (erasure's progress).
+    let upto_4 = purge.next_batch(0, 4, Duration::ZERO).await.unwrap();
+    assert_eq!(upto_4, Some(PurgeBatch { through: 4, captures: vec![(b.to_string(), 4)] }));
+    // a was posted again after its deletion: its newest row is no tombstone, and it is left alone.
+    let batch = purge.next_batch(0, 6, Duration::ZERO).await.unwrap().unwrap();
+    let mut expected = vec![(b.to_string(), 4), (c.to_string(), 6)];
+    expected.sort();
+    assert_eq!(batch, PurgeBatch { through: 6, captures: expected });
+    let rows_before = |table: &str, id: Uuid| {
+        let id_column = if table == catalog.tables.by_id { "UUIDNumToString(capture_id)" } else { "capture_id" };
+        catalog
+            .server
+            .query(&format!(
+                "SELECT version FROM {table} WHERE catalog = '{}' AND {id_column} = '{id}' ORDER BY version FORMAT TSV",
+                catalog.config.catalog_name
+            ))
+            .unwrap()
+            .lines()
+            .map(|line| line.parse::<u64>().unwrap())
+            .collect::<Vec<_>>()
+    };
+    let tables = [&catalog.tables.captures, &catalog.tables.by_version, &catalog.tables.by_id];
+    let snapshot = |ids: &[Uuid]| {
+        ids.iter().map(|id| tables.iter().map(|table| rows_before(table, *id)).collect::<Vec<_>>()).collect::<Vec<_>>()
+    };
+    let kept_before = snapshot(&[a, d]);
+    assert_eq!(snapshot(&[b])[0], vec![vec![1], vec![1, 3, 4], vec![1, 3, 4]], "b's rows before the removal");
+
+    let between = std::sync::atomic::AtomicU32::new(0);
+    purge
+        .remove(&batch, || {
+            between.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        })
+        .await
+        .unwrap();
+    assert_eq!(between.into_inner(), 1, "the hook runs once, between the first statement and the others");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while purge.in_flight().await.unwrap() {
+        assert!(Instant::now() < deadline, "the mutations did not finish within a minute");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        snapshot(&[b, c]),
+        vec![vec![vec![], vec![4], vec![4]], vec![vec![], vec![6], vec![6]]],
+        "only the tombstones are left of b and c"
+    );
+    assert_eq!(snapshot(&[a, d]), kept_before, "a (posted again) and d (never deleted) keep every row");
+
+    // Every read answers as before.
+    let reader = catalog.reader();
+    assert!(reader.get(b, None).await.unwrap().is_none());
+    assert!(reader.lookup(b, None).await.unwrap().unwrap().is_deletion(), "b is still known deleted");
+    assert_eq!(reader.get(a, None).await.unwrap().unwrap().version, 5);
+    let ids = |page: capstore::catalog::query::Page| {
+        page.captures.iter().map(|capture| capture.capture_id.clone()).collect::<Vec<_>>()
+    };
+    let everything = ListQuery { limit: 100, ..Default::default() };
+    assert_eq!(ids(reader.list(&everything).await.unwrap()), [a.to_string(), d.to_string()]);
+    let stream = ListQuery { stream: Some("cam/1".into()), limit: 100, ..Default::default() };
+    assert_eq!(ids(reader.list(&stream).await.unwrap()), [a.to_string()]);
+    // The log still delivers every deletion at its version (and a's post at 5).
+    let tail = reader.tail_page(TailPosition::after_version(3), None, 100).await.unwrap();
+    let entries: Vec<(String, u64, bool)> =
+        tail.captures.iter().map(|entry| (entry.capture_id.clone(), entry.version, entry.is_deletion())).collect();
+    let mut deleted_at_4 = vec![(a.to_string(), 4, true), (b.to_string(), 4, true)];
+    deleted_at_4.sort();
+    let expected: Vec<(String, u64, bool)> =
+        deleted_at_4.into_iter().chain([(a.to_string(), 5, false), (c.to_string(), 6, true)]).collect();
+    assert_eq!(entries, expected);
+    // Found purged: the next look finds the batch with nothing left to remove.
+    assert_eq!(
+        purge.next_batch(0, 6, Duration::ZERO).await.unwrap(),
+        Some(PurgeBatch { through: 6, captures: vec![] })
+    );
+    assert_eq!(purge.next_batch(6, 6, Duration::ZERO).await.unwrap(), None);
+    shutdown_tx.send(true).unwrap();
+    keeper_task.await.unwrap();
+}

@@ -404,6 +404,13 @@ impl CatalogClient {
         run_with_timeout(timeout + Duration::from_secs(5), "execute", query.execute()).await
     }
 
+    /// [`CatalogClient::execute`] for a statement longer than the server's default `max_query_size` (256 KiB), up
+    /// to `max_bytes`.
+    pub async fn execute_large(&self, sql: &str, max_bytes: usize) -> Result<(), CatalogError> {
+        let query = self.verbatim(sql).with_setting("max_query_size", max_bytes.max(sql.len() + 1).to_string());
+        self.execute_query(query).await
+    }
+
     /// A query whose text is sent as written, with no client-side `?` binding.
     fn verbatim(&self, sql: &str) -> clickhouse::query::Query {
         self.client.query_raw(sql)

@@ -9,11 +9,13 @@
 //! - [`publish`]: publishing a batch of packs at version watermark + 1 behind the fence, with read-back.
 //! - [`query`]: reads with a pinned watermark, tailing by version, garbage collection.
 //! - [`retired`]: the packs a compaction replaced, and the removal of their objects after the reader grace period.
+//! - [`purge`]: the removal of deleted captures' rows from the tables, once readers are done with them.
 
 pub mod client;
 pub mod intents;
 pub mod lease;
 pub mod publish;
+pub mod purge;
 pub mod query;
 pub mod retired;
 pub mod schema;

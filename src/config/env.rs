@@ -89,6 +89,7 @@ pub(super) const KEYS: &[(&str, &str, ValueKind)] = {
         ("lifecycle", "compaction_min_age", Text),
         ("lifecycle", "compaction_pass_bytes", Text),
         ("lifecycle", "read_grace", Text),
+        ("lifecycle", "purge", Boolean),
     ]
 };
 

@@ -88,6 +88,9 @@ pub struct LifecycleConfig {
     /// How long a replaced pack's object stays after its switch-over, for readers pinned at an older watermark (a
     /// listing paged with an older cursor, a pinned get) and reads in flight.
     pub read_grace: HumanDuration,
+    /// Remove the catalog rows of deleted captures once their bytes are erased and `read_grace` has passed (with
+    /// `compaction` on; each removal is an `ALTER ... DELETE` mutation on the server).
+    pub purge: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -243,6 +246,7 @@ impl Default for LifecycleConfig {
             compaction_min_age: HumanDuration::secs(600),
             compaction_pass_bytes: ByteSize(1024 * MIB),
             read_grace: HumanDuration::secs(3600),
+            purge: true,
         }
     }
 }

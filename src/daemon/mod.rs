@@ -33,6 +33,7 @@ use tokio::sync::watch;
 use crate::bucket::Bucket;
 use crate::catalog::lease::{LeaseHandle, LeaseKeeper, LeaseState, RunningLease, StartError};
 use crate::catalog::publish::Publisher;
+use crate::catalog::purge::RowPurge;
 use crate::catalog::query::CatalogReader;
 use crate::catalog::retired::RetiredPacks;
 use crate::catalog::{CatalogClient, Tables};
@@ -273,13 +274,14 @@ impl Running {
         let retention = Retention::from_config(&config, deleter).map(|retention| {
             let stopping = shutdown_rx.clone();
             let lease = lease.clone();
-            tokio::spawn(async move { retention.run(lease, stopping).await })
+            tokio::spawn(crate::pipeline::run_passes(retention, lease, stopping))
         });
         let retired = RetiredPacks::new(client.clone(), tables.clone(), &config.catalog_name);
-        let compaction = Compactor::for_pipeline(&pipeline, catalog_reader.clone(), retired).map(|compactor| {
+        let purge = RowPurge::new(client.clone(), tables.clone(), &config.catalog_name);
+        let compaction = Compactor::for_pipeline(&pipeline, catalog_reader.clone(), retired, purge).map(|compactor| {
             let stopping = shutdown_rx.clone();
             let lease = lease.clone();
-            tokio::spawn(async move { compactor.run(lease, stopping).await })
+            tokio::spawn(crate::pipeline::run_passes(compactor, lease, stopping))
         });
         self.board.set_pipeline_counters(pipeline.counters.clone());
         self.systemd.set_phase(Phase::Publishing);

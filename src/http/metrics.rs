@@ -131,6 +131,11 @@ impl MetricsSample {
                 "objects of replaced packs removed from the bucket",
                 pipeline(|p| p.objects_removed),
             ),
+            (
+                "capstore_captures_purged",
+                "deleted captures whose catalog rows were removed",
+                pipeline(|p| p.captures_purged),
+            ),
             ("capstore_packs_quarantined", "packs moved to quarantine", pipeline(|p| p.packs_quarantined)),
             ("capstore_upload_failures", "pack uploads that failed (each is retried)", pipeline(|p| p.upload_failures)),
             (

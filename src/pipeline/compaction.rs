@@ -19,6 +19,10 @@
 //!    retires its sources.
 //! 4. Removes the objects of retired packs whose switch-over is older than `lifecycle.read_grace` (see
 //!    [`crate::catalog::retired`]).
+//! 5. With `lifecycle.purge`, removes the catalog rows of deleted captures whose bytes are erased (every deletion
+//!    up to the oldest one a pending erasure comes from) and whose deletion is older than `read_grace`, in batches
+//!    of mutations, none while an earlier one is still running (see [`crate::catalog::purge`]). The rows go only
+//!    after the erasure, because they are how erasure finds the packs a deleted capture was in.
 //!
 //! Readers see every capture byte-identical throughout: before the switch at its old place, from the switch's
 //! version on at its new one, and a reader pinned below the switch keeps reading the old object for the grace
@@ -36,9 +40,10 @@
 //! current watermark could read names it; a new pack is named by the catalog only through its switch.
 //!
 //! What is kept in memory only: the version up to which deletions were read, the pack id below which small packs
-//! were looked at (held back to the oldest pack of an open day left unmerged, and of a job a change undid), and
-//! the version up to which retired objects are removed. A restart's first pass reads from the start again: every
-//! deletion's tombstones and every small pack's row of the catalog (O(history), once per start). An orphan
+//! were looked at (held back to the oldest pack of an open day left unmerged, and of a job a change undid), the
+//! version up to which retired objects are removed, and the version up to which deleted rows are purged. A
+//! restart's first pass reads from the start again: every deletion's tombstones and every small pack's row of the
+//! catalog (O(history), once per start; purged captures are found purged and cost no mutation). An orphan
 //! compacted object whose spool was lost with its host stays in the bucket (`capstore reconcile` leaves every
 //! compacted pack alone and counts them).
 
@@ -53,8 +58,8 @@ use uuid::Uuid;
 
 use super::PipelineCounters;
 use crate::bucket::{pack_of_key, Bucket, BucketErrorKind};
-use crate::catalog::lease::LeaseHandle;
 use crate::catalog::publish::{PackDescriptor, PublishError, Publisher, Relocation, RelocationOutcome, SourcePack};
+use crate::catalog::purge::RowPurge;
 use crate::catalog::query::{CatalogReader, PackBrief};
 use crate::catalog::retired::RetiredPacks;
 use crate::pack::{decode_record, IndexEntry, PackFile, PackWriter};
@@ -71,6 +76,10 @@ const SMALL_PACKS_PER_READ: u64 = 10_000;
 const DELETIONS_PER_READ: u64 = 1000;
 /// Retired packs removed per catalog request.
 const REMOVALS_PER_READ: u64 = 1000;
+/// Batches of row removal a pass starts at most ([`crate::catalog::purge::CAPTURES_PER_BATCH`] captures each).
+const PURGE_BATCHES_PER_PASS: usize = 50;
+/// Deleted captures whose rows a pass removes at most: about 29 M a day at the default interval.
+const PURGE_CAPTURES_PER_PASS: u64 = 100_000;
 /// Bytes of records read from the bucket at once while copying.
 const COPY_CHUNK_BYTES: u64 = 16 << 20;
 
@@ -85,6 +94,8 @@ pub struct CompactionPass {
     pub bytes_rewritten: u64,
     /// Objects of retired packs removed from the bucket.
     pub objects_removed: u64,
+    /// Deleted captures whose catalog rows removal was started for.
+    pub captures_purged: u64,
     /// The pass stopped at `compaction_pass_bytes`: more is due.
     pub more_due: bool,
 }
@@ -116,12 +127,16 @@ pub struct Compactor {
     read_grace: Duration,
     /// Deletions published at or below this version are planned for.
     deletions_read_through: u64,
-    /// Packs named by deletions, still to rewrite (pack id -> key).
-    to_erase: BTreeMap<Uuid, String>,
+    /// Packs named by deletions, still to rewrite: pack id -> (key, a version every deletion naming it is above).
+    to_erase: BTreeMap<Uuid, (String, u64)>,
     /// Every small pack with an id below this was planned for by an earlier pass.
     small_packs_from: String,
     /// Every retired pack at or below this version is removed (a lower bound that keeps the removal read short).
     removed_through: u64,
+    /// Removes deleted captures' rows; `None` with `lifecycle.purge` off.
+    purge: Option<RowPurge>,
+    /// The rows of every capture deleted at or below this version are removed (or being removed).
+    purged_through: u64,
 }
 
 impl Compactor {
@@ -131,6 +146,7 @@ impl Compactor {
         pipeline: &super::Pipeline,
         catalog: CatalogReader,
         retired: RetiredPacks,
+        purge: RowPurge,
     ) -> Option<Compactor> {
         let lifecycle = &pipeline.config.lifecycle;
         if !lifecycle.compaction {
@@ -153,30 +169,9 @@ impl Compactor {
             to_erase: BTreeMap::new(),
             small_packs_from: String::new(),
             removed_through: 0,
+            purge: lifecycle.purge.then_some(purge),
+            purged_through: 0,
         })
-    }
-
-    /// Passes every interval until `stopping`; a pass with more due runs again at once. Errors (the catalog or the
-    /// bucket away, the lease lost in the middle) are logged and the pass is tried again at the next interval.
-    pub async fn run(mut self, lease: LeaseHandle, mut stopping: tokio::sync::watch::Receiver<bool>) {
-        loop {
-            let mut pause = self.interval;
-            if lease.permit().is_some() {
-                match self.pass(&stopping).await {
-                    Ok(pass) if pass.more_due => pause = Duration::ZERO,
-                    Ok(_) => {}
-                    Err(error) => {
-                        tracing::warn!(error = %format!("{error:#}"), "compaction pass failed; trying again at the next interval")
-                    }
-                }
-            }
-            if *stopping.borrow() {
-                return;
-            }
-            if tokio::time::timeout(pause, stopping.changed()).await.is_ok() {
-                return;
-            }
-        }
     }
 
     /// One pass; see the module doc.
@@ -221,12 +216,17 @@ impl Compactor {
         if all_planned {
             self.small_packs_from = small_packs_next;
         }
+        // A purge that fails (a statement refused, the catalog away) is tried again by the next pass.
+        if let Err(error) = self.purge_rows(&mut pass, stopping).await {
+            tracing::warn!(error = %format!("{error:#}"), "removing deleted captures' rows failed; the next pass tries again");
+        }
         if pass != CompactionPass::default() {
             tracing::info!(
                 packs_replaced = pass.packs_replaced,
                 packs_written = pass.packs_written,
                 bytes_rewritten = pass.bytes_rewritten,
                 objects_removed = pass.objects_removed,
+                captures_purged = pass.captures_purged,
                 "compaction pass"
             );
         }
@@ -241,7 +241,7 @@ impl Compactor {
                 self.catalog.deleted_after(self.deletions_read_through, DELETIONS_PER_READ).await?;
             for key in self.catalog.objects_holding(&deleted).await? {
                 if let Some((pack_id, _)) = pack_of_key(&key) {
-                    self.to_erase.insert(pack_id, key);
+                    self.to_erase.entry(pack_id).or_insert((key, self.deletions_read_through));
                 }
             }
             if through == self.deletions_read_through {
@@ -271,7 +271,7 @@ impl Compactor {
         // instead, which erases as well.
         let small_ids: std::collections::HashSet<&str> = small.iter().map(|pack| pack.pack_id.as_str()).collect();
         let mut jobs = Vec::new();
-        for (pack_id, key) in &self.to_erase {
+        for (pack_id, (key, _)) in &self.to_erase {
             if !small_ids.contains(pack_id.to_string().as_str()) {
                 let brief = PackBrief {
                     pack_id: pack_id.to_string(),
@@ -572,6 +572,42 @@ impl Compactor {
         }
     }
 
+    /// Remove the rows of deleted captures whose bytes are erased and whose deletion is older than the grace (see
+    /// the module doc): batches of mutations, none started while one is still running.
+    async fn purge_rows(
+        &mut self,
+        pass: &mut CompactionPass,
+        stopping: &tokio::sync::watch::Receiver<bool>,
+    ) -> anyhow::Result<()> {
+        let Some(purge) = self.purge.clone() else { return Ok(()) };
+        // Erased: every deletion up to the oldest one a pack still to rewrite comes from.
+        let erased_through =
+            self.to_erase.values().map(|(_, after)| *after).min().unwrap_or(self.deletions_read_through);
+        if self.purged_through >= erased_through || purge.in_flight().await? {
+            return Ok(());
+        }
+        for _ in 0..PURGE_BATCHES_PER_PASS {
+            if *stopping.borrow() || pass.captures_purged >= PURGE_CAPTURES_PER_PASS {
+                break;
+            }
+            let Some(batch) = purge.next_batch(self.purged_through, erased_through, self.read_grace).await? else {
+                break;
+            };
+            purge.remove(&batch, || crate::failpoint::hit("during_row_purge")).await?;
+            self.purged_through = batch.through;
+            pass.captures_purged += batch.captures.len() as u64;
+            self.counters.captures_purged.fetch_add(batch.captures.len() as u64, Ordering::Relaxed);
+            if !batch.captures.is_empty() {
+                tracing::info!(
+                    captures = batch.captures.len(),
+                    through_version = batch.through,
+                    "removing deleted captures' rows"
+                );
+            }
+        }
+        Ok(())
+    }
+
     fn staged_paths(&self, pack_id: Uuid) -> (PathBuf, PathBuf) {
         (self.staging.join(format!("{pack_id}.json")), self.staging.join(format!("{pack_id}.cpk")))
     }
@@ -616,6 +652,18 @@ fn chunks_of(entries: &[IndexEntry], max_bytes: u64) -> Vec<&[IndexEntry]> {
 
 async fn blocking<T: Send + 'static>(work: impl FnOnce() -> std::io::Result<T> + Send + 'static) -> anyhow::Result<T> {
     Ok(tokio::task::spawn_blocking(work).await??)
+}
+
+impl super::LeaseHolderPasses for Compactor {
+    const WHAT: &'static str = "compaction";
+
+    fn interval(&self) -> Duration {
+        self.interval
+    }
+
+    async fn pass_once(&mut self, stopping: &tokio::sync::watch::Receiver<bool>) -> anyhow::Result<bool> {
+        Ok(self.pass(stopping).await?.more_due)
+    }
 }
 
 #[cfg(test)]

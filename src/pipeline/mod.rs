@@ -61,6 +61,9 @@ pub struct PipelineCounters {
     pub compaction_bytes_rewritten: AtomicU64,
     /// Objects of replaced packs removed from the bucket after the reader grace period.
     pub objects_removed: AtomicU64,
+    /// Deleted captures whose catalog rows were removed after the reader grace period (see
+    /// [`crate::catalog::purge`]).
+    pub captures_purged: AtomicU64,
     /// Pack uploads that failed (the bucket unreachable or refusing); each is retried.
     pub upload_failures: AtomicU64,
     /// Busy while the daemon's loop runs a round; every pack uploaded, publish answered or reconcile step is progress.
@@ -88,6 +91,7 @@ impl Default for PipelineCounters {
             packs_compacted: AtomicU64::default(),
             compaction_bytes_rewritten: AtomicU64::default(),
             objects_removed: AtomicU64::default(),
+            captures_purged: AtomicU64::default(),
             upload_failures: AtomicU64::default(),
             liveness: Liveness::default(),
             upload_latency: Latency::between(0.001, 300.0),
@@ -110,6 +114,7 @@ pub struct PipelineCounts {
     pub packs_compacted: u64,
     pub compaction_bytes_rewritten: u64,
     pub objects_removed: u64,
+    pub captures_purged: u64,
     pub upload_failures: u64,
 }
 
@@ -128,6 +133,7 @@ impl PipelineCounters {
             packs_compacted: load(&self.packs_compacted),
             compaction_bytes_rewritten: load(&self.compaction_bytes_rewritten),
             objects_removed: load(&self.objects_removed),
+            captures_purged: load(&self.captures_purged),
             upload_failures: load(&self.upload_failures),
         }
     }
@@ -286,6 +292,50 @@ impl Pipeline {
                 tracing::error!(pack = %path.display(), quarantined_as = %moved.display(), reason, "pack quarantined");
             }
             Err(error) => tracing::error!(pack = %path.display(), reason, %error, "pack could not be quarantined"),
+        }
+    }
+}
+
+/// Background work of the lease holder done in passes (retention, compaction), run by [`run_passes`].
+pub trait LeaseHolderPasses: Send {
+    /// What the work is, for the log line of a failed pass.
+    const WHAT: &'static str;
+    /// The pause between passes.
+    fn interval(&self) -> std::time::Duration;
+    /// One pass; `true` when it stopped at its budget with more due.
+    fn pass_once(
+        &mut self,
+        stopping: &tokio::sync::watch::Receiver<bool>,
+    ) -> impl std::future::Future<Output = anyhow::Result<bool>> + Send;
+}
+
+/// A pass every interval until `stopping`, only while this process may publish (a rival or a lost lease does
+/// nothing here, and the fence inside every publish makes sure of it); a pass with more due runs again at once.
+/// Errors (the catalog or the bucket away, the lease lost in the middle) are logged and the pass is tried again at
+/// the next interval.
+pub async fn run_passes<T: LeaseHolderPasses>(
+    mut work: T,
+    lease: LeaseHandle,
+    mut stopping: tokio::sync::watch::Receiver<bool>,
+) {
+    loop {
+        let mut pause = work.interval();
+        if lease.permit().is_some() {
+            match work.pass_once(&stopping).await {
+                Ok(true) => pause = std::time::Duration::ZERO,
+                Ok(false) => {}
+                Err(error) => tracing::warn!(
+                    error = %format!("{error:#}"),
+                    "{} pass failed; trying again at the next interval",
+                    T::WHAT
+                ),
+            }
+        }
+        if *stopping.borrow() {
+            return;
+        }
+        if tokio::time::timeout(pause, stopping.changed()).await.is_ok() {
+            return;
         }
     }
 }

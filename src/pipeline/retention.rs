@@ -23,7 +23,6 @@ use std::time::Duration;
 use uuid::Uuid;
 
 use super::deletion::Deleter;
-use crate::catalog::lease::LeaseHandle;
 use crate::catalog::publish::DELETION_MAX_IDS;
 use crate::catalog::query::ListQuery;
 use crate::config::Config;
@@ -69,27 +68,6 @@ impl Retention {
             done_before: HashMap::new(),
             passes: 0,
         })
-    }
-
-    /// Passes every interval until `stopping`; a pass with more due runs again at once. Errors (the catalog away, the
-    /// lease lost in the middle) are logged and the pass is tried again at the next interval.
-    pub async fn run(mut self, lease: LeaseHandle, mut stopping: tokio::sync::watch::Receiver<bool>) {
-        loop {
-            let mut pause = self.interval;
-            if lease.permit().is_some() {
-                match self.pass(&stopping).await {
-                    Ok(pass) if pass.more_due => pause = Duration::ZERO,
-                    Ok(_) => {}
-                    Err(error) => tracing::warn!(%error, "retention pass failed; trying again at the next interval"),
-                }
-            }
-            if *stopping.borrow() {
-                return;
-            }
-            if tokio::time::timeout(pause, stopping.changed()).await.is_ok() {
-                return;
-            }
-        }
     }
 
     /// One pass over every stream, deleting at most `retention_batch` captures.
@@ -151,5 +129,17 @@ impl Retention {
 
     fn keep_of(&self, stream: &str) -> Option<Duration> {
         self.policies.iter().find(|(matcher, _)| matcher.is_match(stream)).map(|(_, keep)| *keep)
+    }
+}
+
+impl super::LeaseHolderPasses for Retention {
+    const WHAT: &'static str = "retention";
+
+    fn interval(&self) -> Duration {
+        self.interval
+    }
+
+    async fn pass_once(&mut self, stopping: &tokio::sync::watch::Receiver<bool>) -> anyhow::Result<bool> {
+        Ok(self.pass(stopping).await?.more_due)
     }
 }

@@ -25,7 +25,7 @@ use super::median;
 use crate::cli::read_cmd::TAIL_CAPTURES_PER_READ;
 
 /// The catalog name every scale database holds.
-const CATALOG: &str = "main";
+pub(super) const CATALOG: &str = "main";
 const STREAMS: u64 = 100;
 const CAPTURES_PER_PUBLISH: u64 = 100;
 const FIRST_NS: u64 = 1_700_000_000_000_000_000;
@@ -71,7 +71,7 @@ pub async fn catalog_scale(options: &CatalogScaleOptions) -> anyhow::Result<Vec<
 }
 
 /// Fill the scale database with `rows` captures unless it holds them already.
-async fn load(client: &CatalogClient, tables: &Tables, rows: u64) -> anyhow::Result<()> {
+pub(super) async fn load(client: &CatalogClient, tables: &Tables, rows: u64) -> anyhow::Result<()> {
     // The synthetic streams only: the publish timing adds rows of its own.
     let have = count(
         client,

@@ -1,9 +1,10 @@
-//! `capstore bench spool|catalog|catalog-scale|e2e`: throughput and latency beside a baseline measured in the same run. One file per
+//! `capstore bench spool|catalog|catalog-scale|purge-scale|e2e`: throughput and latency beside a baseline measured in the same run. One file per
 //! benchmark; this one holds the commands and their tables.
 
 mod catalog;
 mod catalog_scale;
 mod e2e;
+mod purge_scale;
 mod spool;
 
 use std::path::{Path, PathBuf};
@@ -16,6 +17,7 @@ use capstore::exit_code;
 use catalog::{catalog_publish, CatalogBenchOptions};
 use catalog_scale::{catalog_scale, CatalogScaleOptions};
 use e2e::{e2e, E2eBenchOptions};
+use purge_scale::{purge_scale, PurgeScaleOptions};
 use spool::{spool_append, SpoolBenchOptions};
 
 #[derive(Subcommand)]
@@ -99,6 +101,18 @@ pub enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Deleting the oldest captures of a stream in a catalog of 1M and 10M captures: listing that stream before,
+    /// after the deletion and after the rows' removal, and the removal beside ClickHouse deleting the same rows by
+    /// key range. Loads each size afresh into `<catalog.database>_purge_<rows>` (dropped at the end).
+    PurgeScale {
+        #[arg(long, value_delimiter = ',', default_value = "1000000,10000000")]
+        rows: Vec<u64>,
+        /// Captures deleted (the oldest of one stream; a stream holds a hundredth of the catalog).
+        #[arg(long, default_value_t = 5000)]
+        delete: u64,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 pub fn run(config: &Config, config_path: Option<&Path>, command: BenchCommand) -> anyhow::Result<i32> {
@@ -171,23 +185,16 @@ pub fn run(config: &Config, config_path: Option<&Path>, command: BenchCommand) -
                 println!("{}", serde_json::to_string_pretty(&results)?);
                 return Ok(exit_code::CLEAN);
             }
-            println!(
-                "{:>10}  {:<60}  {:>12}  {:>12}  {:>6}  {:>10}",
-                "rows", "read", "capstore", "ideal", "ratio", "peak MiB"
-            );
-            for row in results {
-                let or_dash = |value: Option<f64>, digits: usize| value.map_or("-".into(), |v| format!("{v:.digits$}"));
-                println!(
-                    "{:>10}  {:<60}  {:>12.1}  {:>12}  {:>6}  {:>10}",
-                    row.rows,
-                    row.read,
-                    row.capstore_ms,
-                    or_dash(row.ideal_ms, 1),
-                    or_dash(row.ratio, 2),
-                    or_dash(row.peak_memory_mib, 1)
-                );
+            print_scale_rows(results);
+            return Ok(exit_code::CLEAN);
+        }
+        BenchCommand::PurgeScale { rows, delete, json } => {
+            let results = runtime.block_on(purge_scale(&PurgeScaleOptions { config: config.clone(), rows, delete }))?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&results)?);
+                return Ok(exit_code::CLEAN);
             }
-            println!("(ms unless the read says otherwise; ratio = capstore / ideal)");
+            print_scale_rows(results);
             return Ok(exit_code::CLEAN);
         }
         BenchCommand::Catalog { native_port, rows, repeats, json } => {
@@ -240,6 +247,24 @@ pub fn run(config: &Config, config_path: Option<&Path>, command: BenchCommand) -
         );
     }
     Ok(exit_code::CLEAN)
+}
+
+/// The table of `catalog-scale` and `purge-scale`.
+fn print_scale_rows(results: Vec<catalog_scale::ScaleRow>) {
+    println!("{:>10}  {:<60}  {:>12}  {:>12}  {:>6}  {:>10}", "rows", "read", "capstore", "ideal", "ratio", "peak MiB");
+    for row in results {
+        let or_dash = |value: Option<f64>, digits: usize| value.map_or("-".into(), |v| format!("{v:.digits$}"));
+        println!(
+            "{:>10}  {:<60}  {:>12.1}  {:>12}  {:>6}  {:>10}",
+            row.rows,
+            row.read,
+            row.capstore_ms,
+            or_dash(row.ideal_ms, 1),
+            or_dash(row.ratio, 2),
+            or_dash(row.peak_memory_mib, 1)
+        );
+    }
+    println!("(ms unless the read says otherwise; ratio = capstore / ideal)");
 }
 
 fn median(values: &mut [f64]) -> f64 {

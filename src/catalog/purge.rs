@@ -1,0 +1,196 @@
+//! Row removal: the catalog rows of deleted captures, removed from the tables once nothing may read them.
+//!
+//! A deletion only adds a row (a tombstone, see [`super::query`]): the deleted capture's rows stay in `captures`,
+//! `by_version` and `by_id`, hidden from every reader pinned at or above the tombstone, and a listing still reads
+//! past them. Once the deletion is older than `lifecycle.read_grace` (no reader may be pinned below it any more) and
+//! its bytes are erased (the compactor calls this only then), those rows are removed with `ALTER ... DELETE`.
+//!
+//! States of a deleted capture X here, by its rows in `by_id`:
+//! - *deleted*: X's newest row is a committed tombstone at version t, and rows below t remain (a post, moves,
+//!   earlier tombstones);
+//! - *purged*: only the tombstone at t remains (in `by_version` and `by_id`: `tail` still delivers the deletion and
+//!   `get` still answers "deleted"); X has no row in `captures`, so listings never meet it again.
+//!
+//! A batch is a run of committed publishes of no pack (deletions and moves), in version order, each older than the
+//! grace by the server's clock; it stops at the first one that is not (so a clock stepping back cannot skip one).
+//! Its captures are the ids whose newest row in `by_id` (of any version, committed or not) is one of the batch's
+//! tombstones and which still have a row at another version. Their rows are removed with one mutation per table, in
+//! the order `captures`, `by_version`, `by_id`: the last is the one a batch is found by, so a crash between the
+//! statements finds the same captures again and removes what is left. Invariants: a row is removed only if a
+//! committed tombstone newer than it hides it from every reader pinned in the last `read_grace`; the tombstone
+//! itself is never removed; a capture posted again after its deletion has a newer row and is not touched (its newest
+//! row is not the tombstone), and a row written after the statement was sent is not either: it is newer than the
+//! tombstone, and mutations apply to the parts that existed when they were made.
+//!
+//! Each statement names its ids as literals, with no subquery: ClickHouse 18.16 fails a mutation whose condition
+//! nests subqueries, and newer servers refuse non-deterministic mutations on replicated tables. Mutations run in the
+//! background on the server; a batch is not started while one on these tables is still running, so they never pile
+//! up.
+
+use std::time::Duration;
+
+use super::client::{sql_string_literal, CatalogClient, CatalogError};
+use super::lease::server_now_ms_expr;
+use super::schema::Tables;
+
+/// Publishes of no pack per batch at most.
+const PUBLISHES_PER_BATCH: u64 = 1000;
+/// Captures per batch at most (a single deletion publish of more, up to its 10,000, is a batch of its own): a
+/// statement of `by_id` names each as a 58-character literal, about 600 KB in all, which keeps it under the 1 MB a
+/// replicated table's mutation may take in ZooKeeper.
+pub const CAPTURES_PER_BATCH: u64 = 10_000;
+/// The statements are larger than the server's default `max_query_size` (256 KiB).
+const MAX_STATEMENT_BYTES: usize = 2 << 20;
+
+/// One batch: the deleted captures whose rows go, and the version a next batch starts after.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PurgeBatch {
+    /// The last version the batch looked at: the next batch starts after it.
+    pub through: u64,
+    /// Each deleted capture with rows left, and the version of its tombstone (its newest row).
+    pub captures: Vec<(String, u64)>,
+}
+
+#[derive(clickhouse::Row, serde::Deserialize)]
+struct CandidateRow {
+    version: u64,
+    captures: u64,
+    due: u8,
+}
+
+#[derive(clickhouse::Row, serde::Deserialize)]
+struct DeadRow {
+    capture_id: String,
+    version: u64,
+}
+
+#[derive(clickhouse::Row, serde::Deserialize)]
+struct CountRow {
+    unfinished: u64,
+}
+
+#[derive(Clone)]
+pub struct RowPurge {
+    client: CatalogClient,
+    tables: Tables,
+    catalog: String,
+}
+
+impl RowPurge {
+    pub fn new(client: CatalogClient, tables: Tables, catalog: &str) -> RowPurge {
+        RowPurge { client, tables, catalog: catalog.to_string() }
+    }
+
+    /// True while a mutation of `captures`, `by_version` or `by_id` (of any catalog sharing them) is still running.
+    pub async fn in_flight(&self) -> Result<bool, CatalogError> {
+        let names: Vec<String> = [&self.tables.captures, &self.tables.by_version, &self.tables.by_id]
+            .iter()
+            .map(|table| sql_string_literal(table.rsplit('.').next().unwrap_or_default()))
+            .collect();
+        let rows: Vec<CountRow> = self
+            .client
+            .fetch_all(&format!(
+                "SELECT count() AS unfinished FROM system.mutations WHERE database = {} AND table IN ({}) AND \
+                 is_done = 0",
+                sql_string_literal(&self.tables.database),
+                names.join(", ")
+            ))
+            .await?;
+        Ok(rows.first().is_some_and(|row| row.unfinished > 0))
+    }
+
+    /// The next batch after version `after`, of publishes up to version `at_most` committed at least `grace` ago
+    /// (server time); `None` when there is none. A batch may have no captures (its deletions purged already, or
+    /// moves only): it still moves `through` on.
+    pub async fn next_batch(
+        &self,
+        after: u64,
+        at_most: u64,
+        grace: Duration,
+    ) -> Result<Option<PurgeBatch>, CatalogError> {
+        let catalog = sql_string_literal(&self.catalog);
+        let grace_ms = u64::try_from(grace.as_millis()).unwrap_or(u64::MAX);
+        let candidates: Vec<CandidateRow> = self
+            .client
+            .fetch_all(&format!(
+                "SELECT version, captures, toUInt8(published_at_ms + {grace_ms} <= {now}) AS due FROM {publishes} \
+                 WHERE catalog = {catalog} AND version > {after} AND version <= {at_most} AND packs = 0 \
+                 ORDER BY version LIMIT {PUBLISHES_PER_BATCH}",
+                publishes = self.tables.publishes,
+                now = server_now_ms_expr(&self.client),
+            ))
+            .await?;
+        let mut versions = Vec::new();
+        let mut captures = 0;
+        for candidate in candidates.iter().take_while(|candidate| candidate.due == 1) {
+            if !versions.is_empty() && captures + candidate.captures > CAPTURES_PER_BATCH {
+                break;
+            }
+            captures += candidate.captures;
+            versions.push(candidate.version);
+        }
+        let Some(&through) = versions.last() else { return Ok(None) };
+        let list: Vec<String> = versions.iter().map(u64::to_string).collect();
+        let tombstones = format!(
+            "{by_version} WHERE catalog = {catalog} AND version IN ({list}) AND pack_id = ''",
+            by_version = self.tables.by_version,
+            list = list.join(", ")
+        );
+        let dead: Vec<DeadRow> = self
+            .client
+            .fetch_all(&format!(
+                "SELECT id_v AS capture_id, newest_v AS version FROM (SELECT UUIDNumToString(capture_id) AS id_v, \
+                 max(version) AS newest_v, uniqExact(version) AS versions_v FROM {by_id} WHERE catalog = {catalog} \
+                 AND capture_id IN (SELECT UUIDStringToNum(capture_id) FROM {tombstones}) GROUP BY capture_id) \
+                 WHERE versions_v > 1 AND (id_v, newest_v) IN (SELECT capture_id, version FROM {tombstones} AND \
+                 (version, publish_id) IN (SELECT version, publish_id FROM {publishes} WHERE catalog = {catalog} AND \
+                 version IN ({list}))) ORDER BY capture_id",
+                by_id = self.tables.by_id,
+                publishes = self.tables.publishes,
+                list = list.join(", "),
+            ))
+            .await?;
+        Ok(Some(PurgeBatch { through, captures: dead.into_iter().map(|row| (row.capture_id, row.version)).collect() }))
+    }
+
+    /// Remove the rows of `batch`'s captures below their tombstones: one mutation per table, `by_id` last (see the
+    /// module doc). `between` runs after the first statement (a failpoint's place).
+    pub async fn remove(&self, batch: &PurgeBatch, between: impl Fn()) -> Result<(), CatalogError> {
+        if batch.captures.is_empty() {
+            return Ok(());
+        }
+        let catalog = sql_string_literal(&self.catalog);
+        let texts: Vec<String> = batch.captures.iter().map(|(id, _)| sql_string_literal(id)).collect();
+        let nums: Vec<String> = texts.iter().map(|text| format!("UUIDStringToNum({text})")).collect();
+        let mut tombstones: Vec<u64> = batch.captures.iter().map(|(_, version)| *version).collect();
+        tombstones.sort_unstable();
+        tombstones.dedup();
+        let kept: Vec<String> = tombstones.iter().map(u64::to_string).collect();
+        let below = format!("catalog = {catalog} AND version <= {}", batch.through);
+        let kept = format!("version NOT IN ({})", kept.join(", "));
+        let statements = [
+            format!(
+                "ALTER TABLE {} DELETE WHERE {below} AND capture_id IN ({})",
+                self.tables.captures,
+                texts.join(", ")
+            ),
+            format!(
+                "ALTER TABLE {} DELETE WHERE {below} AND {kept} AND capture_id IN ({})",
+                self.tables.by_version,
+                texts.join(", ")
+            ),
+            format!(
+                "ALTER TABLE {} DELETE WHERE {below} AND {kept} AND capture_id IN ({})",
+                self.tables.by_id,
+                nums.join(", ")
+            ),
+        ];
+        for (index, statement) in statements.iter().enumerate() {
+            self.client.execute_large(statement, MAX_STATEMENT_BYTES).await?;
+            if index == 0 {
+                between();
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,216 @@
+//! `capstore bench purge-scale`: deleting the oldest captures of a stream in a large catalog, what a listing of that
+//! stream costs before the deletion, after it and after their rows are removed, and the removal itself beside
+//! ClickHouse deleting the same rows by their primary-key range, in the same run, on the same server.
+//!
+//! Each size gets a database of its own (`<catalog.database>_purge_<rows>`), loaded afresh every run like
+//! `catalog-scale`'s (the purge changes it). The deletion goes through the [`Publisher`] (fenced publishes of 10,000
+//! tombstones), the removal through [`RowPurge`] as the compactor runs it, with no grace. The baseline is
+//! `ALTER TABLE ... DELETE` of the same rows of `captures` by (stream, time range), on a copy of the table.
+
+use std::time::{Duration, Instant};
+
+use uuid::Uuid;
+
+use capstore::catalog::lease::LeaseKeeper;
+use capstore::catalog::publish::{PublishError, Publisher, DELETION_MAX_IDS};
+use capstore::catalog::purge::RowPurge;
+use capstore::catalog::query::{CatalogReader, ListQuery};
+use capstore::catalog::{CatalogClient, Tables};
+use capstore::config::Config;
+
+use super::catalog_scale::{load, ScaleRow, CATALOG};
+
+pub struct PurgeScaleOptions {
+    pub config: Config,
+    pub rows: Vec<u64>,
+    /// Captures deleted: the oldest of one stream.
+    pub delete: u64,
+}
+
+const STREAM: &str = "sensor/7";
+/// How long a mutation may take before the bench gives up on it.
+const MUTATION_TIMEOUT: Duration = Duration::from_secs(3600);
+
+pub async fn purge_scale(options: &PurgeScaleOptions) -> anyhow::Result<Vec<ScaleRow>> {
+    let mut results = Vec::new();
+    for &rows in &options.rows {
+        let mut config = options.config.clone();
+        config.catalog.database = format!("{}_purge_{rows}", options.config.catalog.database);
+        config.catalog_name = CATALOG.to_string();
+        let admin = CatalogClient::connect(&config.catalog).await?;
+        admin.execute(&format!("DROP DATABASE IF EXISTS {}", config.catalog.database)).await?;
+        let (client, tables) = capstore::catalog::connect(&config).await?;
+        load(&client, &tables, rows).await?;
+        let mut row = |read: String, capstore_ms: f64, ideal_ms: Option<f64>| {
+            eprintln!("purge-scale: {rows} rows, {read}: {capstore_ms:.0} (ideal {ideal_ms:?})");
+            results.push(ScaleRow {
+                rows,
+                read,
+                capstore_ms,
+                ideal_ms,
+                ratio: ideal_ms.map(|ideal| capstore_ms / ideal),
+                peak_memory_mib: None,
+            });
+        };
+        let reader = CatalogReader::new(client.clone(), tables.clone(), CATALOG);
+        let ideal_page = time(|| async {
+            client
+                .execute(&format!(
+                    "SELECT * FROM {} WHERE catalog = '{CATALOG}' AND stream = '{STREAM}' ORDER BY captured_at_ns, \
+                     capture_id LIMIT 100 FORMAT Null",
+                    tables.captures
+                ))
+                .await
+                .map_err(Into::into)
+        })
+        .await?;
+        let (before, pages) = first_live_page(&reader).await?;
+        row(format!("first 100 live of a stream, before ({pages} pages)"), before, Some(ideal_page));
+
+        // The oldest `delete` captures of the stream, as a listing gives them.
+        let mut doomed: Vec<Uuid> = Vec::new();
+        let mut query = ListQuery { stream: Some(STREAM.into()), limit: 10_000, ..ListQuery::default() };
+        while (doomed.len() as u64) < options.delete {
+            let page = reader.list(&query).await?;
+            doomed.extend(page.captures.iter().filter_map(|capture| Uuid::parse_str(&capture.capture_id).ok()));
+            match page.next_cursor {
+                Some(cursor) => query.cursor = Some(cursor),
+                None => break,
+            }
+        }
+        doomed.truncate(options.delete as usize);
+        let deleted = doomed.len() as u64;
+        let last_deleted = reader.get(*doomed.last().expect("a capture to delete"), None).await?.expect("listed");
+
+        let keeper = LeaseKeeper::for_catalog(&client, &tables, &config, Uuid::new_v4());
+        let (_shutdown_tx, mut shutdown_rx) = tokio::sync::watch::channel(false);
+        let lease = keeper.start(config.start_wait(), &mut shutdown_rx).await?;
+        let publisher = Publisher::new(client.clone(), tables.clone(), CATALOG, lease.handle().clone());
+        let started = Instant::now();
+        for chunk in doomed.chunks(DELETION_MAX_IDS) {
+            loop {
+                match publisher.publish_deletions(chunk, None).await {
+                    Err(PublishError::NotCommitted | PublishError::NoLease) => {
+                        tokio::time::sleep(Duration::from_millis(50)).await
+                    }
+                    other => {
+                        let report = other?;
+                        anyhow::ensure!(report.deleted.len() == chunk.len(), "deleted {}", report.deleted.len());
+                        break;
+                    }
+                }
+            }
+        }
+        let deleting_ms = started.elapsed().as_secs_f64() * 1000.0;
+        lease.stop().await;
+        row(format!("delete {deleted} (fenced publishes of {DELETION_MAX_IDS}), ms"), deleting_ms, None);
+        let (after_delete, pages) = first_live_page(&reader).await?;
+        row(format!("first 100 live, {deleted} deleted before them ({pages} pages)"), after_delete, Some(ideal_page));
+
+        // The baseline's table: a copy of `captures` as it is now, the deleted rows still in it.
+        let copy = format!("{}_copy", tables.captures);
+        client.execute(&format!("DROP TABLE IF EXISTS {copy}")).await?;
+        client.execute(&format!("CREATE TABLE {copy} AS {}", tables.captures)).await?;
+        client
+            .execute_with_timeout(&format!("INSERT INTO {copy} SELECT * FROM {}", tables.captures), MUTATION_TIMEOUT)
+            .await?;
+
+        let purge = RowPurge::new(client.clone(), tables.clone(), CATALOG);
+        let started = Instant::now();
+        let (mut through, mut purged) = (0, 0);
+        while let Some(batch) = purge.next_batch(through, u64::MAX, Duration::ZERO).await? {
+            purge.remove(&batch, || {}).await?;
+            (through, purged) = (batch.through, purged + batch.captures.len() as u64);
+        }
+        let sent_ms = started.elapsed().as_secs_f64() * 1000.0;
+        anyhow::ensure!(purged == deleted, "{purged} captures purged of {deleted}");
+        let done =
+            mutations_done(&client, &tables, &[&tables.captures, &tables.by_version, &tables.by_id], started).await?;
+        let all_done_ms = started.elapsed().as_secs_f64() * 1000.0;
+        row(format!("row removal of {deleted}: statements sent, ms"), sent_ms, None);
+
+        // The baseline: ClickHouse deleting the same rows of the copy by their primary-key range.
+        let started = Instant::now();
+        client
+            .execute(&format!(
+                "ALTER TABLE {copy} DELETE WHERE catalog = '{CATALOG}' AND stream = '{STREAM}' AND captured_at_ns <= {}",
+                last_deleted.captured_at_ns
+            ))
+            .await?;
+        let ideal_ms = mutations_done(&client, &tables, &[&copy], started).await?[0];
+        client.execute(&format!("DROP TABLE IF EXISTS {copy}")).await?;
+        row("row removal: captures' mutation done, ms (ideal: by key range)".to_string(), done[0], Some(ideal_ms));
+        row("row removal: all three tables' mutations done, ms".to_string(), all_done_ms, None);
+        let (after_purge, pages) = first_live_page(&reader).await?;
+        row(format!("first 100 live, after the row removal ({pages} pages)"), after_purge, Some(ideal_page));
+        admin.execute(&format!("DROP DATABASE IF EXISTS {}", config.catalog.database)).await?;
+    }
+    Ok(results)
+}
+
+/// The milliseconds until the stream's first 100 live captures are listed, paging as a client does, and the pages.
+async fn first_live_page(reader: &CatalogReader) -> anyhow::Result<(f64, u64)> {
+    let started = Instant::now();
+    let mut query = ListQuery { stream: Some(STREAM.into()), limit: 100, ..ListQuery::default() };
+    let (mut listed, mut pages) = (0, 0);
+    while listed < 100 {
+        let page = reader.list(&query).await?;
+        listed += page.captures.len();
+        pages += 1;
+        match page.next_cursor {
+            Some(cursor) => query.cursor = Some(cursor),
+            None => break,
+        }
+    }
+    Ok((started.elapsed().as_secs_f64() * 1000.0, pages))
+}
+
+async fn time<F, Fut>(mut run: F) -> anyhow::Result<f64>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<()>>,
+{
+    let mut runs = Vec::new();
+    for _ in 0..5 {
+        let started = Instant::now();
+        run().await?;
+        runs.push(started.elapsed().as_secs_f64() * 1000.0);
+    }
+    Ok(super::median(&mut runs))
+}
+
+#[derive(clickhouse::Row, serde::Deserialize)]
+struct Unfinished {
+    value: u64,
+}
+
+/// Waits until no mutation of each of `tables` is running; the milliseconds from `started` each took to get there.
+async fn mutations_done(
+    client: &CatalogClient,
+    all: &Tables,
+    tables: &[&String],
+    started: Instant,
+) -> anyhow::Result<Vec<f64>> {
+    let mut done = vec![None; tables.len()];
+    while done.iter().any(Option::is_none) {
+        anyhow::ensure!(started.elapsed() < MUTATION_TIMEOUT, "mutations still running after {MUTATION_TIMEOUT:?}");
+        for (index, table) in tables.iter().enumerate() {
+            if done[index].is_some() {
+                continue;
+            }
+            let name = table.rsplit('.').next().unwrap_or_default();
+            let rows: Vec<Unfinished> = client
+                .fetch_all(&format!(
+                    "SELECT count() AS value FROM system.mutations WHERE database = '{}' AND table = '{name}' AND \
+                     is_done = 0",
+                    all.database
+                ))
+                .await?;
+            if rows.first().is_none_or(|row| row.value == 0) {
+                done[index] = Some(started.elapsed().as_secs_f64() * 1000.0);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(done.into_iter().map(|ms| ms.unwrap_or_default()).collect())
+}
