@@ -1380,3 +1380,68 @@ async fn a_row_removal_killed_between_its_statements_is_finished_after_the_resta
     let versions: Vec<u64> = catalog.publishes_after(0, 1000).await.unwrap().iter().map(|p| p.version).collect();
     assert_eq!(versions, (1..=versions.len() as u64).collect::<Vec<_>>(), "gapless");
 }
+
+#[tokio::test]
+async fn the_rows_of_a_deleted_capture_stay_while_its_pack_cannot_be_rewritten() {
+    let daemon = HttpDaemon::start(&[
+        ("CAPSTORE_SPOOL_PACK_MAX_RECORDS", "3".into()),
+        ("CAPSTORE_LIFECYCLE_COMPACTION_INTERVAL", "1s".into()),
+        ("CAPSTORE_LIFECYCLE_COMPACTION_MIN_AGE", "1h".into()),
+        ("CAPSTORE_LIFECYCLE_READ_GRACE", "1s".into()),
+    ])
+    .await;
+    let client = reqwest::Client::new();
+    daemon.get_ok(&client, "/v1/tail").await;
+    let first = post_batch_published(&daemon, &client, "hold/h", 3, 1).await;
+    let second = post_batch_published(&daemon, &client, "hold/h", 3, 9).await;
+    let config = daemon.env.config();
+    let tables = capstore::catalog::Tables::from_config(&config.catalog);
+    let rows_in_captures = |id: String| {
+        let (client, url) = (&client, config.catalog.url.clone());
+        let sql = format!("SELECT count() FROM {} WHERE capture_id = '{id}' FORMAT TSV", tables.captures);
+        async move { client.post(url).body(sql).send().await.unwrap().text().await.unwrap().trim().to_string() }
+    };
+    let delete = |id: String| {
+        let client = &client;
+        let url = daemon.url(&format!("/v1/captures/{id}"));
+        async move {
+            let answer = client.delete(url).send().await.unwrap();
+            assert_eq!(answer.status(), StatusCode::OK, "{}", answer.text().await.unwrap());
+        }
+    };
+    // A deletion whose pack is rewritten: its rows go.
+    delete(first[0].0.clone()).await;
+    wait_until_async(&daemon, Duration::from_secs(30), "the first deleted capture's rows removed", || async {
+        rows_in_captures(first[0].0.clone()).await == "0"
+    })
+    .await;
+
+    // The other pack damaged (a byte of a capture that stays), then a capture of it deleted: its rewrite fails at
+    // every pass (the copy checks each record's CRC), and its rows stay, because they are how erasure finds it.
+    let listing = json(daemon.get_ok(&client, "/v1/captures?stream=hold/h&limit=100").await).await;
+    let damaged = listing["captures"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|capture| capture["capture_id"] == second[1].0.as_str())
+        .expect("listed")
+        .clone();
+    let path = daemon._dir.path().join("bucket").join(damaged["object_key"].as_str().unwrap());
+    let mut bytes = std::fs::read(&path).unwrap();
+    let at = damaged["payload_offset"].as_u64().unwrap() as usize + 3;
+    bytes[at] ^= 0x40;
+    std::fs::write(&path, bytes).unwrap();
+    delete(second[0].0.clone()).await;
+    let mut log = daemon.log();
+    wait_until_async(&daemon, Duration::from_secs(30), "three failed rewrites of the damaged pack (the grace long over)", || {
+        log = daemon.log();
+        let failures = log.matches("a compaction job failed").count();
+        async move { failures >= 3 }
+    })
+    .await;
+    assert_eq!(rows_in_captures(second[0].0.clone()).await, "1", "the rows stay while the erasure is pending");
+    let metrics = daemon.get_ok(&client, "/metrics").await.text().await.unwrap();
+    assert_eq!(metric(&metrics, "capstore_captures_purged_total"), 1, "only the first deletion's rows went");
+    let answer = client.get(daemon.url(&format!("/v1/captures/{}", second[0].0))).send().await.unwrap();
+    assert_eq!(answer.status(), StatusCode::NOT_FOUND, "deleted all the same");
+}

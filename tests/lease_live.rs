@@ -1423,24 +1423,38 @@ async fn the_rows_of_captures_deleted_longer_ago_than_the_grace_are_removed_and_
     let reposted = retried!(publisher.publish_batch(&[pack(&[(a, "cam/1", 100)])]).await);
     assert!(matches!(reposted, PublishOutcome::Committed { version: 5, .. }), "{reposted:?}");
     assert_eq!(retried!(publisher.publish_deletions(&[c], None).await).version, Some(6));
+    // c again: posted at 7, deleted at 8 (two tombstones of it in one batch).
+    let reposted = retried!(publisher.publish_batch(&[pack(&[(c, "cam/1", 300)])]).await);
+    assert!(matches!(reposted, PublishOutcome::Committed { version: 7, .. }), "{reposted:?}");
+    assert_eq!(retried!(publisher.publish_deletions(&[c], None).await).version, Some(8));
+    // Another catalog sharing the tables holds the same ids, never deleted there.
+    let other_keeper = LeaseKeeper::new(catalog.store("other"), identity("other"), "other");
+    let (other_tx, mut other_rx) = watch::channel(false);
+    other_keeper.acquire_at_start(Duration::ZERO, &mut other_rx).await.unwrap();
+    let other = Publisher::new(catalog.client.clone(), catalog.tables.clone(), "other", other_keeper.handle());
+    let other_task = tokio::spawn(other_keeper.run(other_rx));
+    let outcome = retried!(other.publish_batch(&[pack(&[(b, "cam/1", 200), (c, "cam/1", 300)])]).await);
+    assert!(matches!(outcome, PublishOutcome::Committed { version: 1, .. }), "{outcome:?}");
+    other_tx.send(true).unwrap();
+    other_task.await.unwrap();
 
     let purge = RowPurge::new(catalog.client.clone(), catalog.tables.clone(), &catalog.config.catalog_name);
-    assert_eq!(purge.next_batch(0, 6, Duration::from_secs(3600)).await.unwrap(), None, "nothing before the grace");
+    assert_eq!(purge.next_batch(0, 8, Duration::from_secs(3600)).await.unwrap(), None, "nothing before the grace");
     // Only up to the version it is allowed to reach (erasure's progress).
     let upto_4 = purge.next_batch(0, 4, Duration::ZERO).await.unwrap();
     assert_eq!(upto_4, Some(PurgeBatch { through: 4, captures: vec![(b.to_string(), 4)] }));
     // a was posted again after its deletion: its newest row is no tombstone, and it is left alone.
-    let batch = purge.next_batch(0, 6, Duration::ZERO).await.unwrap().unwrap();
-    let mut expected = vec![(b.to_string(), 4), (c.to_string(), 6)];
+    let batch = purge.next_batch(0, 8, Duration::ZERO).await.unwrap().unwrap();
+    let mut expected = vec![(b.to_string(), 4), (c.to_string(), 8)];
     expected.sort();
-    assert_eq!(batch, PurgeBatch { through: 6, captures: expected });
-    let rows_before = |table: &str, id: Uuid| {
+    assert_eq!(batch, PurgeBatch { through: 8, captures: expected });
+    let rows_of = |catalog_name: &str, table: &str, id: Uuid| {
         let id_column = if table == catalog.tables.by_id { "UUIDNumToString(capture_id)" } else { "capture_id" };
         catalog
             .server
             .query(&format!(
-                "SELECT version FROM {table} WHERE catalog = '{}' AND {id_column} = '{id}' ORDER BY version FORMAT TSV",
-                catalog.config.catalog_name
+                "SELECT DISTINCT version FROM {table} WHERE catalog = '{catalog_name}' AND {id_column} = '{id}' \
+                 ORDER BY version FORMAT TSV"
             ))
             .unwrap()
             .lines()
@@ -1448,10 +1462,15 @@ async fn the_rows_of_captures_deleted_longer_ago_than_the_grace_are_removed_and_
             .collect::<Vec<_>>()
     };
     let tables = [&catalog.tables.captures, &catalog.tables.by_version, &catalog.tables.by_id];
-    let snapshot = |ids: &[Uuid]| {
-        ids.iter().map(|id| tables.iter().map(|table| rows_before(table, *id)).collect::<Vec<_>>()).collect::<Vec<_>>()
+    let snapshot_of = |catalog_name: &str, ids: &[Uuid]| {
+        ids.iter()
+            .map(|id| tables.iter().map(|table| rows_of(catalog_name, table, *id)).collect::<Vec<_>>())
+            .collect::<Vec<_>>()
     };
+    let snapshot = |ids: &[Uuid]| snapshot_of(&catalog.config.catalog_name, ids);
     let kept_before = snapshot(&[a, d]);
+    let other_before = snapshot_of("other", &[b, c]);
+    assert_eq!(other_before[0], vec![vec![1], vec![1], vec![1]]);
     assert_eq!(snapshot(&[b])[0], vec![vec![1], vec![1, 3, 4], vec![1, 3, 4]], "b's rows before the removal");
 
     let between = std::sync::atomic::AtomicU32::new(0);
@@ -1469,10 +1488,11 @@ async fn the_rows_of_captures_deleted_longer_ago_than_the_grace_are_removed_and_
     }
     assert_eq!(
         snapshot(&[b, c]),
-        vec![vec![vec![], vec![4], vec![4]], vec![vec![], vec![6], vec![6]]],
-        "only the tombstones are left of b and c"
+        vec![vec![vec![], vec![4], vec![4]], vec![vec![], vec![8], vec![8]]],
+        "only the newest tombstones are left of b and c"
     );
     assert_eq!(snapshot(&[a, d]), kept_before, "a (posted again) and d (never deleted) keep every row");
+    assert_eq!(snapshot_of("other", &[b, c]), other_before, "another catalog's rows of the same ids stay");
 
     // Every read answers as before.
     let reader = catalog.reader();
@@ -1493,14 +1513,14 @@ async fn the_rows_of_captures_deleted_longer_ago_than_the_grace_are_removed_and_
     let mut deleted_at_4 = vec![(a.to_string(), 4, true), (b.to_string(), 4, true)];
     deleted_at_4.sort();
     let expected: Vec<(String, u64, bool)> =
-        deleted_at_4.into_iter().chain([(a.to_string(), 5, false), (c.to_string(), 6, true)]).collect();
-    assert_eq!(entries, expected);
+        deleted_at_4.into_iter().chain([(a.to_string(), 5, false), (c.to_string(), 8, true)]).collect();
+    assert_eq!(entries, expected, "the log keeps each capture's last deletion (c's history below it is gone)");
     // Found purged: the next look finds the batch with nothing left to remove.
     assert_eq!(
-        purge.next_batch(0, 6, Duration::ZERO).await.unwrap(),
-        Some(PurgeBatch { through: 6, captures: vec![] })
+        purge.next_batch(0, 8, Duration::ZERO).await.unwrap(),
+        Some(PurgeBatch { through: 8, captures: vec![] })
     );
-    assert_eq!(purge.next_batch(6, 6, Duration::ZERO).await.unwrap(), None);
+    assert_eq!(purge.next_batch(8, 8, Duration::ZERO).await.unwrap(), None);
     shutdown_tx.send(true).unwrap();
     keeper_task.await.unwrap();
 }

@@ -14,33 +14,37 @@
 //! A batch is a run of committed publishes of no pack (deletions and moves), in version order, each older than the
 //! grace by the server's clock; it stops at the first one that is not (so a clock stepping back cannot skip one).
 //! Its captures are the ids whose newest row in `by_id` (of any version, committed or not) is one of the batch's
-//! tombstones and which still have a row at another version. Their rows are removed with one mutation per table, in
-//! the order `captures`, `by_version`, `by_id`: the last is the one a batch is found by, so a crash between the
-//! statements finds the same captures again and removes what is left. Invariants: a row is removed only if a
-//! committed tombstone newer than it hides it from every reader pinned in the last `read_grace`; the tombstone
-//! itself is never removed; a capture posted again after its deletion has a newer row and is not touched (its newest
-//! row is not the tombstone), and a row written after the statement was sent is not either: it is newer than the
-//! tombstone, and mutations apply to the parts that existed when they were made.
+//! tombstones and which still have a row at another version. Their rows below their own tombstone's version are
+//! removed with one mutation per table, in the order `captures`, `by_version`, `by_id`: the last is the one a batch
+//! is found by, so a crash between the statements finds the same captures again and removes what is left.
+//! Invariants: a row is removed only if a committed tombstone newer than it, the capture's newest row, hides it from
+//! every reader pinned in the last `read_grace`; the tombstone itself is never removed, nor anything at or above
+//! it: a capture posted again after its deletion is not touched (its newest row is no tombstone), and neither is a
+//! row written after the statement was sent, or one a lagging replica had not shown the batch's read.
 //!
 //! Each statement names its ids as literals, with no subquery: ClickHouse 18.16 fails a mutation whose condition
 //! nests subqueries, and newer servers refuse non-deterministic mutations on replicated tables. Mutations run in the
 //! background on the server; a batch is not started while one on these tables is still running, so they never pile
 //! up.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use super::client::{sql_string_literal, CatalogClient, CatalogError};
 use super::lease::server_now_ms_expr;
 use super::schema::Tables;
 
-/// Publishes of no pack per batch at most.
-const PUBLISHES_PER_BATCH: u64 = 1000;
-/// Captures per batch at most (a single deletion publish of more, up to its 10,000, is a batch of its own): a
-/// statement of `by_id` names each as a 58-character literal, about 600 KB in all, which keeps it under the 1 MB a
-/// replicated table's mutation may take in ZooKeeper.
-pub const CAPTURES_PER_BATCH: u64 = 10_000;
+/// Publishes of no pack per batch at most (their versions are a literal list of the batch's statements).
+const PUBLISHES_PER_BATCH: u64 = 5_000;
+/// Captures per batch at most (a deletion publish holds up to 10,000, so a batch is one publish at least). Each
+/// batch is one mutation per table, and a mutation rewrites every part holding one of its rows: the fewer batches,
+/// the fewer rewrites (retention deletes old captures, which lie in the same few large parts). A statement of
+/// `by_id` names each capture as a 58-character literal: 100,000 make about 6 MB.
+pub const CAPTURES_PER_BATCH: u64 = 100_000;
+/// With replicated tables a mutation's command is a ZooKeeper node, 1 MB at most by default: about 600 KB of ids.
+pub const CAPTURES_PER_REPLICATED_BATCH: u64 = 10_000;
 /// The statements are larger than the server's default `max_query_size` (256 KiB).
-const MAX_STATEMENT_BYTES: usize = 2 << 20;
+const MAX_STATEMENT_BYTES: usize = 8 << 20;
 
 /// One batch: the deleted captures whose rows go, and the version a next batch starts after.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -79,6 +83,15 @@ pub struct RowPurge {
 impl RowPurge {
     pub fn new(client: CatalogClient, tables: Tables, catalog: &str) -> RowPurge {
         RowPurge { client, tables, catalog: catalog.to_string() }
+    }
+
+    /// Captures per batch at most: fewer with replicated tables (see [`CAPTURES_PER_REPLICATED_BATCH`]).
+    pub fn captures_per_batch(&self) -> u64 {
+        if self.tables.is_replicated() {
+            CAPTURES_PER_REPLICATED_BATCH
+        } else {
+            CAPTURES_PER_BATCH
+        }
     }
 
     /// True while a mutation of `captures`, `by_version` or `by_id` (of any catalog sharing them) is still running.
@@ -123,7 +136,7 @@ impl RowPurge {
         let mut versions = Vec::new();
         let mut captures = 0;
         for candidate in candidates.iter().take_while(|candidate| candidate.due == 1) {
-            if !versions.is_empty() && captures + candidate.captures > CAPTURES_PER_BATCH {
+            if !versions.is_empty() && captures + candidate.captures > self.captures_per_batch() {
                 break;
             }
             captures += candidate.captures;
@@ -159,31 +172,27 @@ impl RowPurge {
         if batch.captures.is_empty() {
             return Ok(());
         }
-        let catalog = sql_string_literal(&self.catalog);
-        let texts: Vec<String> = batch.captures.iter().map(|(id, _)| sql_string_literal(id)).collect();
-        let nums: Vec<String> = texts.iter().map(|text| format!("UUIDStringToNum({text})")).collect();
-        let mut tombstones: Vec<u64> = batch.captures.iter().map(|(_, version)| *version).collect();
-        tombstones.sort_unstable();
-        tombstones.dedup();
-        let kept: Vec<String> = tombstones.iter().map(u64::to_string).collect();
-        let below = format!("catalog = {catalog} AND version <= {}", batch.through);
-        let kept = format!("version NOT IN ({})", kept.join(", "));
+        // Each capture bounded by its own tombstone: a row of it at that version or newer is never named.
+        let mut by_tombstone: BTreeMap<u64, Vec<&str>> = BTreeMap::new();
+        for (id, version) in &batch.captures {
+            by_tombstone.entry(*version).or_default().push(id);
+        }
+        let rows_below = |id_literal: &dyn Fn(&str) -> String| {
+            let groups: Vec<String> = by_tombstone
+                .iter()
+                .map(|(version, ids)| {
+                    let ids: Vec<String> = ids.iter().map(|id| id_literal(id)).collect();
+                    format!("(version < {version} AND capture_id IN ({}))", ids.join(", "))
+                })
+                .collect();
+            format!("catalog = {} AND ({})", sql_string_literal(&self.catalog), groups.join(" OR "))
+        };
+        let text_rows = rows_below(&|id: &str| sql_string_literal(id));
+        let num_rows = rows_below(&|id: &str| format!("UUIDStringToNum({})", sql_string_literal(id)));
         let statements = [
-            format!(
-                "ALTER TABLE {} DELETE WHERE {below} AND capture_id IN ({})",
-                self.tables.captures,
-                texts.join(", ")
-            ),
-            format!(
-                "ALTER TABLE {} DELETE WHERE {below} AND {kept} AND capture_id IN ({})",
-                self.tables.by_version,
-                texts.join(", ")
-            ),
-            format!(
-                "ALTER TABLE {} DELETE WHERE {below} AND {kept} AND capture_id IN ({})",
-                self.tables.by_id,
-                nums.join(", ")
-            ),
+            format!("ALTER TABLE {} DELETE WHERE {text_rows}", self.tables.captures),
+            format!("ALTER TABLE {} DELETE WHERE {text_rows}", self.tables.by_version),
+            format!("ALTER TABLE {} DELETE WHERE {num_rows}", self.tables.by_id),
         ];
         for (index, statement) in statements.iter().enumerate() {
             self.client.execute_large(statement, MAX_STATEMENT_BYTES).await?;

@@ -10,7 +10,8 @@
 //! committed or not. Being the newest version, it hides the capture from every read pinned at or above it (`list`
 //! meets it as a newer version of the id, as it meets a re-post into another stream), a reader pinned below it still
 //! sees the capture, and `tail`, the log, shows it as a deletion entry at its version. A later post of the same id is
-//! newer still and makes the capture visible again.
+//! newer still and makes the capture visible again. Once no reader may be pinned below the deletion any more, the
+//! rows it hides are removed and only the tombstone stays (see [`super::purge`]).
 //!
 //! A *move* (a compaction's switch-over, see [`super::publish::Publisher::publish_relocation`]) is likewise a row of
 //! `by_version` and `by_id` only: the same capture (stream, time, labels, record) at a new place, in a publish of no

@@ -95,6 +95,11 @@ impl Tables {
         }
     }
 
+    /// True with `catalog.cluster`: the tables are replicated.
+    pub fn is_replicated(&self) -> bool {
+        self.cluster.is_some()
+    }
+
     pub(crate) fn on_cluster(&self) -> String {
         match &self.cluster {
             Some(cluster) => format!(" ON CLUSTER {cluster}"),

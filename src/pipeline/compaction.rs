@@ -76,8 +76,10 @@ const SMALL_PACKS_PER_READ: u64 = 10_000;
 const DELETIONS_PER_READ: u64 = 1000;
 /// Retired packs removed per catalog request.
 const REMOVALS_PER_READ: u64 = 1000;
-/// Batches of row removal a pass starts at most ([`crate::catalog::purge::CAPTURES_PER_BATCH`] captures each).
-const PURGE_BATCHES_PER_PASS: usize = 50;
+/// Batches of row removal a pass looks at most (one found purged already costs two reads and no mutation).
+const PURGE_READS_PER_PASS: usize = 200;
+/// How long row removal waits for a running mutation before it says so in the log.
+const PURGE_PATIENCE: Duration = Duration::from_secs(3600);
 /// Deleted captures whose rows a pass removes at most: about 29 M a day at the default interval.
 const PURGE_CAPTURES_PER_PASS: u64 = 100_000;
 /// Bytes of records read from the bucket at once while copying.
@@ -137,6 +139,8 @@ pub struct Compactor {
     purge: Option<RowPurge>,
     /// The rows of every capture deleted at or below this version are removed (or being removed).
     purged_through: u64,
+    /// Since when row removal has waited for a mutation still running.
+    purge_waiting_since: Option<std::time::Instant>,
 }
 
 impl Compactor {
@@ -171,6 +175,7 @@ impl Compactor {
             removed_through: 0,
             purge: lifecycle.purge.then_some(purge),
             purged_through: 0,
+            purge_waiting_since: None,
         })
     }
 
@@ -240,8 +245,13 @@ impl Compactor {
             let (deleted, through) =
                 self.catalog.deleted_after(self.deletions_read_through, DELETIONS_PER_READ).await?;
             for key in self.catalog.objects_holding(&deleted).await? {
-                if let Some((pack_id, _)) = pack_of_key(&key) {
-                    self.to_erase.entry(pack_id).or_insert((key, self.deletions_read_through));
+                match pack_of_key(&key) {
+                    Some((pack_id, _)) => {
+                        self.to_erase.entry(pack_id).or_insert((key, self.deletions_read_through));
+                    }
+                    // Not a pack key capstore writes: nothing here can rewrite it, and the deleted rows naming it
+                    // are removed all the same.
+                    None => tracing::warn!(%key, "a deleted capture is in an object that is not a pack; not erased"),
                 }
             }
             if through == self.deletions_read_through {
@@ -573,38 +583,55 @@ impl Compactor {
     }
 
     /// Remove the rows of deleted captures whose bytes are erased and whose deletion is older than the grace (see
-    /// the module doc): batches of mutations, none started while one is still running.
+    /// the module doc): batches of mutations, none started while one on the tables is still running (they would
+    /// queue on the server, each rewriting the same parts). Batches found purged already (after a restart) cost two
+    /// reads each and no mutation.
     async fn purge_rows(
         &mut self,
         pass: &mut CompactionPass,
         stopping: &tokio::sync::watch::Receiver<bool>,
     ) -> anyhow::Result<()> {
         let Some(purge) = self.purge.clone() else { return Ok(()) };
-        // Erased: every deletion up to the oldest one a pack still to rewrite comes from.
+        // Erased: every deletion up to the oldest one a pack still to rewrite comes from (a rewrite that keeps
+        // failing, logged each pass, holds back the rows of later deletions too).
         let erased_through =
             self.to_erase.values().map(|(_, after)| *after).min().unwrap_or(self.deletions_read_through);
-        if self.purged_through >= erased_through || purge.in_flight().await? {
-            return Ok(());
-        }
-        for _ in 0..PURGE_BATCHES_PER_PASS {
-            if *stopping.borrow() || pass.captures_purged >= PURGE_CAPTURES_PER_PASS {
-                break;
+        for _ in 0..PURGE_READS_PER_PASS {
+            if self.purged_through >= erased_through
+                || *stopping.borrow()
+                || pass.captures_purged >= PURGE_CAPTURES_PER_PASS
+            {
+                return Ok(());
             }
             let Some(batch) = purge.next_batch(self.purged_through, erased_through, self.read_grace).await? else {
-                break;
+                return Ok(());
             };
-            purge.remove(&batch, || crate::failpoint::hit("during_row_purge")).await?;
-            self.purged_through = batch.through;
-            pass.captures_purged += batch.captures.len() as u64;
-            self.counters.captures_purged.fetch_add(batch.captures.len() as u64, Ordering::Relaxed);
             if !batch.captures.is_empty() {
+                if purge.in_flight().await? {
+                    let since = *self.purge_waiting_since.get_or_insert_with(std::time::Instant::now);
+                    if since.elapsed() > PURGE_PATIENCE {
+                        tracing::warn!(
+                            waited = ?since.elapsed(),
+                            "removing deleted captures' rows waits for a mutation of the catalog tables that is still \
+                             running: see system.mutations (a mutation that fails is retried by the server forever)"
+                        );
+                    }
+                    return Ok(());
+                }
+                self.purge_waiting_since = None;
+                purge.remove(&batch, || crate::failpoint::hit("during_row_purge")).await?;
                 tracing::info!(
                     captures = batch.captures.len(),
                     through_version = batch.through,
                     "removing deleted captures' rows"
                 );
             }
+            self.purged_through = batch.through;
+            pass.captures_purged += batch.captures.len() as u64;
+            self.counters.captures_purged.fetch_add(batch.captures.len() as u64, Ordering::Relaxed);
         }
+        // Out of reads with more to look at (catching up after a start): the next pass runs at once.
+        pass.more_due = true;
         Ok(())
     }
 

@@ -117,17 +117,21 @@ pub async fn purge_scale(options: &PurgeScaleOptions) -> anyhow::Result<Vec<Scal
 
         let purge = RowPurge::new(client.clone(), tables.clone(), CATALOG);
         let started = Instant::now();
-        let (mut through, mut purged) = (0, 0);
-        while let Some(batch) = purge.next_batch(through, u64::MAX, Duration::ZERO).await? {
+        let (mut through, mut purged, mut batches, mut finding) = (0, 0, 0, Duration::ZERO);
+        loop {
+            let looking = Instant::now();
+            let Some(batch) = purge.next_batch(through, u64::MAX, Duration::ZERO).await? else { break };
+            finding += looking.elapsed();
             purge.remove(&batch, || {}).await?;
-            (through, purged) = (batch.through, purged + batch.captures.len() as u64);
+            (through, purged, batches) = (batch.through, purged + batch.captures.len() as u64, batches + 1);
         }
         let sent_ms = started.elapsed().as_secs_f64() * 1000.0;
         anyhow::ensure!(purged == deleted, "{purged} captures purged of {deleted}");
         let done =
             mutations_done(&client, &tables, &[&tables.captures, &tables.by_version, &tables.by_id], started).await?;
         let all_done_ms = started.elapsed().as_secs_f64() * 1000.0;
-        row(format!("row removal of {deleted}: statements sent, ms"), sent_ms, None);
+        row(format!("row removal of {deleted}: batches found ({batches}), ms"), finding.as_secs_f64() * 1000.0, None);
+        row(format!("row removal of {deleted}: found and statements sent, ms"), sent_ms, None);
 
         // The baseline: ClickHouse deleting the same rows of the copy by their primary-key range.
         let started = Instant::now();
