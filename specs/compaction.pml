@@ -1,6 +1,7 @@
 /*
  * capstore: a capture's pack moving under readers (compaction's switch-over, erasure and the removal of the old
- * object; src/pipeline/compaction.rs, Publisher::publish_relocation, CatalogReader::list, src/catalog/retired.rs).
+ * object, and the removal of a deleted capture's rows; src/pipeline/compaction.rs, Publisher::publish_relocation,
+ * CatalogReader::list, src/catalog/retired.rs, src/catalog/purge.rs).
  *
  * One capture X, first published in pack A (object 0). A compactor copies it into pack B (object 1) and switches
  * it there with one versioned publish of a *move* row; a deleter may delete X (a tombstone row) at any instant; a
@@ -18,7 +19,9 @@
  * anything else (a tombstone) drops it.
  *
  * Grace (lifecycle.read_grace): the old object is removed only once no reader pinned below its retirement is still
- * reading; the grace period is what bounds such a reader in the real system.
+ * reading; the grace period is what bounds such a reader in the real system. Likewise the rows of a deleted X below
+ * its tombstone are removed from every table (the tombstone stays) once the compactor is done with X and no reader
+ * pinned below the tombstone is still reading.
  *
  * Variants (spin -DNAME -a compaction.pml); expected verdicts are in check.sh.
  *   (none)            the design
@@ -26,12 +29,14 @@
  *   LIST_DROPS_MOVES  control: a list drops a candidate with any newer row (schema 4's rule)
  *   NO_RECHECK        control: the switch does not re-check X's newest row inside the turn
  *   NO_GRACE          control: the old object is removed as soon as its retirement commits
+ *   NO_PURGE_GRACE    control: a deleted capture's rows are removed as soon as its deletion commits
  *
  * Properties (assertion markers):
  *   READ_EXACTLY_ONCE     a list at W returns X once, at the place of its newest committed row at or below W,
  *                         when that row is not a tombstone, and not at all when it is
  *   NO_DANGLING_LOCATOR   a place a list returns is an object that exists
  *   NO_RESURRECTION       once a deletion commits, X's newest committed row stays a tombstone
+ *   PINNED_SNAPSHOT       a reader pinned at W lists the same answer every time it lists, until it lets go
  */
 
 #define CAP_A 1     /* the capture, in pack A */
@@ -50,11 +55,16 @@ byte failures = 0;            /* refused switches so far (at most 1) */
 bool deleted_ever = false;
 byte rstate = 0;              /* reader: 0 not started, 1 pinned, 2 done */
 byte rw = 0;                  /* the reader's pinned watermark */
+byte pin_loc = 0;             /* what the pinned reader listed first: 255 nothing, else the object */
+bool listed = false;          /* the pinned reader has listed once */
+byte deleted_at = 0;          /* the version of the tombstone */
+bool purged = false;          /* X's rows below the tombstone are removed */
 
 /* Assertion markers: always 0, named in pan's message when their assertion fails. */
 bit READ_EXACTLY_ONCE;
 bit NO_DANGLING_LOCATOR;
 bit NO_RESURRECTION;
+bit PINNED_SNAPSHOT;
 
 /* Scratch, reset at the end of each step (not part of the state between steps). */
 byte i, best, cand, newest, loc, truth;
@@ -107,7 +117,12 @@ inline list_and_check() {
   fi;
   assert(((truth == TOMB || truth == 0) && loc == 255) ||
          (truth != TOMB && truth != 0 && loc == place(truth)) || READ_EXACTLY_ONCE);
-  assert(loc == 255 || exists[loc] || NO_DANGLING_LOCATOR)
+  assert(loc == 255 || exists[loc] || NO_DANGLING_LOCATOR);
+  if
+  :: rstate == 1 && !listed -> pin_loc = loc; listed = true
+  :: rstate == 1 && listed -> assert(loc == pin_loc || PINNED_SNAPSHOT)
+  :: else -> skip
+  fi
 }
 
 init {
@@ -149,7 +164,7 @@ init {
   /* The deleter, once: a tombstone at the next version (in the turn, so never inside a switch). */
   :: atomic { !deleted_ever && nrows < MAXROWS -> highest(wm, true);
        if
-       :: rows[best].kind != TOMB -> add_row(wm + 1, TOMB, true, false); wm++; deleted_ever = true
+       :: rows[best].kind != TOMB -> add_row(wm + 1, TOMB, true, false); wm++; deleted_ever = true; deleted_at = wm
        :: else -> skip
        fi; i = 0; best = 0 }
   /* The old object is removed once its retirement is committed and no reader pinned below it is reading. */
@@ -176,5 +191,16 @@ init {
 
   /* NO_RESURRECTION, checked after every step. */
   :: atomic { deleted_ever -> highest(wm, true); assert(rows[best].kind == TOMB || NO_RESURRECTION); i = 0; best = 0 }
+  /* Row removal: X's rows below its tombstone go from every table (as if never written). */
+#ifdef NO_PURGE_GRACE
+  :: atomic { deleted_ever && !purged ->
+#else
+  :: atomic { deleted_ever && !purged && cstate == 2 && !(rstate == 1 && rw < deleted_at) ->
+#endif
+       i = 0;
+       do
+       :: i < nrows -> if :: rows[i].v < deleted_at -> rows[i].com = false; rows[i].incap = false :: else -> skip fi; i++
+       :: else -> break
+       od; purged = true; i = 0 }
   od
 }
