@@ -1433,11 +1433,16 @@ async fn the_rows_of_a_deleted_capture_stay_while_its_pack_cannot_be_rewritten()
     std::fs::write(&path, bytes).unwrap();
     delete(second[0].0.clone()).await;
     let mut log = daemon.log();
-    wait_until_async(&daemon, Duration::from_secs(30), "three failed rewrites of the damaged pack (the grace long over)", || {
-        log = daemon.log();
-        let failures = log.matches("a compaction job failed").count();
-        async move { failures >= 3 }
-    })
+    wait_until_async(
+        &daemon,
+        Duration::from_secs(30),
+        "three failed rewrites of the damaged pack (the grace long over)",
+        || {
+            log = daemon.log();
+            let failures = log.matches("a compaction job failed").count();
+            async move { failures >= 3 }
+        },
+    )
     .await;
     assert_eq!(rows_in_captures(second[0].0.clone()).await, "1", "the rows stay while the erasure is pending");
     let metrics = daemon.get_ok(&client, "/metrics").await.text().await.unwrap();

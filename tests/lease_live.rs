@@ -1222,33 +1222,45 @@ async fn a_deletion_is_a_fenced_version_that_hides_the_capture_from_every_read_f
     assert!(reader.get(b, None).await.unwrap().is_some(), "the refused deletion hides nothing");
 }
 
+/// A lease held on `catalog` by `host`, kept by its keeper task, and a publisher under it.
+struct Publishing {
+    publisher: Publisher,
+    shutdown_tx: watch::Sender<bool>,
+    keeper_task: tokio::task::JoinHandle<()>,
+}
+
+async fn publishing(catalog: &Catalog, host: &str) -> Publishing {
+    let keeper = catalog.keeper(identity(host));
+    let (shutdown_tx, mut shutdown_rx) = watch::channel(false);
+    keeper.acquire_at_start(Duration::ZERO, &mut shutdown_rx).await.unwrap();
+    let publisher =
+        Publisher::new(catalog.client.clone(), catalog.tables.clone(), &catalog.config.catalog_name, keeper.handle());
+    let keeper_task = tokio::spawn(keeper.run(shutdown_rx));
+    Publishing { publisher, shutdown_tx, keeper_task }
+}
+
+/// A publish retried on a refused fence, as the daemon's loop does (18.16's whole-second lease times).
+macro_rules! retried {
+    ($call:expr) => {
+        loop {
+            match $call {
+                Ok(outcome) => break outcome,
+                Err(PublishError::NotCommitted | PublishError::NoLease) => {
+                    tokio::time::sleep(Duration::from_millis(50)).await
+                }
+                Err(other) => panic!("{other}"),
+            }
+        }
+    };
+}
+
 for_each_version!(a_relocation_moves_captures_in_one_fenced_version_and_every_reader_sees_each_once);
 async fn a_relocation_moves_captures_in_one_fenced_version_and_every_reader_sees_each_once(
     server: &'static ClickHouseServer,
 ) {
     use capstore::catalog::publish::{Relocation, RelocationOutcome, SourcePack};
     let catalog = catalog(server, false).await;
-    let keeper = catalog.keeper(identity("compactor"));
-    let (shutdown_tx, mut shutdown_rx) = watch::channel(false);
-    keeper.acquire_at_start(Duration::ZERO, &mut shutdown_rx).await.unwrap();
-    let handle = keeper.handle();
-    let keeper_task = tokio::spawn(keeper.run(shutdown_rx));
-    let publisher =
-        Publisher::new(catalog.client.clone(), catalog.tables.clone(), &catalog.config.catalog_name, handle.clone());
-    // (Retried on a refused fence, as the daemon's loop does: 18.16's whole-second lease times.)
-    macro_rules! retried {
-        ($call:expr) => {
-            loop {
-                match $call {
-                    Ok(outcome) => break outcome,
-                    Err(PublishError::NotCommitted | PublishError::NoLease) => {
-                        tokio::time::sleep(Duration::from_millis(50)).await
-                    }
-                    Err(other) => panic!("{other}"),
-                }
-            }
-        };
-    }
+    let Publishing { publisher, shutdown_tx, keeper_task } = publishing(&catalog, "compactor").await;
     let [a, b, c] = [(); 3].map(|_| Uuid::now_v7());
     let (first, second) = (pack(&[(a, "cam/1", 100), (b, "cam/1", 200)]), pack(&[(c, "cam/1", 300)]));
     for batch in [&first, &second] {
@@ -1382,27 +1394,7 @@ async fn the_rows_of_captures_deleted_longer_ago_than_the_grace_are_removed_and_
     use capstore::catalog::purge::{PurgeBatch, RowPurge};
     use capstore::catalog::query::TailPosition;
     let catalog = catalog(server, false).await;
-    let keeper = catalog.keeper(identity("purger"));
-    let (shutdown_tx, mut shutdown_rx) = watch::channel(false);
-    keeper.acquire_at_start(Duration::ZERO, &mut shutdown_rx).await.unwrap();
-    let handle = keeper.handle();
-    let keeper_task = tokio::spawn(keeper.run(shutdown_rx));
-    let publisher =
-        Publisher::new(catalog.client.clone(), catalog.tables.clone(), &catalog.config.catalog_name, handle.clone());
-    // (Retried on a refused fence, as the daemon's loop does: 18.16's whole-second lease times.)
-    macro_rules! retried {
-        ($call:expr) => {
-            loop {
-                match $call {
-                    Ok(outcome) => break outcome,
-                    Err(PublishError::NotCommitted | PublishError::NoLease) => {
-                        tokio::time::sleep(Duration::from_millis(50)).await
-                    }
-                    Err(other) => panic!("{other}"),
-                }
-            }
-        };
-    }
+    let Publishing { publisher, shutdown_tx, keeper_task } = publishing(&catalog, "purger").await;
     let [a, b, c, d] = [(); 4].map(|_| Uuid::now_v7());
     let first = pack(&[(a, "cam/1", 100), (b, "cam/1", 200), (c, "cam/1", 300)]);
     for batch in [first.clone(), pack(&[(d, "cam/2", 400)])] {

@@ -406,15 +406,16 @@ impl CatalogClient {
 
     /// [`CatalogClient::execute`] for a statement longer than the server's default `max_query_size` (256 KiB), up
     /// to `max_bytes`, and with more syntax tree elements than its default 50,000 (a long list of ids): an element
-    /// takes a byte of text at least, so the statement's length bounds both.
-    pub async fn execute_large(&self, sql: &str, max_bytes: usize) -> Result<(), CatalogError> {
+    /// takes a byte of text at least, so the statement's length bounds both. The answer may take up to `timeout`
+    /// (a server that runs a mutation before it answers).
+    pub async fn execute_large(&self, sql: &str, max_bytes: usize, timeout: Duration) -> Result<(), CatalogError> {
         let limit = max_bytes.max(sql.len() + 1).to_string();
         let query = self
             .verbatim(sql)
             .with_setting("max_query_size", limit.clone())
             .with_setting("max_ast_elements", limit.clone())
             .with_setting("max_expanded_ast_elements", limit);
-        self.execute_query(query).await
+        run_with_timeout(timeout.max(self.request_timeout), "execute", query.execute()).await
     }
 
     /// A query whose text is sent as written, with no client-side `?` binding.

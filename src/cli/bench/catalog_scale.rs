@@ -138,7 +138,8 @@ struct Count {
 }
 
 async fn count(client: &CatalogClient, sql: &str) -> anyhow::Result<u64> {
-    let rows: Vec<Count> = client.fetch_all(&format!("SELECT toUInt64(({sql})) AS value")).await?;
+    // (A scalar subquery is Nullable on current servers.)
+    let rows: Vec<Count> = client.fetch_all(&format!("SELECT toUInt64(ifNull(({sql}), 0)) AS value")).await?;
     Ok(rows.first().map_or(0, |row| row.value))
 }
 
