@@ -38,10 +38,12 @@ use super::schema::Tables;
 const PUBLISHES_PER_BATCH: u64 = 5_000;
 /// Captures per batch at most (a deletion publish holds up to 10,000, so a batch is one publish at least). Each
 /// batch is one mutation per table, and a mutation rewrites every part holding one of its rows: the fewer batches,
-/// the fewer rewrites (retention deletes old captures, which lie in the same few large parts). A statement of
-/// `by_id` names each capture as a 58-character literal: 100,000 make about 6 MB.
+/// the fewer rewrites (retention deletes old captures, which lie in the same few large parts). A statement names
+/// each capture as a 40-character literal, plus about 40 characters per distinct tombstone version: 100,000 make
+/// about 4 MB.
 pub const CAPTURES_PER_BATCH: u64 = 100_000;
-/// With replicated tables a mutation's command is a ZooKeeper node, 1 MB at most by default: about 600 KB of ids.
+/// With replicated tables a mutation's command is a ZooKeeper node, 1 MB at most by default: 10,000 captures of as
+/// many publishes make about 800 KB.
 pub const CAPTURES_PER_REPLICATED_BATCH: u64 = 10_000;
 /// The statements are larger than the server's default `max_query_size` (256 KiB).
 const MAX_STATEMENT_BYTES: usize = 8 << 20;
@@ -180,22 +182,23 @@ impl RowPurge {
         for (id, version) in &batch.captures {
             by_tombstone.entry(*version).or_default().push(id);
         }
-        let rows_below = |id_literal: &dyn Fn(&str) -> String| {
+        // Ids as plain text literals everywhere (`by_id`'s 16 bytes compared as text): a list of literals is one
+        // element of the syntax tree where a list of calls is three per id, and the server analyses a mutation
+        // again in the background with its own limits.
+        let rows_below = |id_column: &str| {
             let groups: Vec<String> = by_tombstone
                 .iter()
                 .map(|(version, ids)| {
-                    let ids: Vec<String> = ids.iter().map(|id| id_literal(id)).collect();
-                    format!("(version < {version} AND capture_id IN ({}))", ids.join(", "))
+                    let ids: Vec<String> = ids.iter().map(|id| sql_string_literal(id)).collect();
+                    format!("(version < {version} AND {id_column} IN ({}))", ids.join(", "))
                 })
                 .collect();
             format!("catalog = {} AND ({})", sql_string_literal(&self.catalog), groups.join(" OR "))
         };
-        let text_rows = rows_below(&|id: &str| sql_string_literal(id));
-        let num_rows = rows_below(&|id: &str| format!("UUIDStringToNum({})", sql_string_literal(id)));
         let statements = [
-            format!("ALTER TABLE {} DELETE WHERE {text_rows}", self.tables.captures),
-            format!("ALTER TABLE {} DELETE WHERE {text_rows}", self.tables.by_version),
-            format!("ALTER TABLE {} DELETE WHERE {num_rows}", self.tables.by_id),
+            format!("ALTER TABLE {} DELETE WHERE {}", self.tables.captures, rows_below("capture_id")),
+            format!("ALTER TABLE {} DELETE WHERE {}", self.tables.by_version, rows_below("capture_id")),
+            format!("ALTER TABLE {} DELETE WHERE {}", self.tables.by_id, rows_below("UUIDNumToString(capture_id)")),
         ];
         for (index, statement) in statements.iter().enumerate() {
             self.client.execute_large(statement, MAX_STATEMENT_BYTES, STATEMENT_TIMEOUT).await?;

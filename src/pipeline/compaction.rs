@@ -39,11 +39,14 @@
 //! committed row names. Invariants: no object is deleted while a committed row that a reader at or above the
 //! current watermark could read names it; a new pack is named by the catalog only through its switch.
 //!
-//! What is kept in memory only: the version up to which deletions were read, the pack id below which small packs
-//! were looked at (held back to the oldest pack of an open day left unmerged, and of a job a change undid), the
-//! version up to which retired objects are removed, and the version up to which deleted rows are purged. A
-//! restart's first pass reads from the start again: every deletion's tombstones and every small pack's row of the
-//! catalog (O(history), once per start; purged captures are found purged and cost no mutation). An orphan
+//! Progress, kept in the spool (`compaction/progress.json`, written durably after each pass that moved it): the
+//! version up to which deletions were read and the packs they name still to rewrite, the pack id below which small
+//! packs were looked at (held back to the oldest pack of an open day left unmerged, and of a job a change undid),
+//! the version up to which retired objects are removed, and the version up to which deleted rows are purged. So a
+//! restart goes on where the last pass stopped instead of reading the catalog's history again. Each is a bound the
+//! catalog's history only moves past, so a copy written before another holder compacted is still true; a copy whose
+//! anchor (the publish at its highest version) the catalog does not hold, a catalog recreated or another one, is
+//! dropped at the first pass, which then reads from the start (O(history), as after a lost spool). An orphan
 //! compacted object whose spool was lost with its host stays in the bucket (`capstore reconcile` leaves every
 //! compacted pack alone and counts them).
 
@@ -76,6 +79,8 @@ const SMALL_PACKS_PER_READ: u64 = 10_000;
 const DELETIONS_PER_READ: u64 = 1000;
 /// Retired packs removed per catalog request.
 const REMOVALS_PER_READ: u64 = 1000;
+/// The compactor's progress in its staging directory (not a job: its stem is no pack id).
+const PROGRESS_FILE: &str = "progress.json";
 /// Batches of row removal a pass looks at most (one found purged already costs two reads and no mutation).
 const PURGE_READS_PER_PASS: usize = 200;
 /// How long row removal waits for a running mutation before it says so in the log.
@@ -106,6 +111,19 @@ pub struct CompactionPass {
 #[derive(Debug, Clone)]
 struct Job {
     sources: Vec<PackBrief>,
+}
+
+/// The compactor's progress as the spool keeps it (see the module doc).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+struct Progress {
+    /// The publish (version, publish_id) at the highest version below, which the catalog must hold.
+    anchor: Option<(u64, String)>,
+    deletions_read_through: u64,
+    /// (pack id, key, a version every deletion naming it is above)
+    to_erase: Vec<(Uuid, String, u64)>,
+    small_packs_from: String,
+    removed_through: u64,
+    purged_through: u64,
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -141,6 +159,10 @@ pub struct Compactor {
     purged_through: u64,
     /// Since when row removal has waited for a mutation still running.
     purge_waiting_since: Option<std::time::Instant>,
+    /// The progress last written to the spool (or read from it, not yet checked against the catalog).
+    saved: Progress,
+    /// The progress read from the spool was checked against the catalog (or there was none).
+    progress_checked: bool,
 }
 
 impl Compactor {
@@ -156,7 +178,14 @@ impl Compactor {
         if !lifecycle.compaction {
             return None;
         }
-        Some(Compactor {
+        let saved = match std::fs::read(pipeline.paths.compaction.join(PROGRESS_FILE)) {
+            Ok(bytes) => serde_json::from_slice(&bytes).unwrap_or_else(|error| {
+                tracing::warn!(%error, "the compaction progress in the spool is unreadable; starting from the beginning");
+                Progress::default()
+            }),
+            Err(_) => Progress::default(),
+        };
+        let mut compactor = Compactor {
             publisher: pipeline.publisher.clone(),
             catalog,
             retired,
@@ -176,12 +205,88 @@ impl Compactor {
             purge: lifecycle.purge.then_some(purge),
             purged_through: 0,
             purge_waiting_since: None,
-        })
+            saved: Progress::default(),
+            progress_checked: false,
+        };
+        compactor.restore(saved);
+        Some(compactor)
+    }
+
+    /// Take up `progress` (checked against the catalog by the first pass).
+    fn restore(&mut self, progress: Progress) {
+        self.deletions_read_through = progress.deletions_read_through;
+        self.to_erase = progress.to_erase.iter().map(|(id, key, after)| (*id, (key.clone(), *after))).collect();
+        self.small_packs_from = progress.small_packs_from.clone();
+        self.removed_through = progress.removed_through;
+        self.purged_through = progress.purged_through;
+        self.saved = progress;
+    }
+
+    fn progress(&self) -> Progress {
+        Progress {
+            anchor: None,
+            deletions_read_through: self.deletions_read_through,
+            to_erase: self.to_erase.iter().map(|(id, (key, after))| (*id, key.clone(), *after)).collect(),
+            small_packs_from: self.small_packs_from.clone(),
+            removed_through: self.removed_through,
+            purged_through: self.purged_through,
+        }
+    }
+
+    /// The publish at exactly `version` (`None` for version 0 or one the catalog does not hold).
+    async fn publish_at(&self, version: u64) -> anyhow::Result<Option<(u64, String)>> {
+        if version == 0 {
+            return Ok(None);
+        }
+        let publishes = self.catalog.publishes_after(version - 1, 1).await?;
+        Ok(publishes.into_iter().find(|publish| publish.version == version).map(|p| (p.version, p.publish_id)))
+    }
+
+    /// Drop the progress read from the spool unless the catalog holds its anchor publish.
+    async fn check_progress(&mut self) -> anyhow::Result<()> {
+        if self.progress_checked {
+            return Ok(());
+        }
+        let saved = &self.saved;
+        let highest = saved.deletions_read_through.max(saved.removed_through).max(saved.purged_through);
+        let holds = match saved.anchor.clone() {
+            Some((version, publish_id)) => {
+                self.publish_at(version).await?.is_some_and(|(_, found)| found == publish_id)
+            }
+            None => highest == 0,
+        };
+        if !holds {
+            tracing::info!(
+                version = highest,
+                "the compaction progress in the spool is not of this catalog; reading the catalog from the start"
+            );
+            self.restore(Progress::default());
+        }
+        self.progress_checked = true;
+        Ok(())
+    }
+
+    /// Write the progress to the spool if it moved since the last write.
+    async fn save_progress(&mut self) -> anyhow::Result<()> {
+        let mut progress = self.progress();
+        let highest = progress.deletions_read_through.max(progress.removed_through).max(progress.purged_through);
+        progress.anchor = self.saved.anchor.clone().filter(|(version, _)| *version == highest);
+        if progress.anchor.is_none() {
+            progress.anchor = self.publish_at(highest).await?;
+        }
+        if progress == self.saved {
+            return Ok(());
+        }
+        let (path, bytes) = (self.staging.join(PROGRESS_FILE), serde_json::to_vec(&progress)?);
+        blocking(move || crate::durable::write_file_durable(&path, &bytes)).await?;
+        self.saved = progress;
+        Ok(())
     }
 
     /// One pass; see the module doc.
     pub async fn pass(&mut self, stopping: &tokio::sync::watch::Receiver<bool>) -> anyhow::Result<CompactionPass> {
         let mut pass = CompactionPass::default();
+        self.check_progress().await?;
         // Removals first: a job that keeps failing must not hold back the removal of what earlier jobs replaced.
         self.remove_due_objects(&mut pass).await?;
         self.finish_staged_jobs(&mut pass).await?;
@@ -225,6 +330,7 @@ impl Compactor {
         if let Err(error) = self.purge_rows(&mut pass, stopping).await {
             tracing::warn!(error = %format!("{error:#}"), "removing deleted captures' rows failed; the next pass tries again");
         }
+        self.save_progress().await?;
         if pass != CompactionPass::default() {
             tracing::info!(
                 packs_replaced = pass.packs_replaced,
@@ -601,9 +707,11 @@ impl Compactor {
                 || *stopping.borrow()
                 || pass.captures_purged >= PURGE_CAPTURES_PER_PASS
             {
+                self.purge_waiting_since = None;
                 return Ok(());
             }
             let Some(batch) = purge.next_batch(self.purged_through, erased_through, self.read_grace).await? else {
+                self.purge_waiting_since = None;
                 return Ok(());
             };
             if !batch.captures.is_empty() {
