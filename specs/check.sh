@@ -49,6 +49,7 @@ compaction.pml|LIST_DROPS_MOVES|exhaustive|refuted|READ_EXACTLY_ONCE
 compaction.pml|NO_RECHECK|exhaustive|refuted|NO_RESURRECTION
 compaction.pml|NO_GRACE|exhaustive|refuted|NO_DANGLING_LOCATOR
 compaction.pml|NO_PURGE_GRACE|exhaustive|refuted|PINNED_SNAPSHOT
+compaction.pml|PURGE_BEFORE_ERASURE|exhaustive|refuted|ERASURE_FINDABLE
 '
 # Slower "holds" runs (about 2 more minutes), run with CHECK_ALL=1:
 if [ "${CHECK_ALL:-0}" = 1 ]; then

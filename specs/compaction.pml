@@ -19,9 +19,10 @@
  * anything else (a tombstone) drops it.
  *
  * Grace (lifecycle.read_grace): the old object is removed only once no reader pinned below its retirement is still
- * reading; the grace period is what bounds such a reader in the real system. Likewise the rows of a deleted X below
- * its tombstone are removed from every table (the tombstone stays) once the compactor is done with X and no reader
- * pinned below the tombstone is still reading.
+ * reading; the grace period is what bounds such a reader in the real system. Erasure: once X is deleted, each pack
+ * a committed row of X names is rewritten without it (here: retired, X being its only capture), found through
+ * those rows. The rows of a deleted X below its tombstone are removed from every table (the tombstone stays) once
+ * every object they name is retired and no reader pinned below the tombstone is still reading.
  *
  * Variants (spin -DNAME -a compaction.pml); expected verdicts are in check.sh.
  *   (none)            the design
@@ -30,6 +31,7 @@
  *   NO_RECHECK        control: the switch does not re-check X's newest row inside the turn
  *   NO_GRACE          control: the old object is removed as soon as its retirement commits
  *   NO_PURGE_GRACE    control: a deleted capture's rows are removed as soon as its deletion commits
+ *   PURGE_BEFORE_ERASURE control: the rows are removed whether or not the packs they name are rewritten yet
  *
  * Properties (assertion markers):
  *   READ_EXACTLY_ONCE     a list at W returns X once, at the place of its newest committed row at or below W,
@@ -37,6 +39,8 @@
  *   NO_DANGLING_LOCATOR   a place a list returns is an object that exists
  *   NO_RESURRECTION       once a deletion commits, X's newest committed row stays a tombstone
  *   PINNED_SNAPSHOT       a reader pinned at W lists the same answer every time it lists, until it lets go
+ *   ERASURE_FINDABLE      a row removed names an object that is retired already (else erasure, which finds a
+ *                         deleted capture's packs by its rows, could no longer find that one)
  */
 
 #define CAP_A 1     /* the capture, in pack A */
@@ -50,6 +54,7 @@ byte nrows = 1;
 byte wm = 1;                  /* the watermark: versions 1..wm are committed */
 bool exists[2];               /* objects of A (0) and B (1) */
 byte retired_at = 0;          /* the version that retired A */
+byte b_retired_at = 0;        /* the version that retired B (erasure after a switch) */
 byte cstate = 0;              /* compactor: 0 idle, 1 B written and uploaded, 2 done */
 byte failures = 0;            /* refused switches so far (at most 1) */
 bool deleted_ever = false;
@@ -65,9 +70,11 @@ bit READ_EXACTLY_ONCE;
 bit NO_DANGLING_LOCATOR;
 bit NO_RESURRECTION;
 bit PINNED_SNAPSHOT;
+bit ERASURE_FINDABLE;
 
 /* Scratch, reset at the end of each step (not part of the state between steps). */
 byte i, best, cand, newest, loc, truth;
+bool named_retired;
 
 /* best := index of the highest committed row at or below w (over all rows when all, else those in captures) */
 inline highest(w, all) {
@@ -158,8 +165,8 @@ init {
           :: failures == 0 -> add_row(wm + 1, MOVE_B, false, MOVES_IN_CAPTURES); failures++
           fi
        :: else ->
-          /* changed since the plan: no committed row names B, which is deleted */
-          exists[1] = false; cstate = 2
+          /* changed since the plan: no committed row names B, which is deleted; the job is planned again */
+          exists[1] = false; cstate = 0
        fi; i = 0; best = 0 }
   /* The deleter, once: a tombstone at the next version (in the turn, so never inside a switch). */
   :: atomic { !deleted_ever && nrows < MAXROWS -> highest(wm, true);
@@ -167,11 +174,19 @@ init {
        :: rows[best].kind != TOMB -> add_row(wm + 1, TOMB, true, false); wm++; deleted_ever = true; deleted_at = wm
        :: else -> skip
        fi; i = 0; best = 0 }
-  /* The old object is removed once its retirement is committed and no reader pinned below it is reading. */
+  /* Erasure after the switch: X deleted, B (which a committed move names) is retired by a version of its own. */
+  :: atomic { cstate == 2 && deleted_ever && b_retired_at == 0 && exists[1] -> highest(wm, true);
+       if
+       :: rows[best].kind == TOMB -> wm++; b_retired_at = wm
+       :: else -> skip
+       fi; i = 0; best = 0 }
+  /* An old object is removed once its retirement is committed and no reader pinned below it is reading. */
 #ifdef NO_GRACE
   :: atomic { retired_at > 0 && exists[0] -> exists[0] = false }
+  :: atomic { b_retired_at > 0 && exists[1] -> exists[1] = false }
 #else
   :: atomic { retired_at > 0 && exists[0] && !(rstate == 1 && rw < retired_at) -> exists[0] = false }
+  :: atomic { b_retired_at > 0 && exists[1] && !(rstate == 1 && rw < b_retired_at) -> exists[1] = false }
 #endif
   /* A merge of `captures`: only the highest-version row of X stays there, committed or not. */
   :: atomic { true -> best = 255; i = 0;
@@ -191,16 +206,36 @@ init {
 
   /* NO_RESURRECTION, checked after every step. */
   :: atomic { deleted_ever -> highest(wm, true); assert(rows[best].kind == TOMB || NO_RESURRECTION); i = 0; best = 0 }
-  /* Row removal: X's rows below its tombstone go from every table (as if never written). */
-#ifdef NO_PURGE_GRACE
+  /* Row removal: X's rows below its tombstone go from every table (as if never written), once every object they
+     name is retired (erasure is done with them) and no reader pinned below the tombstone is reading. */
   :: atomic { deleted_ever && !purged ->
-#else
-  :: atomic { deleted_ever && !purged && cstate == 2 && !(rstate == 1 && rw < deleted_at) ->
-#endif
-       i = 0;
+       named_retired = true; i = 0;
        do
-       :: i < nrows -> if :: rows[i].v < deleted_at -> rows[i].com = false; rows[i].incap = false :: else -> skip fi; i++
+       :: i < nrows ->
+          if
+          :: rows[i].com && rows[i].v < deleted_at && rows[i].kind == CAP_A && retired_at == 0 -> named_retired = false
+          :: rows[i].com && rows[i].v < deleted_at && rows[i].kind == MOVE_B && b_retired_at == 0 -> named_retired = false
+          :: else -> skip
+          fi; i++
        :: else -> break
-       od; purged = true; i = 0 }
+       od;
+       if
+#ifdef PURGE_BEFORE_ERASURE
+       :: !(rstate == 1 && rw < deleted_at) ->
+#else
+#ifdef NO_PURGE_GRACE
+       :: named_retired ->
+#else
+       :: named_retired && !(rstate == 1 && rw < deleted_at) ->
+#endif
+#endif
+          assert(named_retired || ERASURE_FINDABLE);
+          i = 0;
+          do
+          :: i < nrows -> if :: rows[i].v < deleted_at -> rows[i].com = false; rows[i].incap = false :: else -> skip fi; i++
+          :: else -> break
+          od; purged = true
+       :: else -> skip
+       fi; i = 0; named_retired = false }
   od
 }
