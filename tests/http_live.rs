@@ -1399,7 +1399,7 @@ async fn a_row_removal_killed_between_its_statements_is_finished_after_the_resta
     let foreign = serde_json::json!({
         "anchor": [anchor[0], uuid::Uuid::now_v7().to_string()],
         "deletions_read_through": 1_000_000_000u64,
-        "to_erase": [],
+        "to_erase": {},
         "small_packs_from": "",
         "removed_through": 1_000_000_000u64,
         "purged_through": 1_000_000_000u64,

@@ -26,6 +26,10 @@
 //! nests subqueries, and newer servers refuse non-deterministic mutations on replicated tables. Mutations run in the
 //! background on the server; a batch is not started while one on these tables is still running, so they never pile
 //! up.
+//!
+//! A removal is not a publish: it takes no version and carries no fence. Only the lease holder runs it (the
+//! compactor's passes need a publish permit), but a stale process that ran it anyway would remove only rows that a
+//! committed tombstone already hides from every reader, and removing them twice is removing nothing.
 
 use std::collections::BTreeMap;
 use std::time::Duration;

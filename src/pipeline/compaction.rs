@@ -113,17 +113,29 @@ struct Job {
     sources: Vec<PackBrief>,
 }
 
-/// The compactor's progress as the spool keeps it (see the module doc).
+/// The compactor's progress, as it works on it and as the spool keeps it (see the module doc).
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 struct Progress {
-    /// The publish (version, publish_id) at the highest version below, which the catalog must hold.
+    /// The publish (version, publish_id) at [`Progress::highest_version`], which the catalog must hold (set when
+    /// written to the spool).
     anchor: Option<(u64, String)>,
+    /// Deletions published at or below this version are planned for.
     deletions_read_through: u64,
-    /// (pack id, key, a version every deletion naming it is above)
-    to_erase: Vec<(Uuid, String, u64)>,
+    /// Packs named by deletions, still to rewrite: pack id -> (key, a version every deletion naming it is above).
+    to_erase: BTreeMap<Uuid, (String, u64)>,
+    /// Every small pack with an id below this was planned for by an earlier pass.
     small_packs_from: String,
+    /// Every retired pack at or below this version is removed (a lower bound that keeps the removal read short).
     removed_through: u64,
+    /// The rows of every capture deleted at or below this version are removed (or being removed).
     purged_through: u64,
+}
+
+impl Progress {
+    /// The highest catalog version the progress names.
+    fn highest_version(&self) -> u64 {
+        self.deletions_read_through.max(self.removed_through).max(self.purged_through)
+    }
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -145,20 +157,12 @@ pub struct Compactor {
     pass_bytes: u64,
     target_bytes: u64,
     read_grace: Duration,
-    /// Deletions published at or below this version are planned for.
-    deletions_read_through: u64,
-    /// Packs named by deletions, still to rewrite: pack id -> (key, a version every deletion naming it is above).
-    to_erase: BTreeMap<Uuid, (String, u64)>,
-    /// Every small pack with an id below this was planned for by an earlier pass.
-    small_packs_from: String,
-    /// Every retired pack at or below this version is removed (a lower bound that keeps the removal read short).
-    removed_through: u64,
     /// Removes deleted captures' rows; `None` with `lifecycle.purge` off.
     purge: Option<RowPurge>,
-    /// The rows of every capture deleted at or below this version are removed (or being removed).
-    purged_through: u64,
     /// Since when row removal has waited for a mutation still running.
     purge_waiting_since: Option<std::time::Instant>,
+    /// Where the work stands.
+    progress: Progress,
     /// The progress last written to the spool (or read from it, not yet checked against the catalog).
     saved: Progress,
     /// The progress read from the spool was checked against the catalog (or there was none).
@@ -185,7 +189,7 @@ impl Compactor {
             }),
             Err(_) => Progress::default(),
         };
-        let mut compactor = Compactor {
+        Some(Compactor {
             publisher: pipeline.publisher.clone(),
             catalog,
             retired,
@@ -198,39 +202,12 @@ impl Compactor {
             pass_bytes: lifecycle.compaction_pass_bytes.0,
             target_bytes: pipeline.config.spool.pack_max_bytes.0,
             read_grace: lifecycle.read_grace.0,
-            deletions_read_through: 0,
-            to_erase: BTreeMap::new(),
-            small_packs_from: String::new(),
-            removed_through: 0,
             purge: lifecycle.purge.then_some(purge),
-            purged_through: 0,
             purge_waiting_since: None,
-            saved: Progress::default(),
+            progress: saved.clone(),
+            saved,
             progress_checked: false,
-        };
-        compactor.restore(saved);
-        Some(compactor)
-    }
-
-    /// Take up `progress` (checked against the catalog by the first pass).
-    fn restore(&mut self, progress: Progress) {
-        self.deletions_read_through = progress.deletions_read_through;
-        self.to_erase = progress.to_erase.iter().map(|(id, key, after)| (*id, (key.clone(), *after))).collect();
-        self.small_packs_from = progress.small_packs_from.clone();
-        self.removed_through = progress.removed_through;
-        self.purged_through = progress.purged_through;
-        self.saved = progress;
-    }
-
-    fn progress(&self) -> Progress {
-        Progress {
-            anchor: None,
-            deletions_read_through: self.deletions_read_through,
-            to_erase: self.to_erase.iter().map(|(id, (key, after))| (*id, key.clone(), *after)).collect(),
-            small_packs_from: self.small_packs_from.clone(),
-            removed_through: self.removed_through,
-            purged_through: self.purged_through,
-        }
+        })
     }
 
     /// The publish at exactly `version` (`None` for version 0 or one the catalog does not hold).
@@ -247,9 +224,8 @@ impl Compactor {
         if self.progress_checked {
             return Ok(());
         }
-        let saved = &self.saved;
-        let highest = saved.deletions_read_through.max(saved.removed_through).max(saved.purged_through);
-        let holds = match saved.anchor.clone() {
+        let highest = self.saved.highest_version();
+        let holds = match self.saved.anchor.clone() {
             Some((version, publish_id)) => {
                 self.publish_at(version).await?.is_some_and(|(_, found)| found == publish_id)
             }
@@ -260,7 +236,7 @@ impl Compactor {
                 version = highest,
                 "the compaction progress in the spool is not of this catalog; reading the catalog from the start"
             );
-            self.restore(Progress::default());
+            (self.progress, self.saved) = (Progress::default(), Progress::default());
         }
         self.progress_checked = true;
         Ok(())
@@ -268,8 +244,8 @@ impl Compactor {
 
     /// Write the progress to the spool if it moved since the last write.
     async fn save_progress(&mut self) -> anyhow::Result<()> {
-        let mut progress = self.progress();
-        let highest = progress.deletions_read_through.max(progress.removed_through).max(progress.purged_through);
+        let mut progress = self.progress.clone();
+        let highest = progress.highest_version();
         progress.anchor = self.saved.anchor.clone().filter(|(version, _)| *version == highest);
         if progress.anchor.is_none() {
             progress.anchor = self.publish_at(highest).await?;
@@ -315,7 +291,7 @@ impl Compactor {
             if replaced {
                 for source in &job.sources {
                     if let Ok(id) = Uuid::parse_str(&source.pack_id) {
-                        self.to_erase.remove(&id);
+                        self.progress.to_erase.remove(&id);
                     }
                 }
             } else if let Some(first) = job.sources.iter().map(|source| &source.pack_id).min() {
@@ -324,7 +300,7 @@ impl Compactor {
             }
         }
         if all_planned {
-            self.small_packs_from = small_packs_next;
+            self.progress.small_packs_from = small_packs_next;
         }
         // A purge that fails (a statement refused, the catalog away) is tried again by the next pass.
         if let Err(error) = self.purge_rows(&mut pass, stopping).await {
@@ -349,30 +325,30 @@ impl Compactor {
         // Packs named by deletions since the last look.
         loop {
             let (deleted, through) =
-                self.catalog.deleted_after(self.deletions_read_through, DELETIONS_PER_READ).await?;
+                self.catalog.deleted_after(self.progress.deletions_read_through, DELETIONS_PER_READ).await?;
             for key in self.catalog.objects_holding(&deleted).await? {
                 match pack_of_key(&key) {
                     Some((pack_id, _)) => {
-                        self.to_erase.entry(pack_id).or_insert((key, self.deletions_read_through));
+                        self.progress.to_erase.entry(pack_id).or_insert((key, self.progress.deletions_read_through));
                     }
                     // Not a pack key capstore writes: nothing here can rewrite it, and the deleted rows naming it
                     // are removed all the same.
                     None => tracing::warn!(%key, "a deleted capture is in an object that is not a pack; not erased"),
                 }
             }
-            if through == self.deletions_read_through {
+            if through == self.progress.deletions_read_through {
                 break;
             }
-            self.deletions_read_through = through;
+            self.progress.deletions_read_through = through;
         }
-        let erase_ids: Vec<Uuid> = self.to_erase.keys().copied().collect();
+        let erase_ids: Vec<Uuid> = self.progress.to_erase.keys().copied().collect();
         for retired in self.retired_among(&erase_ids).await? {
-            self.to_erase.remove(&retired);
+            self.progress.to_erase.remove(&retired);
         }
 
         let until = uuid_v7_text_floor(crate::util::now_ns().saturating_sub(self.min_age.as_nanos() as u64));
         let mut small = Vec::new();
-        let mut from = self.small_packs_from.clone();
+        let mut from = self.progress.small_packs_from.clone();
         loop {
             let page = self.catalog.small_packs(self.small_pack_bytes, &from, &until, SMALL_PACKS_PER_READ).await?;
             let Some(last) = page.last() else { break };
@@ -387,7 +363,7 @@ impl Compactor {
         // instead, which erases as well.
         let small_ids: std::collections::HashSet<&str> = small.iter().map(|pack| pack.pack_id.as_str()).collect();
         let mut jobs = Vec::new();
-        for (pack_id, (key, _)) in &self.to_erase {
+        for (pack_id, (key, _)) in &self.progress.to_erase {
             if !small_ids.contains(pack_id.to_string().as_str()) {
                 let brief = PackBrief {
                     pack_id: pack_id.to_string(),
@@ -399,7 +375,7 @@ impl Compactor {
                 jobs.push(Job { sources: vec![brief] });
             }
         }
-        let must: std::collections::HashSet<String> = self.to_erase.keys().map(Uuid::to_string).collect();
+        let must: std::collections::HashSet<String> = self.progress.to_erase.keys().map(Uuid::to_string).collect();
         let mut by_day: BTreeMap<u64, Vec<PackBrief>> = BTreeMap::new();
         for pack in small {
             by_day.entry(pack.first_captured_at_ns / NS_PER_DAY).or_default().push(pack);
@@ -670,7 +646,7 @@ impl Compactor {
     /// Remove the objects of retired packs whose grace period is over, recording each removal.
     async fn remove_due_objects(&mut self, pass: &mut CompactionPass) -> anyhow::Result<()> {
         loop {
-            let due = self.retired.due(self.read_grace, self.removed_through, REMOVALS_PER_READ).await?;
+            let due = self.retired.due(self.read_grace, self.progress.removed_through, REMOVALS_PER_READ).await?;
             let Some(last) = due.last() else { return Ok(()) };
             let full = due.len() as u64 == REMOVALS_PER_READ;
             for pack in &due {
@@ -681,7 +657,7 @@ impl Compactor {
             }
             self.retired.mark_removed(&due).await?;
             // Removed rows are never read as due again; a cut inside one version reads that version again.
-            self.removed_through = if full { last.version.saturating_sub(1) } else { last.version };
+            self.progress.removed_through = if full { last.version.saturating_sub(1) } else { last.version };
             if !full {
                 return Ok(());
             }
@@ -700,17 +676,23 @@ impl Compactor {
         let Some(purge) = self.purge.clone() else { return Ok(()) };
         // Erased: every deletion up to the oldest one a pack still to rewrite comes from (a rewrite that keeps
         // failing, logged each pass, holds back the rows of later deletions too).
-        let erased_through =
-            self.to_erase.values().map(|(_, after)| *after).min().unwrap_or(self.deletions_read_through);
+        let erased_through = self
+            .progress
+            .to_erase
+            .values()
+            .map(|(_, after)| *after)
+            .min()
+            .unwrap_or(self.progress.deletions_read_through);
         for _ in 0..PURGE_READS_PER_PASS {
-            if self.purged_through >= erased_through
+            if self.progress.purged_through >= erased_through
                 || *stopping.borrow()
                 || pass.captures_purged >= PURGE_CAPTURES_PER_PASS
             {
                 self.purge_waiting_since = None;
                 return Ok(());
             }
-            let Some(batch) = purge.next_batch(self.purged_through, erased_through, self.read_grace).await? else {
+            let Some(batch) = purge.next_batch(self.progress.purged_through, erased_through, self.read_grace).await?
+            else {
                 self.purge_waiting_since = None;
                 return Ok(());
             };
@@ -734,7 +716,7 @@ impl Compactor {
                     "removing deleted captures' rows"
                 );
             }
-            self.purged_through = batch.through;
+            self.progress.purged_through = batch.through;
             pass.captures_purged += batch.captures.len() as u64;
             self.counters.captures_purged.fetch_add(batch.captures.len() as u64, Ordering::Relaxed);
         }
