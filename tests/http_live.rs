@@ -1257,10 +1257,33 @@ async fn erasure_rewrites_packs_without_their_deleted_captures_and_removes_the_o
         let sql = format!("SELECT count() FROM {table} WHERE capture_id IN ({}) FORMAT TSV", ids.join(", "));
         async move { client.post(url).body(sql).send().await.unwrap().text().await.unwrap().trim().to_string() }
     };
-    wait_until_async(&daemon, Duration::from_secs(30), "the deleted captures' rows removed", || async {
-        rows_in(tables.captures.clone()).await == "0" && rows_in(tables.by_version.clone()).await == "2"
-    })
-    .await;
+    let removed =
+        || async { rows_in(tables.captures.clone()).await == "0" && rows_in(tables.by_version.clone()).await == "2" };
+    let started = Instant::now();
+    while !removed().await {
+        if started.elapsed() > common::MUTATION_PATIENCE {
+            let mutations = client
+                .post(config.catalog.url.clone())
+                .body(format!(
+                    "SELECT table, mutation_id, command, is_done, parts_to_do FROM system.mutations \
+                     WHERE database = '{}' FORMAT TSV",
+                    tables.database
+                ))
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            panic!(
+                "the deleted captures' rows not removed within {:?}; mutations:\n{mutations}\nserver log:\n{}\n{}",
+                common::MUTATION_PATIENCE,
+                common::clickhouse::shared_server().log_tail(),
+                daemon.log()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let metrics = daemon.get_ok(&client, "/metrics").await.text().await.unwrap();
     assert_eq!(metric(&metrics, "capstore_captures_purged_total"), 2);
     let tail = json(daemon.get_ok(&client, "/v1/tail?after=0&limit=100").await).await;
@@ -1459,7 +1482,7 @@ async fn the_rows_of_a_deleted_capture_stay_while_its_pack_cannot_be_rewritten()
     };
     // A deletion whose pack is rewritten: its rows go.
     delete(first[0].0.clone()).await;
-    wait_until_async(&daemon, Duration::from_secs(30), "the first deleted capture's rows removed", || async {
+    wait_until_async(&daemon, common::MUTATION_PATIENCE, "the first deleted capture's rows removed", || async {
         rows_in_captures(first[0].0.clone()).await == "0"
     })
     .await;
@@ -1501,7 +1524,7 @@ async fn the_rows_of_a_deleted_capture_stay_while_its_pack_cannot_be_rewritten()
         );
         async move { client.post(url).body(sql).send().await.unwrap().text().await.unwrap().trim().to_string() }
     };
-    wait_until_async(&daemon, Duration::from_secs(30), "no mutation running", || async { unfinished().await == "0" })
+    wait_until_async(&daemon, common::MUTATION_PATIENCE, "no mutation running", || async { unfinished().await == "0" })
         .await;
     assert_eq!(rows_in_captures(second[0].0.clone()).await, "1", "the rows stay while the erasure is pending");
     let metrics = daemon.get_ok(&client, "/metrics").await.text().await.unwrap();

@@ -1078,9 +1078,9 @@ async fn gc_removes_orphan_rows_from_every_table_and_keeps_every_committed_captu
         "SELECT count() FROM system.mutations WHERE database = '{}' AND is_done = 0 FORMAT TSV",
         tables.database
     );
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let deadline = Instant::now() + common::MUTATION_PATIENCE;
     while server.query(&pending).unwrap().trim() != "0" {
-        assert!(Instant::now() < deadline, "mutations still pending after 60 s");
+        assert!(Instant::now() < deadline, "mutations still pending after {:?}", common::MUTATION_PATIENCE);
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let rows_of = |table: &str, capture: Uuid| {
@@ -1472,9 +1472,9 @@ async fn the_rows_of_captures_deleted_longer_ago_than_the_grace_are_removed_and_
         .await
         .unwrap();
     assert_eq!(between.into_inner(), 1, "the hook runs once, between the first statement and the others");
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let deadline = Instant::now() + common::MUTATION_PATIENCE;
     while purge.in_flight().await.unwrap() {
-        assert!(Instant::now() < deadline, "the mutations did not finish within a minute");
+        assert!(Instant::now() < deadline, "the mutations did not finish within {:?}", common::MUTATION_PATIENCE);
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(
@@ -1514,9 +1514,9 @@ async fn the_rows_of_captures_deleted_longer_ago_than_the_grace_are_removed_and_
     assert_eq!(purge.next_batch(7, 7, Duration::ZERO).await.unwrap(), None);
     // A stale batch (a read that missed a's post at 5) removes nothing at or above a's tombstone: a stays.
     purge.remove(&PurgeBatch { through: 7, captures: vec![(a.to_string(), 4)] }, || {}).await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let deadline = Instant::now() + common::MUTATION_PATIENCE;
     while purge.in_flight().await.unwrap() {
-        assert!(Instant::now() < deadline, "the mutations did not finish within a minute");
+        assert!(Instant::now() < deadline, "the mutations did not finish within {:?}", common::MUTATION_PATIENCE);
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(snapshot(&[a])[0], vec![vec![5], vec![4, 5], vec![4, 5]], "a keeps its tombstone and its post");

@@ -35,6 +35,13 @@ struct SpawnRequest {
     reply_tx: mpsc::Sender<io::Result<Child>>,
 }
 
+/// How long a test waits for the server to run a mutation (`ALTER ... DELETE`). ClickHouse runs mutations from its
+/// background pool, which looks for work again only after a sleep that starts at 10 s and grows while it finds none
+/// (18.16); on a loaded machine a mutation issued just after a look waits for the next one, which CI has seen take
+/// over 30 s.
+#[allow(dead_code)] // not every test binary waits for mutations
+pub const MUTATION_PATIENCE: Duration = Duration::from_secs(180);
+
 /// A service binary: `$<env_var>` if set (it must exist), else `name` on PATH, else `cached` (an install under
 /// `~/.cache`); panics with `hint` (the install command) when none is there.
 pub fn find_service_binary(env_var: &str, name: &str, cached: &str, hint: &str) -> PathBuf {
