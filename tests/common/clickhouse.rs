@@ -88,6 +88,13 @@ impl ClickHouseServer {
         )
     }
 
+    /// SIGKILL the server and reap it (a replica lost; see [`super::cluster`]).
+    pub fn kill(&self) {
+        let mut child = self.child.lock().unwrap();
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+
     /// Run one statement over plain HTTP, independent of the code under test (a direct connection). Results come
     /// as TabSeparated on every version.
     pub fn query(&self, sql: &str) -> Result<String, String> {
@@ -136,7 +143,7 @@ macro_rules! for_each_version {
     };
 }
 
-fn find_server_binary() -> PathBuf {
+pub fn find_server_binary() -> PathBuf {
     let path_var = std::env::var_os("PATH").unwrap_or_default();
     // Debian puts it in /usr/sbin, which a non-root PATH may lack.
     let mut dirs: Vec<PathBuf> = std::env::split_paths(&path_var).collect();
@@ -285,11 +292,20 @@ fn wait_ready(
 }
 
 fn try_start(binary: &Path) -> Result<ClickHouseServer, String> {
-    let dir = super::scratch_dir("clickhouse");
     let ports = super::free_ports(2, false);
-    let (http_port, tcp_port) = (ports[0], ports[1]);
+    start_18_16(binary, super::scratch_dir("clickhouse"), ports[0], ports[1], "")
+}
+
+/// Debian's server on the given ports, its data in `dir`, with `extra` (XML elements) added to its configuration.
+pub fn start_18_16(
+    binary: &Path,
+    dir: PathBuf,
+    http_port: u16,
+    tcp_port: u16,
+    extra: &str,
+) -> Result<ClickHouseServer, String> {
     let config_path = dir.join("config.xml");
-    std::fs::write(&config_path, server_config(&dir, http_port, tcp_port)).unwrap();
+    std::fs::write(&config_path, server_config(&dir, http_port, tcp_port, extra)).unwrap();
     let stderr_file = std::fs::File::create(dir.join("stderr.log")).unwrap();
     let mut command = Command::new(binary);
     command
@@ -312,9 +328,10 @@ fn try_start(binary: &Path) -> Result<ClickHouseServer, String> {
     })
 }
 
-fn server_config(dir: &Path, http_port: u16, tcp_port: u16) -> String {
+fn server_config(dir: &Path, http_port: u16, tcp_port: u16, extra: &str) -> String {
     let dir = dir.display();
-    // No interserver_http_port: a single server replicates nothing, and an unset port is not opened.
+    // No interserver_http_port unless `extra` sets one: a single server replicates nothing, and an unset port is not
+    // opened.
     format!(
         r#"<?xml version="1.0"?>
 <yandex>
@@ -334,6 +351,7 @@ fn server_config(dir: &Path, http_port: u16, tcp_port: u16) -> String {
     <default_database>default</default_database>
     <mark_cache_size>5368709120</mark_cache_size>
     <max_concurrent_queries>100</max_concurrent_queries>
+{extra}
 </yandex>
 "#
     )

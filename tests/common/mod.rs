@@ -1,6 +1,7 @@
 //! Test harness: the real services live tests run against, started by the tests themselves on loopback ports.
 //!
 //! - [`clickhouse::shared_server`]: one private ClickHouse per test process.
+//! - [`cluster::ClickHouseCluster`]: ZooKeeper and three replicated ClickHouse 18.16 servers, one per test.
 //! - [`s3::shared_s3`]: one SeaweedFS S3 server per test process, stoppable to simulate an outage.
 //! - [`azurite::shared_azurite`]: one Azurite (Azure Blob emulator) per test process.
 //! - [`gcs::shared_gcs`]: one fake-gcs-server per test process (reads only: it refuses object_store's uploads).
@@ -17,6 +18,7 @@
 
 pub mod azurite;
 pub mod clickhouse;
+pub mod cluster;
 pub mod daemon;
 pub mod gcs;
 pub mod packs;
@@ -39,7 +41,6 @@ struct SpawnRequest {
 /// background pool, which looks for work again only after a sleep that starts at 10 s and grows while it finds none
 /// (18.16); on a loaded machine a mutation issued just after a look waits for the next one, which CI has seen take
 /// over 30 s.
-#[allow(dead_code)] // not every test binary waits for mutations
 pub const MUTATION_PATIENCE: Duration = Duration::from_secs(180);
 
 /// A service binary: `$<env_var>` if set (it must exist), else `name` on PATH, else `cached` (an install under

@@ -1,0 +1,134 @@
+//! A replicated ClickHouse cluster on loopback: one ZooKeeper (Debian's `zookeeper` package) and three ClickHouse
+//! 18.16 servers, one shard of three replicas named [`CLUSTER`], each with its own HTTP, native and interserver port
+//! on 127.0.0.1, `macros` (`{shard}`, `{replica}`) and the distributed DDL queue that `ON CLUSTER` statements use.
+//! Every process is a child tied to the test process (see [`super::spawn_tied_to_process`]).
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use super::clickhouse::ClickHouseServer;
+
+/// The cluster's name in every server's `remote_servers` (what `catalog.cluster` names).
+pub const CLUSTER: &str = "capstore_test";
+const REPLICAS: usize = 3;
+const ZOOKEEPER_HINT: &str =
+    "ZooKeeper is not installed: `apt-get install -y zookeeper` (Debian's package, with a JRE)";
+
+pub struct ClickHouseCluster {
+    pub replicas: Vec<ClickHouseServer>,
+    /// How each replica was started (ports and configuration), to start it again on the same data.
+    starts: Vec<ReplicaStart>,
+    _zookeeper: Child,
+    zookeeper_dir: PathBuf,
+}
+
+struct ReplicaStart {
+    http_port: u16,
+    tcp_port: u16,
+    extra: String,
+}
+
+impl ClickHouseCluster {
+    /// Start ZooKeeper and the three replicas; panics with the install hint when ZooKeeper is missing.
+    pub fn start() -> ClickHouseCluster {
+        let (zookeeper, zookeeper_dir, zookeeper_port) = start_zookeeper();
+        let ports = super::free_ports(3 * REPLICAS, false);
+        let tcp_port = |replica: usize| ports[3 * replica + 1];
+        let shard_replicas: String = (0..REPLICAS)
+            .map(|replica| format!("<replica><host>127.0.0.1</host><port>{}</port></replica>", tcp_port(replica)))
+            .collect();
+        let starts: Vec<ReplicaStart> = (0..REPLICAS)
+            .map(|replica| {
+                let extra = format!(
+                    r#"    <interserver_http_port>{interserver}</interserver_http_port>
+    <interserver_http_host>127.0.0.1</interserver_http_host>
+    <zookeeper><node><host>127.0.0.1</host><port>{zookeeper_port}</port></node></zookeeper>
+    <remote_servers><{CLUSTER}><shard><internal_replication>true</internal_replication>{shard_replicas}</shard></{CLUSTER}></remote_servers>
+    <macros><shard>01</shard><replica>r{replica}</replica></macros>
+    <distributed_ddl><path>/clickhouse/task_queue/ddl</path></distributed_ddl>"#,
+                    interserver = ports[3 * replica + 2],
+                );
+                ReplicaStart { http_port: ports[3 * replica], tcp_port: tcp_port(replica), extra }
+            })
+            .collect();
+        let replicas = starts
+            .iter()
+            .enumerate()
+            .map(|(replica, start)| start_replica(replica, start, super::scratch_dir("clickhouse-replica")))
+            .collect();
+        ClickHouseCluster { replicas, starts, _zookeeper: zookeeper, zookeeper_dir }
+    }
+
+    /// SIGKILL replica `index` and start it again on its data and ports, once it answers.
+    pub fn restart(&mut self, index: usize) {
+        self.replicas[index].kill();
+        let dir = self.replicas[index].dir.clone();
+        self.replicas[index] = start_replica(index, &self.starts[index], dir);
+    }
+
+    /// ZooKeeper's log tail, for assertion messages.
+    pub fn zookeeper_log(&self) -> String {
+        super::log_tail(&self.zookeeper_dir.join("stdout.log"), 20)
+    }
+}
+
+fn start_replica(replica: usize, start: &ReplicaStart, dir: PathBuf) -> ClickHouseServer {
+    let binary = super::clickhouse::find_server_binary();
+    super::clickhouse::start_18_16(&binary, dir, start.http_port, start.tcp_port, &start.extra)
+        .unwrap_or_else(|error| panic!("replica {replica} of the test cluster did not start: {error}"))
+}
+
+/// ZooKeeper in the foreground on a free port, data in a scratch directory, answering `ruok` before this returns.
+fn start_zookeeper() -> (Child, PathBuf, u16) {
+    let script = Path::new("/usr/share/zookeeper/bin/zkServer.sh");
+    assert!(script.is_file(), "{ZOOKEEPER_HINT}");
+    let dir = super::scratch_dir("zookeeper");
+    let port = super::free_port(false);
+    let config = dir.join("zoo.cfg");
+    // A short tick: sessions of killed servers expire in seconds. No admin server (it would take port 8080).
+    std::fs::write(
+        &config,
+        format!(
+            "tickTime=500\ninitLimit=10\nsyncLimit=5\ndataDir={data}\nclientPort={port}\nclientPortAddress=127.0.0.1\n\
+             admin.enableServer=false\n4lw.commands.whitelist=ruok\n",
+            data = dir.join("data").display()
+        ),
+    )
+    .unwrap();
+    let log = std::fs::File::create(dir.join("stdout.log")).unwrap();
+    let mut command = Command::new(script);
+    command
+        .args(["start-foreground", &config.display().to_string()])
+        .env("ZOOCFGDIR", &dir)
+        .env("ZOO_LOG_DIR", &dir)
+        .current_dir(&dir)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log);
+    let mut child = super::spawn_tied_to_process(command).unwrap_or_else(|error| panic!("{ZOOKEEPER_HINT}: {error}"));
+    let ready = super::wait_until(Duration::from_secs(60), || {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "ZooKeeper exited:\n{}",
+            super::log_tail(&dir.join("stdout.log"), 30)
+        );
+        ruok(port)
+    });
+    assert!(ready, "ZooKeeper is not answering on 127.0.0.1:{port}:\n{}", super::log_tail(&dir.join("stdout.log"), 30));
+    (child, dir, port)
+}
+
+/// ZooKeeper's four-letter health check.
+fn ruok(port: u16) -> bool {
+    let Ok(mut stream) = TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_secs(1)) else {
+        return false;
+    };
+    let mut answer = String::new();
+    stream.set_read_timeout(Some(Duration::from_secs(2))).is_ok()
+        && stream.write_all(b"ruok").is_ok()
+        && stream.read_to_string(&mut answer).is_ok()
+        && answer == "imok"
+}
