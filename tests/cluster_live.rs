@@ -9,8 +9,12 @@ use common::cluster::{ClickHouseCluster, CLUSTER};
 use common::daemon::DaemonEnv;
 use reqwest::StatusCode;
 
+/// How long a replica may take to catch up: a restarted one first waits for ZooKeeper to expire the session of the
+/// process that was killed (3 s here), then fetches every part it missed, table by table.
+const REPLICATION_PATIENCE: Duration = Duration::from_secs(180);
+
 #[tokio::test(flavor = "multi_thread")]
-async fn a_daemon_on_a_cluster_replicates_its_tables_and_a_replica_killed_and_restarted_catches_up() {
+async fn a_daemon_on_a_cluster_replicates_its_tables_survives_a_lost_replica_and_waits_out_a_lost_quorum() {
     let mut cluster = ClickHouseCluster::start();
     let dir = tempfile::tempdir().unwrap();
     let port = common::free_port(false);
@@ -18,9 +22,12 @@ async fn a_daemon_on_a_cluster_replicates_its_tables_and_a_replica_killed_and_re
         .set("CAPSTORE_CATALOG_CLUSTER", CLUSTER)
         // `ON CLUSTER` statements wait for every replica to run them.
         .set("CAPSTORE_CATALOG_REQUEST_TIMEOUT", "20s")
+        // A quorum insert waits for a second replica (about 50 ms here): more room than the 3 s of the other tests,
+        // whose renewals take milliseconds, so the fence's margin is not eaten by renewal latency.
+        .set("CAPSTORE_LEASE_TTL", "10s")
         .set("CAPSTORE_HTTP_LISTEN", format!("127.0.0.1:{port}"));
     let mut daemon = env.start(dir.path().join("daemon.log"));
-    daemon.wait_for_log_async("lease held", Duration::from_secs(60)).await;
+    daemon.wait_for_log_async("lease held", Duration::from_secs(180)).await;
     let client = reqwest::Client::new();
     let mut posted = Vec::new();
     let post = |index: usize| {
@@ -39,17 +46,29 @@ async fn a_daemon_on_a_cluster_replicates_its_tables_and_a_replica_killed_and_re
         posted.push(post(index).await);
     }
     let tables = capstore::catalog::Tables::from_config(&env.config().catalog);
-    for (index, replica) in cluster.replicas.iter().enumerate() {
-        // Created on every replica by the one daemon's `ON CLUSTER` DDL, each table replicated.
-        let engines = replica
+    let tables_on = |replica: &common::clickhouse::ClickHouseServer| {
+        replica
             .query(&format!(
-                "SELECT name, engine FROM system.tables WHERE database = '{}' AND engine != 'MaterializedView' \
-                 ORDER BY name",
+                "SELECT name, engine FROM system.tables WHERE database = '{}' ORDER BY name",
+                tables.database
+            ))
+            .unwrap()
+    };
+    let on_first = tables_on(&cluster.replicas[0]);
+    let stored: Vec<&str> = on_first.lines().filter(|line| !line.ends_with("\tMaterializedView")).collect();
+    assert!(stored.len() >= 12 && stored.iter().all(|line| line.contains("\tReplicated")), "{on_first}");
+    for (index, replica) in cluster.replicas.iter().enumerate() {
+        // Created on every replica by the one daemon's `ON CLUSTER` DDL (views too), each table replicated on all
+        // three.
+        assert_eq!(tables_on(replica), on_first, "replica {index} has the same tables");
+        let replication = replica
+            .query(&format!(
+                "SELECT count(), min(total_replicas), min(active_replicas) FROM system.replicas WHERE database = '{}' \
+                 FORMAT TSV",
                 tables.database
             ))
             .unwrap();
-        assert!(engines.lines().count() >= 6, "replica {index}: {engines}");
-        assert!(engines.lines().all(|line| line.contains("\tReplicated")), "replica {index}: {engines}");
+        assert_eq!(replication.trim(), format!("{}\t3\t3", stored.len()), "replica {index}: system.replicas");
         assert_replica_serves(index, replica, &env, &posted).await;
     }
 
@@ -63,6 +82,43 @@ async fn a_daemon_on_a_cluster_replicates_its_tables_and_a_replica_killed_and_re
     for (index, replica) in cluster.replicas.iter().enumerate() {
         assert_replica_serves(index, replica, &env, &posted).await;
     }
+
+    // Two replicas down: no insert can reach a quorum (2 of 3), so nothing is published, while ingest goes on; one
+    // back, and everything owed is published.
+    let versions_on = |replica: &common::clickhouse::ClickHouseServer| {
+        replica
+            .query(&format!(
+                "SELECT count() FROM {} WHERE catalog = '{}' FORMAT TSV",
+                tables.publishes,
+                env.get("CAPSTORE_CATALOG_NAME").unwrap()
+            ))
+            .unwrap()
+            .trim()
+            .parse::<u64>()
+            .unwrap()
+    };
+    let before = versions_on(&cluster.replicas[0]);
+    cluster.replicas[1].kill();
+    cluster.replicas[2].kill();
+    let mut owed = Vec::new();
+    for index in 40..45 {
+        let capture_id = uuid::Uuid::now_v7();
+        let body = format!("capture {index} of the cluster test").into_bytes();
+        let url = format!("http://127.0.0.1:{port}/v1/captures?stream=cl/{}&id={capture_id}", index % 2);
+        let response = client.post(url).body(body.clone()).send().await.unwrap();
+        assert_eq!(response.status(), StatusCode::CREATED, "{}", response.text().await.unwrap());
+        owed.push((capture_id.to_string(), body));
+    }
+    daemon.wait_for_log_async("less than requested quorum", Duration::from_secs(60)).await;
+    assert_eq!(versions_on(&cluster.replicas[0]), before, "nothing published without a quorum:\n{}", daemon.log());
+    cluster.restart(1);
+    posted.extend(owed);
+    for index in [0, 1] {
+        assert_replica_serves(index, &cluster.replicas[index], &env, &posted).await;
+    }
+    cluster.restart(2);
+    assert_replica_serves(2, &cluster.replicas[2], &env, &posted).await;
+
     let watermark = cluster.replicas[2]
         .query(&format!(
             "SELECT count(), uniqExact(version), max(version) FROM {} WHERE catalog = '{}' FORMAT TSV",
@@ -71,13 +127,13 @@ async fn a_daemon_on_a_cluster_replicates_its_tables_and_a_replica_killed_and_re
         ))
         .unwrap();
     let counts: Vec<u64> = watermark.split_whitespace().map(|n| n.parse().unwrap()).collect();
-    assert!(counts[0] == counts[1] && counts[1] == counts[2] && counts[2] >= 40, "gapless versions: {watermark}");
+    assert!(counts[0] == counts[1] && counts[1] == counts[2] && counts[2] > before, "gapless versions: {watermark}");
     let (code, _, log) = daemon.terminate();
     assert_eq!(code, 0, "{log}");
 }
 
 /// `replica` lists each of `posted` once and reads it back byte-identical (`capstore ls` and `get` pointed at it).
-/// Replication is asynchronous: polls until the replica has caught up, for a minute at most.
+/// Replication is asynchronous, table by table: polls the whole check until the replica has caught up.
 async fn assert_replica_serves(
     index: usize,
     replica: &common::clickhouse::ClickHouseServer,
@@ -87,25 +143,39 @@ async fn assert_replica_serves(
     let mut expected: Vec<String> = posted.iter().map(|(id, _)| id.clone()).collect();
     expected.sort();
     let on_replica = env.clone().set("CAPSTORE_CATALOG_URL", replica.url());
-    let started = Instant::now();
-    let listed = loop {
+    let check = || -> Result<(), String> {
         let output = on_replica.command().args(["ls", "--json"]).output().unwrap();
+        if !output.status.success() {
+            return Err(format!("ls: {}", String::from_utf8_lossy(&output.stderr)));
+        }
         let mut listed: Vec<String> = String::from_utf8(output.stdout)
             .unwrap()
             .lines()
             .map(|line| serde_json::from_str::<serde_json::Value>(line).unwrap()["capture_id"].as_str().unwrap().into())
             .collect();
         listed.sort();
-        if (output.status.success() && listed == expected) || started.elapsed() > Duration::from_secs(60) {
-            assert!(output.status.success(), "replica {index}: {}", String::from_utf8_lossy(&output.stderr));
-            break listed;
+        if listed != expected {
+            return Err(format!("listed {listed:?}, expected each of {expected:?} once"));
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        for (capture_id, body) in posted {
+            let output = on_replica.command().args(["get", capture_id]).output().unwrap();
+            if !output.status.success() || &output.stdout != body {
+                return Err(format!("get {capture_id}: {}", String::from_utf8_lossy(&output.stderr)));
+            }
+        }
+        Ok(())
     };
-    assert_eq!(listed, expected, "replica {index} lists every capture once\n{}", replica.log_tail());
-    for (capture_id, body) in posted {
-        let output = on_replica.command().args(["get", capture_id]).output().unwrap();
-        assert!(output.status.success(), "replica {index}: {}", String::from_utf8_lossy(&output.stderr));
-        assert_eq!(&output.stdout, body, "replica {index}, capture {capture_id}");
+    let started = Instant::now();
+    loop {
+        match check() {
+            Ok(()) => return,
+            Err(failure) if started.elapsed() > REPLICATION_PATIENCE => {
+                let queue = replica
+                    .query("SELECT database, table, type, last_exception FROM system.replication_queue")
+                    .unwrap_or_else(|error| error);
+                panic!("replica {index}: {failure}\nreplication queue:\n{queue}\n{}", replica.log_tail());
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
     }
 }

@@ -28,6 +28,20 @@
 //! - one extra second of clock uncertainty ([`CatalogClient::clock_resolution_extra`]): `now()` has whole-second
 //!   resolution and there is no `now64()`.
 //!
+//! # Replicated catalogs
+//!
+//! With `catalog.cluster`, [`CatalogClient::connect`] counts the replicas of the connected server's shard in
+//! `system.clusters` and sends every statement with `insert_quorum` = a majority of them (and `insert_quorum_timeout`
+//! = the request timeout, `insert_quorum_parallel = 0` where the setting exists), and every deciding statement and
+//! deciding read ([`CatalogClient::execute_deciding`], [`CatalogClient::fetch_all_deciding`]) with
+//! `select_sequential_consistency = 1`. Why the fence stays sound: every lease row and every publish is acknowledged
+//! only once a majority holds it, and a sequentially consistent read sees every acknowledged insert (a replica that
+//! lacks one refuses the read), so the head a claim, a read-back or a fence reads is the head a single server would
+//! show. An insert whose quorum timed out is an unknown outcome as on a single server; it may still be completed later
+//! (when a replica fetches its part), and until then the server refuses every other quorum insert into that table,
+//! so nothing is decided beside it. Ordinary reads are not sequentially consistent: a replica that lags answers a
+//! listing without the newest publishes.
+//!
 //! # Statements and databases
 //!
 //! The database is never set on the underlying client: every statement names its tables as `database.table`. That
@@ -293,6 +307,8 @@ pub struct CatalogClient {
     request_timeout: Duration,
     read_max_memory: u64,
     server_version: Arc<ServerVersion>,
+    /// With `catalog.cluster`: the replicas (of the connected server's shard) every insert waits for.
+    insert_quorum: Option<u64>,
 }
 
 impl fmt::Debug for CatalogClient {
@@ -348,15 +364,38 @@ impl CatalogClient {
         if server_version.is_modern() {
             client = client.with_compression(Compression::Lz4).with_validation(true);
         }
+        let insert_quorum = match &config.cluster {
+            Some(cluster) => {
+                let quorum = majority_of_replicas(&client, cluster, request_timeout).await?;
+                let wait_ms = u64::try_from(request_timeout.as_millis()).unwrap_or(u64::MAX);
+                client = client
+                    .with_setting("insert_quorum", quorum.to_string())
+                    .with_setting("insert_quorum_timeout", wait_ms.to_string());
+                // One quorum insert at a time per table (the only way before 20.10): an insert whose quorum timed
+                // out can still be completed later, when a replica fetches its part, and until then every later
+                // quorum insert into that table is refused, so no publish can be decided beside it.
+                if server_has_setting(&client, "insert_quorum_parallel", request_timeout).await? {
+                    client = client.with_setting("insert_quorum_parallel", "0");
+                }
+                Some(quorum)
+            }
+            None => None,
+        };
         let url = crate::config::units::redact_url(&config.url);
-        tracing::info!(%url, server_version = %server_version, "catalog connected");
+        tracing::info!(%url, server_version = %server_version, ?insert_quorum, "catalog connected");
         Ok(CatalogClient {
             client,
             database: config.database.clone(),
             request_timeout,
             read_max_memory: config.read_max_memory.0,
             server_version: Arc::new(server_version),
+            insert_quorum,
         })
+    }
+
+    /// With `catalog.cluster`: how many replicas every insert waits for (a majority of the shard's replicas).
+    pub fn insert_quorum(&self) -> Option<u64> {
+        self.insert_quorum
     }
 
     pub fn server_version(&self) -> &ServerVersion {
@@ -444,10 +483,30 @@ impl CatalogClient {
     ) -> Result<(), CatalogError> {
         debug_assert!(max_execution_time.subsec_nanos() == 0, "max_execution_time is sent in whole seconds");
         let whole_seconds = max_execution_time.as_secs_f64().ceil().max(1.0) as u64;
-        let query = query
+        let query = self
+            .sequentially_consistent(query)
             .with_setting("max_execution_time", whole_seconds.to_string())
             .with_setting("timeout_overflow_mode", "throw");
         run_with_timeout(self.request_timeout, "execute deciding", query.execute()).await
+    }
+
+    /// With a replicated catalog, `query` reads every row a quorum insert has acknowledged (or fails on a replica
+    /// that does not have them yet); otherwise unchanged. What a decision reads (the lease head, the fence inside a
+    /// publish, a read-back) must not come from a replica that lags: it could let a second publisher in.
+    fn sequentially_consistent(&self, query: clickhouse::query::Query) -> clickhouse::query::Query {
+        match self.insert_quorum {
+            Some(_) => query.with_setting("select_sequential_consistency", "1"),
+            None => query,
+        }
+    }
+
+    /// [`CatalogClient::fetch_all`] for a read a decision rests on (the lease head, a read-back, the replay guard):
+    /// sequentially consistent on a replicated catalog.
+    pub async fn fetch_all_deciding<T>(&self, sql: &str) -> Result<Vec<T>, CatalogError>
+    where
+        T: RowOwned + RowRead,
+    {
+        self.fetch_all_query(self.sequentially_consistent(self.verbatim(sql))).await
     }
 
     /// Read every row of a SELECT. `sql` is sent verbatim; columns map to the row's fields by position.
@@ -516,6 +575,44 @@ impl CatalogClient {
         };
         run_with_timeout(self.request_timeout, "insert", insert_all).await
     }
+}
+
+/// A majority of the replicas of the connected server's shard in `cluster` (`system.clusters`); refuses a cluster the
+/// server does not know, or one it is not a replica of.
+async fn majority_of_replicas(
+    client: &clickhouse::Client,
+    cluster: &str,
+    request_timeout: Duration,
+) -> Result<u64, CatalogError> {
+    let cluster_literal = sql_string_literal(cluster);
+    let sql = format!(
+        "SELECT count() FROM system.clusters WHERE cluster = {cluster_literal} AND shard_num IN \
+         (SELECT shard_num FROM system.clusters WHERE cluster = {cluster_literal} AND is_local = 1)"
+    );
+    let replicas: u64 =
+        run_with_timeout(request_timeout, "count the cluster's replicas", client.query_raw(&sql).fetch_one::<u64>())
+            .await?;
+    if replicas == 0 {
+        return Err(CatalogError::new(
+            ErrorKind::DefinitelyFailed,
+            format!(
+                "catalog.cluster: the server is not a replica of a cluster named {cluster:?} (see system.clusters and \
+                 remote_servers in its configuration)"
+            ),
+        ));
+    }
+    Ok(replicas / 2 + 1)
+}
+
+async fn server_has_setting(
+    client: &clickhouse::Client,
+    name: &str,
+    request_timeout: Duration,
+) -> Result<bool, CatalogError> {
+    let sql = format!("SELECT count() FROM system.settings WHERE name = {}", sql_string_literal(name));
+    let found: u64 =
+        run_with_timeout(request_timeout, "look up a setting", client.query_raw(&sql).fetch_one::<u64>()).await?;
+    Ok(found > 0)
 }
 
 /// Run one whole request (send, wait, read the body) under `timeout`; a timeout is `OutcomeUnknown`.

@@ -247,7 +247,7 @@ impl Publisher {
     pub async fn read_back(&self, version: u64, publish_id: Uuid) -> Result<Option<u64>, CatalogError> {
         let rows: Vec<VersionRow> = self
             .client
-            .fetch_all(&format!(
+            .fetch_all_deciding(&format!(
                 "SELECT version FROM {} WHERE catalog = {} AND version = {version} AND publish_id = {}",
                 self.tables.publishes,
                 self.catalog_literal(),
@@ -266,7 +266,7 @@ impl Publisher {
         let catalog = self.catalog_literal();
         let rows: Vec<PackIdRow> = self
             .client
-            .fetch_all(&format!(
+            .fetch_all_deciding(&format!(
                 "SELECT DISTINCT pack_id FROM {packs} WHERE catalog = {catalog} AND pack_id IN ({list}) AND \
                  (version, publish_id) IN (SELECT version, publish_id FROM {publishes} WHERE catalog = {catalog} AND \
                  version IN (SELECT version FROM {packs} WHERE catalog = {catalog} AND pack_id IN ({list})))",

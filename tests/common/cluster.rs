@@ -45,7 +45,7 @@ impl ClickHouseCluster {
                 let extra = format!(
                     r#"    <interserver_http_port>{interserver}</interserver_http_port>
     <interserver_http_host>127.0.0.1</interserver_http_host>
-    <zookeeper><node><host>127.0.0.1</host><port>{zookeeper_port}</port></node></zookeeper>
+    <zookeeper><node><host>127.0.0.1</host><port>{zookeeper_port}</port></node><session_timeout_ms>3000</session_timeout_ms></zookeeper>
     <remote_servers><{CLUSTER}><shard><internal_replication>true</internal_replication>{shard_replicas}</shard></{CLUSTER}></remote_servers>
     <macros><shard>01</shard><replica>r{replica}</replica></macros>
     <distributed_ddl><path>/clickhouse/task_queue/ddl</path></distributed_ddl>"#,
@@ -81,29 +81,31 @@ fn start_replica(replica: usize, start: &ReplicaStart, dir: PathBuf) -> ClickHou
         .unwrap_or_else(|error| panic!("replica {replica} of the test cluster did not start: {error}"))
 }
 
-/// ZooKeeper in the foreground on a free port, data in a scratch directory, answering `ruok` before this returns.
+/// ZooKeeper in the foreground on a free port, data in a scratch directory, serving before this returns. Run as its
+/// Java main class: Debian's `zkServer.sh` overrides the configuration and log directories, and logs nothing without
+/// an SLF4J binding on the class path (`slf4j-simple` comes with the package's dependencies).
 fn start_zookeeper() -> (Child, PathBuf, u16) {
-    let script = Path::new("/usr/share/zookeeper/bin/zkServer.sh");
-    assert!(script.is_file(), "{ZOOKEEPER_HINT}");
+    let jars = std::env::var("CAPSTORE_ZOOKEEPER_CLASSPATH")
+        .unwrap_or_else(|_| "/usr/share/java/zookeeper.jar:/usr/share/java/slf4j-simple.jar".to_string());
+    assert!(jars.split(':').all(|jar| Path::new(jar).is_file()), "{ZOOKEEPER_HINT} (class path {jars})");
     let dir = super::scratch_dir("zookeeper");
     let port = super::free_port(false);
     let config = dir.join("zoo.cfg");
-    // A short tick: sessions of killed servers expire in seconds. No admin server (it would take port 8080).
+    // A short tick: sessions of killed servers expire in seconds (each server asks for 3 s), so the others see a
+    // replica gone when a quorum is counted. No fsync (scratch data). No admin server (it would take port 8080).
     std::fs::write(
         &config,
         format!(
             "tickTime=500\ninitLimit=10\nsyncLimit=5\ndataDir={data}\nclientPort={port}\nclientPortAddress=127.0.0.1\n\
-             admin.enableServer=false\n4lw.commands.whitelist=ruok\n",
+             forceSync=no\nadmin.enableServer=false\n4lw.commands.whitelist=srvr\n",
             data = dir.join("data").display()
         ),
     )
     .unwrap();
     let log = std::fs::File::create(dir.join("stdout.log")).unwrap();
-    let mut command = Command::new(script);
+    let mut command = Command::new("java");
     command
-        .args(["start-foreground", &config.display().to_string()])
-        .env("ZOOCFGDIR", &dir)
-        .env("ZOO_LOG_DIR", &dir)
+        .args(["-cp", &jars, "org.apache.zookeeper.server.ZooKeeperServerMain", &config.display().to_string()])
         .current_dir(&dir)
         .stdin(Stdio::null())
         .stdout(log.try_clone().unwrap())
@@ -115,20 +117,20 @@ fn start_zookeeper() -> (Child, PathBuf, u16) {
             "ZooKeeper exited:\n{}",
             super::log_tail(&dir.join("stdout.log"), 30)
         );
-        ruok(port)
+        serving(port)
     });
-    assert!(ready, "ZooKeeper is not answering on 127.0.0.1:{port}:\n{}", super::log_tail(&dir.join("stdout.log"), 30));
+    assert!(ready, "ZooKeeper is not serving on 127.0.0.1:{port}:\n{}", super::log_tail(&dir.join("stdout.log"), 30));
     (child, dir, port)
 }
 
-/// ZooKeeper's four-letter health check.
-fn ruok(port: u16) -> bool {
+/// ZooKeeper's `srvr` command answers with its mode once it serves requests.
+fn serving(port: u16) -> bool {
     let Ok(mut stream) = TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_secs(1)) else {
         return false;
     };
     let mut answer = String::new();
     stream.set_read_timeout(Some(Duration::from_secs(2))).is_ok()
-        && stream.write_all(b"ruok").is_ok()
+        && stream.write_all(b"srvr").is_ok()
         && stream.read_to_string(&mut answer).is_ok()
-        && answer == "imok"
+        && answer.contains("Mode: standalone")
 }

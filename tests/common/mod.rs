@@ -37,10 +37,8 @@ struct SpawnRequest {
     reply_tx: mpsc::Sender<io::Result<Child>>,
 }
 
-/// How long a test waits for the server to run a mutation (`ALTER ... DELETE`). ClickHouse runs mutations from its
-/// background pool, which looks for work again only after a sleep that starts at 10 s and grows while it finds none
-/// (18.16); on a loaded machine a mutation issued just after a look waits for the next one, which CI has seen take
-/// over 30 s.
+/// How long a test waits for the server to run a mutation (`ALTER ... DELETE`), which it does in the background when
+/// its pool gets to it: CI has seen 18.16 take over 30 s under the load of a whole test run.
 pub const MUTATION_PATIENCE: Duration = Duration::from_secs(180);
 
 /// A service binary: `$<env_var>` if set (it must exist), else `name` on PATH, else `cached` (an install under
