@@ -1262,23 +1262,18 @@ async fn erasure_rewrites_packs_without_their_deleted_captures_and_removes_the_o
     let started = Instant::now();
     while !removed().await {
         if started.elapsed() > common::MUTATION_PATIENCE {
-            let mutations = client
-                .post(config.catalog.url.clone())
-                .body(format!(
+            let server = common::clickhouse::shared_server();
+            let mutations = server
+                .query(&format!(
                     "SELECT table, mutation_id, command, is_done, parts_to_do FROM system.mutations \
-                     WHERE database = '{}' FORMAT TSV",
+                     WHERE database = '{}'",
                     tables.database
                 ))
-                .send()
-                .await
-                .unwrap()
-                .text()
-                .await
-                .unwrap();
+                .unwrap_or_else(|error| error);
             panic!(
                 "the deleted captures' rows not removed within {:?}; mutations:\n{mutations}\nserver log:\n{}\n{}",
                 common::MUTATION_PATIENCE,
-                common::clickhouse::shared_server().log_tail(),
+                server.log_tail(),
                 daemon.log()
             );
         }
