@@ -50,6 +50,11 @@ compaction.pml|NO_RECHECK|exhaustive|refuted|NO_RESURRECTION
 compaction.pml|NO_GRACE|exhaustive|refuted|NO_DANGLING_LOCATOR
 compaction.pml|NO_PURGE_GRACE|exhaustive|refuted|PINNED_SNAPSHOT
 compaction.pml|PURGE_BEFORE_ERASURE|exhaustive|refuted|ERASURE_FINDABLE
+replicated.pml|-|exhaustive|holds|-
+replicated.pml|STALE_READS|exhaustive|refuted|NO_DOUBLE_PUBLISH
+replicated.pml|STALE_VCHECK|exhaustive|refuted|NO_DOUBLE_PUBLISH
+replicated.pml|STALE_LEASE|exhaustive|refuted|NO_SHARED_TERM
+replicated.pml|STALE_LEASE,NO_TERM_CHECK|exhaustive|refuted|NO_DOUBLE_PUBLISH
 '
 # Slower "holds" runs (about 2 more minutes), run with CHECK_ALL=1:
 if [ "${CHECK_ALL:-0}" = 1 ]; then
