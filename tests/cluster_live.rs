@@ -30,20 +30,21 @@ async fn a_daemon_on_a_cluster_replicates_its_tables_survives_a_lost_replica_and
     daemon.wait_for_log_async("lease held", Duration::from_secs(180)).await;
     let client = reqwest::Client::new();
     let mut posted = Vec::new();
-    let post = |index: usize| {
+    // `wait`: answer once published (201 either way: the capture is in the spool).
+    let post = |index: usize, wait: bool| {
         let client = client.clone();
         async move {
             let capture_id = uuid::Uuid::now_v7();
             let body = format!("capture {index} of the cluster test").into_bytes();
-            let url =
-                format!("http://127.0.0.1:{port}/v1/captures?stream=cl/{}&id={capture_id}&wait=published", index % 2);
+            let wait = if wait { "&wait=published" } else { "" };
+            let url = format!("http://127.0.0.1:{port}/v1/captures?stream=cl/{}&id={capture_id}{wait}", index % 2);
             let response = client.post(url).body(body.clone()).send().await.unwrap();
             assert_eq!(response.status(), StatusCode::CREATED, "{}", response.text().await.unwrap());
             (capture_id.to_string(), body)
         }
     };
     for index in 0..20 {
-        posted.push(post(index).await);
+        posted.push(post(index, true).await);
     }
     let tables = capstore::catalog::Tables::from_config(&env.config().catalog);
     let tables_on = |replica: &common::clickhouse::ClickHouseServer| {
@@ -69,18 +70,18 @@ async fn a_daemon_on_a_cluster_replicates_its_tables_survives_a_lost_replica_and
             ))
             .unwrap();
         assert_eq!(replication.trim(), format!("{}\t3\t3", stored.len()), "replica {index}: system.replicas");
-        assert_replica_serves(index, replica, &env, &posted).await;
+        assert_replica_serves(&cluster, index, &env, &posted).await;
     }
 
     // A replica lost (SIGKILL): publishing goes on through the others; restarted, it catches up and serves reads.
     cluster.replicas[2].kill();
     assert!(cluster.replicas[2].query("SELECT 1").is_err(), "replica 2 is down");
     for index in 20..40 {
-        posted.push(post(index).await);
+        posted.push(post(index, true).await);
     }
     cluster.restart(2);
-    for (index, replica) in cluster.replicas.iter().enumerate() {
-        assert_replica_serves(index, replica, &env, &posted).await;
+    for index in 0..cluster.replicas.len() {
+        assert_replica_serves(&cluster, index, &env, &posted).await;
     }
 
     // Two replicas down: no insert can reach a quorum (2 of 3), so nothing is published, while ingest goes on; one
@@ -102,22 +103,17 @@ async fn a_daemon_on_a_cluster_replicates_its_tables_survives_a_lost_replica_and
     cluster.replicas[2].kill();
     let mut owed = Vec::new();
     for index in 40..45 {
-        let capture_id = uuid::Uuid::now_v7();
-        let body = format!("capture {index} of the cluster test").into_bytes();
-        let url = format!("http://127.0.0.1:{port}/v1/captures?stream=cl/{}&id={capture_id}", index % 2);
-        let response = client.post(url).body(body.clone()).send().await.unwrap();
-        assert_eq!(response.status(), StatusCode::CREATED, "{}", response.text().await.unwrap());
-        owed.push((capture_id.to_string(), body));
+        owed.push(post(index, false).await);
     }
     daemon.wait_for_log_async("less than requested quorum", Duration::from_secs(60)).await;
     assert_eq!(versions_on(&cluster.replicas[0]), before, "nothing published without a quorum:\n{}", daemon.log());
     cluster.restart(1);
     posted.extend(owed);
     for index in [0, 1] {
-        assert_replica_serves(index, &cluster.replicas[index], &env, &posted).await;
+        assert_replica_serves(&cluster, index, &env, &posted).await;
     }
     cluster.restart(2);
-    assert_replica_serves(2, &cluster.replicas[2], &env, &posted).await;
+    assert_replica_serves(&cluster, 2, &env, &posted).await;
 
     let watermark = cluster.replicas[2]
         .query(&format!(
@@ -135,11 +131,12 @@ async fn a_daemon_on_a_cluster_replicates_its_tables_survives_a_lost_replica_and
 /// `replica` lists each of `posted` once and reads it back byte-identical (`capstore ls` and `get` pointed at it).
 /// Replication is asynchronous, table by table: polls the whole check until the replica has caught up.
 async fn assert_replica_serves(
+    cluster: &ClickHouseCluster,
     index: usize,
-    replica: &common::clickhouse::ClickHouseServer,
     env: &DaemonEnv,
     posted: &[(String, Vec<u8>)],
 ) {
+    let replica = &cluster.replicas[index];
     let mut expected: Vec<String> = posted.iter().map(|(id, _)| id.clone()).collect();
     expected.sort();
     let on_replica = env.clone().set("CAPSTORE_CATALOG_URL", replica.url());
@@ -173,7 +170,11 @@ async fn assert_replica_serves(
                 let queue = replica
                     .query("SELECT database, table, type, last_exception FROM system.replication_queue")
                     .unwrap_or_else(|error| error);
-                panic!("replica {index}: {failure}\nreplication queue:\n{queue}\n{}", replica.log_tail());
+                panic!(
+                    "replica {index}: {failure}\nreplication queue:\n{queue}\n{}\n{}",
+                    replica.log_tail(),
+                    cluster.zookeeper_log()
+                );
             }
             Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
         }

@@ -393,11 +393,6 @@ impl CatalogClient {
         })
     }
 
-    /// With `catalog.cluster`: how many replicas every insert waits for (a majority of the shard's replicas).
-    pub fn insert_quorum(&self) -> Option<u64> {
-        self.insert_quorum
-    }
-
     pub fn server_version(&self) -> &ServerVersion {
         &self.server_version
     }
@@ -585,13 +580,16 @@ async fn majority_of_replicas(
     request_timeout: Duration,
 ) -> Result<u64, CatalogError> {
     let cluster_literal = sql_string_literal(cluster);
-    let sql = format!(
-        "SELECT count() FROM system.clusters WHERE cluster = {cluster_literal} AND shard_num IN \
-         (SELECT shard_num FROM system.clusters WHERE cluster = {cluster_literal} AND is_local = 1)"
-    );
-    let replicas: u64 =
-        run_with_timeout(request_timeout, "count the cluster's replicas", client.query_raw(&sql).fetch_one::<u64>())
-            .await?;
+    let replicas = fetch_count(
+        client,
+        "count the cluster's replicas",
+        &format!(
+            "SELECT count() FROM system.clusters WHERE cluster = {cluster_literal} AND shard_num IN \
+             (SELECT shard_num FROM system.clusters WHERE cluster = {cluster_literal} AND is_local = 1)"
+        ),
+        request_timeout,
+    )
+    .await?;
     if replicas == 0 {
         return Err(CatalogError::new(
             ErrorKind::DefinitelyFailed,
@@ -610,9 +608,17 @@ async fn server_has_setting(
     request_timeout: Duration,
 ) -> Result<bool, CatalogError> {
     let sql = format!("SELECT count() FROM system.settings WHERE name = {}", sql_string_literal(name));
-    let found: u64 =
-        run_with_timeout(request_timeout, "look up a setting", client.query_raw(&sql).fetch_one::<u64>()).await?;
-    Ok(found > 0)
+    Ok(fetch_count(client, "look up a setting", &sql, request_timeout).await? > 0)
+}
+
+/// The one number a `SELECT count() ...` of the connection's set-up answers; `what` names it in an error.
+async fn fetch_count(
+    client: &clickhouse::Client,
+    what: &str,
+    sql: &str,
+    request_timeout: Duration,
+) -> Result<u64, CatalogError> {
+    run_with_timeout(request_timeout, what, client.query_raw(sql).fetch_one::<u64>()).await
 }
 
 /// Run one whole request (send, wait, read the body) under `timeout`; a timeout is `OutcomeUnknown`.
