@@ -19,6 +19,9 @@
  * sequentially consistent: each returns the union of the rows of SOME majority
  * of replicas (chosen anew per read and per subquery), so every acknowledged
  * row and possibly some unacknowledged ones.
+ * Which replica a write lands on and which majority a read sees are chosen anew
+ * for every statement, so a client that fails over between replicas
+ * (catalog.replica_urls) between any two statements is inside the model.
  *
  * Time is left out: leases do not expire and are not renewed, so the only way
  * to a new term is a release (tombstone at own term; only below MAXT, as no

@@ -99,9 +99,10 @@ async fn ddl_insert_and_fetch_round_trip_uuid_strings_numbers_and_labels(server:
     ];
     client.insert_rows(&format!("{database}.captures"), &rows).await.unwrap();
     let fetched: Vec<CaptureRow> = client
-        .fetch_all_query(
-            client.query(&format!("SELECT ?fields FROM {database}.captures ORDER BY stream, captured_at_ns")),
-        )
+        .fetch_all(&format!(
+            "SELECT capture_id, stream, captured_at_ns, label_keys, label_values FROM {database}.captures \
+             ORDER BY stream, captured_at_ns"
+        ))
         .await
         .unwrap();
     assert_eq!(fetched, rows);
@@ -129,12 +130,10 @@ async fn a_hundred_thousand_rows_go_in_one_insert(server: &'static ClickHouseSer
     assert_eq!(counts, vec![(100_000, (0..100_000u64).sum())]);
 }
 
-for_each_version!(bound_values_and_quoted_literals_survive_hostile_strings);
-async fn bound_values_and_quoted_literals_survive_hostile_strings(server: &'static ClickHouseServer) {
+for_each_version!(quoted_literals_survive_hostile_strings);
+async fn quoted_literals_survive_hostile_strings(server: &'static ClickHouseServer) {
     let client = connect_direct(server).await;
     let hostile = "a'b\\c\n\t\0 ?? ' OR 1=1 --";
-    let by_bind: Vec<String> = client.fetch_all_query(client.query("SELECT ?").bind(hostile)).await.unwrap();
-    assert_eq!(by_bind, vec![hostile.to_string()]);
     let by_literal: Vec<String> = client.fetch_all(&format!("SELECT {}", sql_string_literal(hostile))).await.unwrap();
     assert_eq!(by_literal, vec![hostile.to_string()]);
 }

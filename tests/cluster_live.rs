@@ -18,31 +18,12 @@ async fn a_daemon_on_a_cluster_replicates_its_tables_survives_a_lost_replica_and
     let mut cluster = ClickHouseCluster::start();
     let dir = tempfile::tempdir().unwrap();
     let port = common::free_port(false);
-    let env = DaemonEnv::live_on(&cluster.replicas[0], "cluster", dir.path())
-        .set("CAPSTORE_CATALOG_CLUSTER", CLUSTER)
-        // `ON CLUSTER` statements wait for every replica to run them.
-        .set("CAPSTORE_CATALOG_REQUEST_TIMEOUT", "20s")
-        // A quorum insert waits for a second replica (about 50 ms here): more room than the 3 s of the other tests,
-        // whose renewals take milliseconds, so the fence's margin is not eaten by renewal latency.
-        .set("CAPSTORE_LEASE_TTL", "10s")
-        .set("CAPSTORE_HTTP_LISTEN", format!("127.0.0.1:{port}"));
+    let env = cluster_env(&cluster, dir.path(), port);
     let mut daemon = env.start(dir.path().join("daemon.log"));
     daemon.wait_for_log_async("lease held", Duration::from_secs(180)).await;
     let client = reqwest::Client::new();
     let mut posted = Vec::new();
-    // `wait`: answer once published (201 either way: the capture is in the spool).
-    let post = |index: usize, wait: bool| {
-        let client = client.clone();
-        async move {
-            let capture_id = uuid::Uuid::now_v7();
-            let body = format!("capture {index} of the cluster test").into_bytes();
-            let wait = if wait { "&wait=published" } else { "" };
-            let url = format!("http://127.0.0.1:{port}/v1/captures?stream=cl/{}&id={capture_id}{wait}", index % 2);
-            let response = client.post(url).body(body.clone()).send().await.unwrap();
-            assert_eq!(response.status(), StatusCode::CREATED, "{}", response.text().await.unwrap());
-            (capture_id.to_string(), body)
-        }
-    };
+    let post = |index: usize, wait: bool| post_capture(client.clone(), port, index, wait);
     for index in 0..20 {
         posted.push(post(index, true).await);
     }
@@ -86,18 +67,7 @@ async fn a_daemon_on_a_cluster_replicates_its_tables_survives_a_lost_replica_and
 
     // Two replicas down: no insert can reach a quorum (2 of 3), so nothing is published, while ingest goes on; one
     // back, and everything owed is published.
-    let versions_on = |replica: &common::clickhouse::ClickHouseServer| {
-        replica
-            .query(&format!(
-                "SELECT count() FROM {} WHERE catalog = '{}' FORMAT TSV",
-                tables.publishes,
-                env.get("CAPSTORE_CATALOG_NAME").unwrap()
-            ))
-            .unwrap()
-            .trim()
-            .parse::<u64>()
-            .unwrap()
-    };
+    let versions_on = |replica| publish_count(replica, &env);
     let before = versions_on(&cluster.replicas[0]);
     cluster.replicas[1].kill();
     cluster.replicas[2].kill();
@@ -115,17 +85,179 @@ async fn a_daemon_on_a_cluster_replicates_its_tables_survives_a_lost_replica_and
     cluster.restart(2);
     assert_replica_serves(&cluster, 2, &env, &posted).await;
 
-    let watermark = cluster.replicas[2]
-        .query(&format!(
-            "SELECT count(), uniqExact(version), max(version) FROM {} WHERE catalog = '{}' FORMAT TSV",
-            tables.publishes,
-            env.get("CAPSTORE_CATALOG_NAME").unwrap()
-        ))
-        .unwrap();
-    let counts: Vec<u64> = watermark.split_whitespace().map(|n| n.parse().unwrap()).collect();
-    assert!(counts[0] == counts[1] && counts[1] == counts[2] && counts[2] > before, "gapless versions: {watermark}");
+    let published = assert_gapless_versions(&cluster.replicas[2], &env);
+    assert!(published > before, "published after the quorum came back");
     let (code, _, log) = daemon.terminate();
     assert_eq!(code, 0, "{log}");
+}
+
+/// A daemon on `cluster` (through replica 0) listening on `port`.
+fn cluster_env(cluster: &ClickHouseCluster, dir: &std::path::Path, port: u16) -> DaemonEnv {
+    DaemonEnv::live_on(&cluster.replicas[0], "cluster", dir)
+        .set("CAPSTORE_CATALOG_CLUSTER", CLUSTER)
+        // `ON CLUSTER` statements wait for every replica to run them.
+        .set("CAPSTORE_CATALOG_REQUEST_TIMEOUT", "20s")
+        // A quorum insert waits for a second replica (about 50 ms here): more room than the 3 s of the other tests,
+        // whose renewals take milliseconds, so the fence's margin is not eaten by renewal latency.
+        .set("CAPSTORE_LEASE_TTL", LEASE_TTL_TEXT)
+        .set("CAPSTORE_HTTP_LISTEN", format!("127.0.0.1:{port}"))
+}
+
+const LEASE_TTL_TEXT: &str = "10s";
+const LEASE_TTL: Duration = Duration::from_secs(10);
+
+/// Captures posted every 50 ms (not waiting for publishing) until stopped: the continuous load the faults happen
+/// under. Every post must be answered 201 (in the spool), whatever the catalog is going through.
+/// Capture ids and bodies, in the order posted.
+type Posted = Vec<(String, Vec<u8>)>;
+
+struct Load {
+    posted: std::sync::Arc<std::sync::Mutex<Posted>>,
+    stop: tokio::sync::watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Load {
+    fn start(port: u16, first_index: usize) -> Load {
+        let posted = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (stop, mut stopped) = tokio::sync::watch::channel(false);
+        let task_posted = std::sync::Arc::clone(&posted);
+        let task = tokio::spawn(async move {
+            let client = reqwest::Client::new();
+            for index in first_index.. {
+                let capture = post_capture(client.clone(), port, index, false).await;
+                task_posted.lock().unwrap().push(capture);
+                tokio::select! {
+                    _ = stopped.changed() => return,
+                    _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+                }
+            }
+        });
+        Load { posted, stop, task }
+    }
+
+    fn count(&self) -> usize {
+        self.posted.lock().unwrap().len()
+    }
+
+    async fn finish(self) -> Posted {
+        self.stop.send_replace(true);
+        self.task.await.expect("every capture of the load was accepted");
+        std::mem::take(&mut *self.posted.lock().unwrap())
+    }
+}
+
+/// Under continuous load: the replica the daemon talks to is cut off right after a publish landed on it and before
+/// its reply came back; the daemon fails over (`catalog.replica_urls`), reads the publish back through another
+/// replica and publishes nothing twice. Then ZooKeeper is stopped for 2 x TTL: publishing waits, ingest goes on,
+/// everything lands once it is back. Then the daemon is SIGKILLed and started again with a replica down (it creates
+/// nothing its replica has already, so no `ON CLUSTER` statement waits for the missing one).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_daemon_fails_over_between_replicas_waits_out_zookeeper_and_starts_with_a_replica_down() {
+    let mut cluster = ClickHouseCluster::start();
+    let dir = tempfile::tempdir().unwrap();
+    let port = common::free_port(false);
+    let proxy = common::proxy::FaultProxy::start(cluster.replicas[0].http_addr);
+    let env = cluster_env(&cluster, dir.path(), port)
+        .set("CAPSTORE_CATALOG_URL", proxy.url())
+        .set("CAPSTORE_CATALOG_REPLICA_URLS", format!("{},{}", cluster.replicas[1].url(), cluster.replicas[2].url()));
+    let tables = capstore::catalog::Tables::from_config(&env.config().catalog);
+    let mut daemon = env.start(dir.path().join("daemon.log"));
+    daemon.wait_for_log_async("lease held", Duration::from_secs(180)).await;
+    let load = Load::start(port, 0);
+    let publishing = common::wait_until(Duration::from_secs(60), || publish_count(&cluster.replicas[1], &env) >= 3);
+    assert!(publishing, "publishing through replica 0:\n{}", daemon.log());
+
+    // A publish runs on replica 0 and loses its reply; once it has landed there, replica 0 is cut off.
+    let landed_before = publish_count(&cluster.replicas[0], &env);
+    let publishes_sent = proxy.count_requests_containing(&format!("INSERT INTO {} ", tables.publishes));
+    proxy.blackhole_replies_matching(&format!("INSERT INTO {} ", tables.publishes));
+    let landed = common::wait_until(Duration::from_secs(60), || {
+        publishes_sent.load(std::sync::atomic::Ordering::SeqCst) > 0
+            && publish_count(&cluster.replicas[0], &env) > landed_before
+    });
+    assert!(landed, "a publish went through the proxy and landed:\n{}", daemon.log());
+    proxy.cut();
+    daemon.wait_for_log_async("catalog failover", Duration::from_secs(60)).await;
+    daemon.wait_for_log_async("earlier publish of unknown outcome had committed", LEASE_TTL * 6).await;
+    let after_failover = publish_count(&cluster.replicas[1], &env);
+    let going_on = common::wait_until(LEASE_TTL * 6, || publish_count(&cluster.replicas[1], &env) > after_failover + 2);
+    assert!(going_on, "publishing goes on through the other replicas:\n{}", daemon.log());
+
+    // ZooKeeper gone for 2 x TTL: nothing can be published (every table is replicated), ingest goes on.
+    let posted_before_outage = load.count();
+    let quarantines = |daemon: &common::daemon::Daemon| daemon.log().matches("lease quarantined").count();
+    let quarantined_before = quarantines(&daemon);
+    cluster.stop_zookeeper();
+    // The renewal after the outage began fails with an unknown outcome: from then on nothing is in flight.
+    let noticed = common::wait_until(LEASE_TTL * 2, || quarantines(&daemon) > quarantined_before);
+    assert!(noticed, "the lease is quarantined without ZooKeeper:\n{}", daemon.log());
+    let published_in_outage = publish_count(&cluster.replicas[1], &env);
+    // The outage itself is the fault being injected: its length is the point, not a stand-in for a condition.
+    tokio::time::sleep(LEASE_TTL * 2).await;
+    assert_eq!(publish_count(&cluster.replicas[1], &env), published_in_outage, "nothing published without ZooKeeper");
+    assert!(load.count() > posted_before_outage + 20, "ingest went on without ZooKeeper");
+    cluster.start_zookeeper();
+    let resumed =
+        common::wait_until(LEASE_TTL * 9, || publish_count(&cluster.replicas[1], &env) > published_in_outage + 2);
+    assert!(resumed, "publishing resumed after ZooKeeper came back:\n{}", daemon.log());
+
+    // SIGKILLed, and started again while replica 2 is down: its tables are all there, so the start runs no DDL.
+    let posted = load.finish().await;
+    daemon.kill();
+    cluster.replicas[2].kill();
+    proxy.pass();
+    let mut daemon = env.start(dir.path().join("daemon-2.log"));
+    daemon.wait_for_log_async("lease held", Duration::from_secs(120)).await;
+    for index in [0, 1] {
+        assert_replica_serves(&cluster, index, &env, &posted).await;
+    }
+    cluster.restart(2);
+    assert_replica_serves(&cluster, 2, &env, &posted).await;
+    assert_gapless_versions(&cluster.replicas[2], &env);
+    let (code, _, log) = daemon.terminate();
+    assert_eq!(code, 0, "{log}");
+    let first_log = std::fs::read_to_string(dir.path().join("daemon.log")).unwrap();
+    assert!(!first_log.contains("latched") && !log.contains("latched"), "no latch:\n{first_log}\n{log}");
+}
+
+/// POST capture `index` to the daemon on `port` (`wait`: answer once published); 201 either way, once the capture is
+/// in the spool. Returns its id and body.
+async fn post_capture(client: reqwest::Client, port: u16, index: usize, wait: bool) -> (String, Vec<u8>) {
+    let capture_id = uuid::Uuid::now_v7();
+    let body = format!("capture {index} of the cluster test").into_bytes();
+    let wait = if wait { "&wait=published" } else { "" };
+    let url = format!("http://127.0.0.1:{port}/v1/captures?stream=cl/{}&id={capture_id}{wait}", index % 2);
+    let response = client.post(url).body(body.clone()).send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::CREATED, "{}", response.text().await.unwrap());
+    (capture_id.to_string(), body)
+}
+
+/// The publishes of `env`'s catalog that `replica` holds.
+fn publish_count(replica: &common::clickhouse::ClickHouseServer, env: &DaemonEnv) -> u64 {
+    let tables = capstore::catalog::Tables::from_config(&env.config().catalog);
+    let catalog = env.get("CAPSTORE_CATALOG_NAME").unwrap();
+    let sql = format!("SELECT count() FROM {} WHERE catalog = '{catalog}' FORMAT TSV", tables.publishes);
+    replica.query(&sql).unwrap().trim().parse().unwrap()
+}
+
+/// Versions 1..=N, each published once, on `replica`: returns N.
+fn assert_gapless_versions(replica: &common::clickhouse::ClickHouseServer, env: &DaemonEnv) -> u64 {
+    let tables = capstore::catalog::Tables::from_config(&env.config().catalog);
+    let catalog = env.get("CAPSTORE_CATALOG_NAME").unwrap();
+    let answer = replica
+        .query(&format!(
+            "SELECT count(), uniqExact(version), max(version), min(version) FROM {} WHERE catalog = '{catalog}' \
+             FORMAT TSV",
+            tables.publishes
+        ))
+        .unwrap();
+    let counts: Vec<u64> = answer.split_whitespace().map(|n| n.parse().unwrap()).collect();
+    assert!(
+        counts[0] == counts[1] && counts[1] == counts[2] && counts[3] == 1,
+        "gapless versions, each once: {answer}"
+    );
+    counts[0]
 }
 
 /// `replica` lists each of `posted` once and reads it back byte-identical (`capstore ls` and `get` pointed at it).
@@ -139,7 +271,7 @@ async fn assert_replica_serves(
     let replica = &cluster.replicas[index];
     let mut expected: Vec<String> = posted.iter().map(|(id, _)| id.clone()).collect();
     expected.sort();
-    let on_replica = env.clone().set("CAPSTORE_CATALOG_URL", replica.url());
+    let on_replica = env.clone().set("CAPSTORE_CATALOG_URL", replica.url()).set("CAPSTORE_CATALOG_REPLICA_URLS", "");
     let check = || -> Result<(), String> {
         let output = on_replica.command().args(["ls", "--json"]).output().unwrap();
         if !output.status.success() {

@@ -135,3 +135,56 @@ fn the_kubernetes_manifest_confines_both_containers_and_pins_images() {
         assert!(!line.contains(":latest") && line.matches(':').count() >= 2, "unpinned image: {line}");
     }
 }
+
+/// The cluster example is the cluster the tests start (one shard of three replicas, internal replication, the DDL
+/// queue, a replica macro each), and its fleet is what the README describes: a catalog name per daemon, one set of
+/// tables, one bucket, each daemon first on a replica of its own and failing over to the other two.
+#[test]
+fn the_cluster_example_is_one_shard_of_three_replicas_and_a_fleet_with_a_catalog_each() {
+    let cluster = deploy_file("cluster/clickhouse/cluster.xml");
+    for needed in
+        ["<remote_servers>", "<capstore>", "<internal_replication>true</internal_replication>", "<distributed_ddl>"]
+    {
+        assert!(cluster.contains(needed), "cluster.xml lacks {needed}");
+    }
+    let harness =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/common/cluster.rs")).unwrap();
+    for shared in [
+        "<internal_replication>true</internal_replication>",
+        "<distributed_ddl><path>/clickhouse/task_queue/ddl</path></distributed_ddl>",
+    ] {
+        assert!(cluster.contains(shared) && harness.contains(shared), "the example and the tests differ on {shared}");
+    }
+    let replicas: Vec<&str> = cluster.matches("<replica><host>").collect();
+    assert_eq!(replicas.len(), 3);
+    let macros: Vec<String> = (0..3).map(|r| deploy_file(&format!("cluster/clickhouse/macros-r{r}.xml"))).collect();
+    for (r, text) in macros.iter().enumerate() {
+        assert!(text.contains(&format!("<replica>r{r}</replica>")) && text.contains("<shard>01</shard>"), "{text}");
+        assert!(cluster.contains(&format!("<host>ch-{r}</host>")));
+    }
+
+    let compose = deploy_file("cluster/compose.yaml");
+    assert!(compose.contains("CAPSTORE_CATALOG_CLUSTER: capstore"), "catalog.cluster names the cluster of cluster.xml");
+    let values = |key: &str| -> Vec<String> {
+        compose.lines().filter_map(|line| line.trim().strip_prefix(&format!("{key}: "))).map(str::to_string).collect()
+    };
+    let names = values("CAPSTORE_CATALOG_NAME");
+    let unique: std::collections::BTreeSet<&String> = names.iter().collect();
+    assert!(names.len() >= 3 && unique.len() == names.len(), "a catalog name per daemon: {names:?}");
+    let firsts = values("CAPSTORE_CATALOG_URL");
+    let others = values("CAPSTORE_CATALOG_REPLICA_URLS");
+    assert_eq!((firsts.len(), others.len()), (names.len(), names.len()));
+    for (first, others) in firsts.iter().zip(&others) {
+        let mut all: Vec<&str> = std::iter::once(first.as_str()).chain(others.split(',')).collect();
+        all.sort();
+        assert_eq!(
+            all,
+            ["http://ch-0:8123", "http://ch-1:8123", "http://ch-2:8123"],
+            "every replica once: {first} {others}"
+        );
+    }
+    let first_unique: std::collections::BTreeSet<&String> = firsts.iter().collect();
+    assert_eq!(first_unique.len(), firsts.len(), "each daemon starts on a replica of its own");
+    assert_eq!(values("CAPSTORE_BUCKET_URL").len(), 1, "one bucket for the fleet");
+    assert!(compose.contains("capstore-http-token") && compose.contains("cap_drop: [ALL]"));
+}

@@ -1527,3 +1527,118 @@ async fn the_rows_of_a_deleted_capture_stay_while_its_pack_cannot_be_rewritten()
     let answer = client.get(daemon.url(&format!("/v1/captures/{}", second[0].0))).send().await.unwrap();
     assert_eq!(answer.status(), StatusCode::NOT_FOUND, "deleted all the same");
 }
+
+/// A fleet: three daemons with catalog names of their own share one set of tables and one bucket. A listing across
+/// catalogs (HTTP `catalog=a,b` and `all_catalogs=true`, CLI `--catalog` and `--all-catalogs`) shows every capture of
+/// each once, with its catalog, in time order, page after page, at the watermarks of its first page; each daemon's
+/// own listing and tail still show its catalog only; bad selections and foreign cursors are refused by name.
+#[tokio::test]
+async fn a_fleet_shares_the_tables_and_is_listed_across_catalogs_once_in_time_order_page_by_page() {
+    let first = HttpDaemon::start(&[]).await;
+    let shared = [
+        ("CAPSTORE_CATALOG_DATABASE", first.env.get("CAPSTORE_CATALOG_DATABASE").unwrap().to_string()),
+        ("CAPSTORE_BUCKET_URL", first.env.get("CAPSTORE_BUCKET_URL").unwrap().to_string()),
+    ];
+    let fleet = [first, HttpDaemon::start(&shared).await, HttpDaemon::start(&shared).await];
+    let names: Vec<String> =
+        fleet.iter().map(|daemon| daemon.env.get("CAPSTORE_CATALOG_NAME").unwrap().into()).collect();
+    let client = reqwest::Client::new();
+    // Interleaved in time: rounds of five captures from each daemon in turn.
+    let mut posted: std::collections::BTreeMap<String, (String, Vec<u8>)> = Default::default();
+    for round in 0..3u8 {
+        for (daemon, name) in fleet.iter().zip(&names) {
+            for (id, _, body) in post_batch_published(daemon, &client, "fleet/s", 5, round * 8).await {
+                posted.insert(id, (name.clone(), body));
+            }
+        }
+    }
+
+    // Pages of 4 across all three, asked of the first daemon: each capture once, in (captured_at_ns, id) order.
+    let selection = names.join(",");
+    let mut listed: Vec<(u64, String, String)> = Vec::new();
+    let mut cursor: Option<String> = None;
+    let mut pages = 0;
+    loop {
+        let cursor_param = cursor.as_ref().map(|c| format!("&cursor={c}")).unwrap_or_default();
+        let page =
+            json(fleet[0].get_ok(&client, &format!("/v1/captures?catalog={selection}&limit=4{cursor_param}")).await)
+                .await;
+        pages += 1;
+        if pages == 1 {
+            // Posted after the first page: not in this listing, whose watermarks are pinned.
+            post_batch_published(&fleet[1], &client, "fleet/s", 2, 99).await;
+            assert_eq!(page["watermarks"].as_object().unwrap().len(), 3, "{page}");
+        }
+        let captures = page["captures"].as_array().unwrap();
+        assert!(captures.len() <= 4, "{page}");
+        for capture in captures {
+            listed.push((
+                capture["captured_at_ns"].as_u64().unwrap(),
+                capture["capture_id"].as_str().unwrap().into(),
+                capture["catalog"].as_str().unwrap().into(),
+            ));
+        }
+        match page["next_cursor"].as_str() {
+            Some(next) => cursor = Some(next.to_string()),
+            None => break,
+        }
+        assert!(pages < 100, "the listing does not end");
+    }
+    let mut sorted = listed.clone();
+    sorted.sort();
+    assert_eq!(listed, sorted, "in (captured_at_ns, capture_id) order across pages");
+    let by_id: std::collections::BTreeMap<String, String> =
+        listed.iter().map(|(_, id, catalog)| (id.clone(), catalog.clone())).collect();
+    assert_eq!(by_id.len(), listed.len(), "no capture twice");
+    let expected: std::collections::BTreeMap<String, String> =
+        posted.iter().map(|(id, (catalog, _))| (id.clone(), catalog.clone())).collect();
+    assert_eq!(by_id, expected, "every capture of the three once, with its own catalog");
+    assert!(pages >= 45 / 4, "paged: {pages}");
+
+    // all_catalogs: the three, now with the two posted since.
+    let everything = json(fleet[2].get_ok(&client, "/v1/captures?all_catalogs=true&limit=1000").await).await;
+    assert_eq!(everything["captures"].as_array().unwrap().len(), 47, "{everything}");
+
+    // The CLI: two of them, and all of them; every line names its catalog, and a capture reads back from any.
+    let ls = |args: &[&str]| -> Vec<Value> {
+        let output = fleet[0].env.command().arg("ls").arg("--json").args(args).output().unwrap();
+        assert!(output.status.success(), "ls {args:?}: {}", String::from_utf8_lossy(&output.stderr));
+        String::from_utf8(output.stdout).unwrap().lines().map(|line| serde_json::from_str(line).unwrap()).collect()
+    };
+    let two = ls(&["--catalog", &format!("{},{}", names[0], names[2])]);
+    assert_eq!(two.len(), 30);
+    assert!(two.iter().all(|line| {
+        let catalog = line["catalog"].as_str().unwrap();
+        posted.get(line["capture_id"].as_str().unwrap()).is_some_and(|(posted_in, _)| posted_in == catalog)
+    }));
+    assert_eq!(ls(&["--all-catalogs"]).len(), 47);
+    let output = fleet[0].env.command().args(["ls", "--catalog", "no/such"]).output().unwrap();
+    assert!(!output.status.success() && String::from_utf8_lossy(&output.stderr).contains("no/such"));
+
+    // Each daemon's own listing and tail: its own catalog only.
+    for (daemon, name) in fleet.iter().zip(&names) {
+        let own = json(daemon.get_ok(&client, "/v1/captures?limit=1000").await).await;
+        let ids: Vec<&str> =
+            own["captures"].as_array().unwrap().iter().map(|c| c["capture_id"].as_str().unwrap()).collect();
+        assert!(ids.len() >= 15 && ids.iter().all(|id| posted.get(*id).is_none_or(|(catalog, _)| catalog == name)));
+        let tail = json(daemon.get_ok(&client, "/v1/tail?after=0&limit=1000").await).await;
+        assert_eq!(tail["captures"].as_array().unwrap().len(), ids.len(), "{name}: tail shows its own catalog");
+    }
+
+    // Refused by name: a cursor of another selection, a single catalog's cursor, a bad name, both selections.
+    let page = json(fleet[0].get_ok(&client, &format!("/v1/captures?catalog={selection}&limit=2")).await).await;
+    let fleet_cursor = page["next_cursor"].as_str().unwrap();
+    let own_page = json(fleet[0].get_ok(&client, "/v1/captures?limit=2").await).await;
+    let own_cursor = own_page["next_cursor"].as_str().unwrap();
+    for (query, field) in [
+        (format!("catalog={}&cursor={fleet_cursor}", names[0]), "cursor"),
+        (format!("catalog={selection}&cursor={own_cursor}"), "cursor"),
+        (format!("cursor={fleet_cursor}"), "cursor"),
+        ("catalog=a/b".to_string(), "catalog"),
+        (format!("catalog={}&all_catalogs=true", names[0]), "all_catalogs"),
+    ] {
+        let response = client.get(fleet[0].url(&format!("/v1/captures?{query}"))).send().await.unwrap();
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{query}");
+        assert_eq!(json(response).await["field"], field, "{query}");
+    }
+}

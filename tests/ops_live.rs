@@ -317,7 +317,9 @@ async fn a_live_scrape_passes_promtool_and_has_every_metric_the_rules_and_dashbo
     assert!(open_metrics.ends_with("# EOF\n"), "{open_metrics}");
     assert!(open_metrics.contains("# TYPE capstore_captures_appended counter\n"), "{open_metrics}");
     assert!(scrape.contains("# TYPE capstore_captures_appended_total counter\n"), "{scrape}");
-    for histogram in ["append_to_ack", "publish_duration", "ack_to_published", "upload_duration"] {
+    for histogram in
+        ["append_to_ack", "publish_duration", "ack_to_published", "upload_duration", "lease_renew_duration"]
+    {
         let count = format!("capstore_{histogram}_seconds_count ");
         let line =
             scrape.lines().find(|line| line.starts_with(&count)).unwrap_or_else(|| panic!("no {count}:\n{scrape}"));

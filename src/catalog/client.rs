@@ -42,6 +42,16 @@
 //! so nothing is decided beside it. Ordinary reads are not sequentially consistent: a replica that lags answers a
 //! listing without the newest publishes.
 //!
+//! # Failover
+//!
+//! `catalog.replica_urls` names the other replicas of `catalog.url`'s shard. Every request goes to the current
+//! server; one that cannot be connected to has run nothing, so the request goes to the next server at once. A
+//! request whose reply was lost is not sent again (its outcome is unknown and the caller's rule for that applies:
+//! the publisher reads a publish back, sequentially consistent, before anything else is published, and the lease is
+//! quarantined), but the next request goes to the next server, so a server that stalls is left as well. Switching
+//! keeps the fence sound because the argument above holds for every replica alike: no decision depends on which one
+//! answers. See [`Endpoints`].
+//!
 //! # Statements and databases
 //!
 //! The database is never set on the underlying client: every statement names its tables as `database.table`. That
@@ -51,9 +61,8 @@
 //! Every request carries `wait_end_of_query=1`, so an error raised while a result is streaming comes back as an
 //! HTTP error instead of a 200 reply with `Code: N` appended to the body (which 18.16 otherwise does).
 //!
-//! Values go into SQL through the crate's client-side `?` binding ([`CatalogClient::query`] with `.bind()`, and the
-//! `*_query` methods) or through [`sql_string_literal`]; server-side `{name:Type}` parameters do not exist on 18.16.
-//! The methods that take `sql: &str` send it verbatim: a `?` in it is a question mark, not a placeholder.
+//! Values go into SQL through [`sql_string_literal`] (server-side `{name:Type}` parameters do not exist on 18.16).
+//! Every statement is sent verbatim: a `?` in it is a question mark, not a placeholder.
 //!
 //! # Labels
 //!
@@ -67,6 +76,7 @@
 
 use std::fmt;
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -75,6 +85,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client as HyperClient;
 use hyper_util::rt::TokioExecutor;
 
+use crate::config::units::redact_url;
 use crate::config::CatalogConfig;
 
 /// Servers at or above this major version get compression and schema validation.
@@ -178,6 +189,22 @@ impl CatalogError {
         self.server_code.is_some_and(|code| BAD_DATA_CODES.contains(&code))
     }
 
+    /// The server could not be connected to: nothing was sent (another replica may be tried at once).
+    pub fn is_unreachable(&self) -> bool {
+        self.source.as_ref().is_some_and(is_connect_failure)
+    }
+
+    /// The request was sent and its reply did not come back (a broken connection or no reply in time): the
+    /// statement may have run.
+    pub fn reply_lost(&self) -> bool {
+        use clickhouse::error::Error;
+        match &self.source {
+            Some(Error::TimedOut) => true,
+            Some(network @ Error::Network(_)) => !is_connect_failure(network),
+            _ => false,
+        }
+    }
+
     fn from_client(context: &str, error: clickhouse::error::Error) -> Self {
         CatalogError {
             kind: classify(&error),
@@ -196,21 +223,23 @@ pub fn classify(error: &clickhouse::error::Error) -> ErrorKind {
     match error {
         // Raised while building the request, before anything is sent.
         Error::InvalidParams(_) | Error::Unsupported(_) => ErrorKind::DefinitelyFailed,
-        Error::Network(source) => {
-            let connect_failed = source
-                .downcast_ref::<hyper_util::client::legacy::Error>()
-                .is_some_and(|hyper_error| hyper_error.is_connect());
-            if connect_failed {
-                ErrorKind::DefinitelyFailed
-            } else {
-                ErrorKind::OutcomeUnknown
-            }
-        }
+        network @ Error::Network(_) if is_connect_failure(network) => ErrorKind::DefinitelyFailed,
+        Error::Network(_) => ErrorKind::OutcomeUnknown,
         Error::BadResponse(text) => match parse_error_code(text) {
             Some(code) if is_definitely_failed_code(code) => ErrorKind::DefinitelyFailed,
             _ => ErrorKind::OutcomeUnknown,
         },
         _ => ErrorKind::OutcomeUnknown,
+    }
+}
+
+/// A connection that could not be made (refused, DNS, TLS handshake, connect timeout): nothing was sent.
+fn is_connect_failure(error: &clickhouse::error::Error) -> bool {
+    match error {
+        clickhouse::error::Error::Network(source) => source
+            .downcast_ref::<hyper_util::client::legacy::Error>()
+            .is_some_and(|hyper_error| hyper_error.is_connect()),
+        _ => false,
     }
 }
 
@@ -299,10 +328,10 @@ impl fmt::Display for ServerVersion {
     }
 }
 
-/// A connected catalog client. Cheap to clone (the HTTP pool is shared).
+/// A connected catalog client. Cheap to clone (the HTTP pools and the failover state are shared).
 #[derive(Clone)]
 pub struct CatalogClient {
-    client: clickhouse::Client,
+    endpoints: Arc<Endpoints>,
     database: String,
     request_timeout: Duration,
     read_max_memory: u64,
@@ -314,6 +343,7 @@ pub struct CatalogClient {
 impl fmt::Debug for CatalogClient {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CatalogClient")
+            .field("url", &self.endpoints.servers[self.endpoints.current()].shown_url)
             .field("database", &self.database)
             .field("request_timeout", &self.request_timeout)
             .field("server_version", &self.server_version.text)
@@ -341,50 +371,104 @@ impl CatalogClient {
                 "catalog.request_timeout must be more than zero",
             ));
         }
-        let mut client = build_http_client(config, request_timeout)?
-            .with_url(config.url.trim_end_matches('/'))
-            .with_user(config.user.clone())
-            .with_product_info("capstore", env!("CARGO_PKG_VERSION"))
-            .with_compression(Compression::None)
-            .with_validation(false)
-            .with_setting("wait_end_of_query", "1");
-        if let Some(password) = &config.password {
-            client = client.with_password(password.expose());
+        let urls: Vec<&String> = std::iter::once(&config.url).chain(&config.replica_urls).collect();
+        let mut clients = Vec::with_capacity(urls.len());
+        for url in &urls {
+            let mut client = build_http_client(url, config.ca_file.as_deref(), request_timeout)?
+                .with_url(url.trim_end_matches('/'))
+                .with_user(config.user.clone())
+                .with_product_info("capstore", env!("CARGO_PKG_VERSION"))
+                .with_compression(Compression::None)
+                .with_validation(false)
+                .with_setting("wait_end_of_query", "1");
+            if let Some(password) = &config.password {
+                client = client.with_password(password.expose());
+            }
+            clients.push(client);
         }
 
-        let version_text: String = run_with_timeout(
-            request_timeout,
-            "select version()",
-            client.query("SELECT version()").fetch_one::<String>(),
-        )
-        .await?;
+        // The first server that answers decides the settings: the replicas of a shard run one release.
+        let mut answered = None;
+        for (index, client) in clients.iter().enumerate() {
+            let version = run_with_timeout(
+                request_timeout,
+                "select version()",
+                client.query("SELECT version()").fetch_one::<String>(),
+            )
+            .await;
+            match version {
+                Ok(text) => {
+                    answered = Some((index, text));
+                    break;
+                }
+                Err(error) if error.is_unreachable() && index + 1 < clients.len() => {
+                    tracing::warn!(url = %redact_url(urls[index]), %error, "catalog server unreachable, trying the next replica");
+                }
+                Err(error) => return Err(error),
+            }
+        }
+        let Some((current, version_text)) = answered else {
+            unreachable!("the last server's error is returned above");
+        };
         let server_version = ServerVersion::parse(&version_text).ok_or_else(|| {
             CatalogError::new(ErrorKind::DefinitelyFailed, format!("cannot parse the server version {version_text:?}"))
         })?;
         if server_version.is_modern() {
-            client = client.with_compression(Compression::Lz4).with_validation(true);
+            clients = clients
+                .into_iter()
+                .map(|client| client.with_compression(Compression::Lz4).with_validation(true))
+                .collect();
         }
-        let insert_quorum = match &config.cluster {
+        let (insert_quorum, shard) = match &config.cluster {
             Some(cluster) => {
-                let quorum = majority_of_replicas(&client, cluster, request_timeout).await?;
+                let shard = local_shard(&clients[current], cluster, request_timeout).await?.ok_or_else(|| {
+                    CatalogError::new(
+                        ErrorKind::DefinitelyFailed,
+                        format!(
+                            "catalog.cluster: the server at {} is not a replica of a cluster named {cluster:?} (see \
+                             system.clusters and remote_servers in its configuration)",
+                            redact_url(urls[current])
+                        ),
+                    )
+                })?;
+                let quorum = shard.replicas / 2 + 1;
                 let wait_ms = u64::try_from(request_timeout.as_millis()).unwrap_or(u64::MAX);
-                client = client
-                    .with_setting("insert_quorum", quorum.to_string())
-                    .with_setting("insert_quorum_timeout", wait_ms.to_string());
                 // One quorum insert at a time per table (the only way before 20.10): an insert whose quorum timed
                 // out can still be completed later, when a replica fetches its part, and until then every later
                 // quorum insert into that table is refused, so no publish can be decided beside it.
-                if server_has_setting(&client, "insert_quorum_parallel", request_timeout).await? {
-                    client = client.with_setting("insert_quorum_parallel", "0");
-                }
-                Some(quorum)
+                let serial_quorum =
+                    server_has_setting(&clients[current], "insert_quorum_parallel", request_timeout).await?;
+                clients = clients
+                    .into_iter()
+                    .map(|client| {
+                        let client = client
+                            .with_setting("insert_quorum", quorum.to_string())
+                            .with_setting("insert_quorum_timeout", wait_ms.to_string());
+                        if serial_quorum {
+                            client.with_setting("insert_quorum_parallel", "0")
+                        } else {
+                            client
+                        }
+                    })
+                    .collect();
+                (Some(quorum), Some((cluster.clone(), shard.number)))
             }
-            None => None,
+            None => (None, None),
         };
-        let url = crate::config::units::redact_url(&config.url);
-        tracing::info!(%url, server_version = %server_version, ?insert_quorum, "catalog connected");
+        let servers: Vec<Endpoint> = clients
+            .into_iter()
+            .zip(&urls)
+            .enumerate()
+            .map(|(index, (client, url))| Endpoint {
+                client,
+                shown_url: redact_url(url),
+                // The server that answered was checked above.
+                checked: tokio::sync::OnceCell::new_with((index == current).then_some(true)),
+            })
+            .collect();
+        tracing::info!(url = %servers[current].shown_url, server_version = %server_version, ?insert_quorum, replicas = servers.len(), "catalog connected");
         Ok(CatalogClient {
-            client,
+            endpoints: Arc::new(Endpoints { servers, current: AtomicUsize::new(current), shard, request_timeout }),
             database: config.database.clone(),
             request_timeout,
             read_max_memory: config.read_max_memory.0,
@@ -416,26 +500,20 @@ impl CatalogClient {
         self.request_timeout
     }
 
-    /// A statement with client-side `?` binding, for [`CatalogClient::execute_query`] and
-    /// [`CatalogClient::fetch_all_query`]. `?` inside string literals must be written `??`.
-    pub fn query(&self, sql: &str) -> clickhouse::query::Query {
-        self.client.query(sql)
-    }
-
     /// Run DDL or a statement whose outcome decides nothing. `sql` is sent verbatim.
     pub async fn execute(&self, sql: &str) -> Result<(), CatalogError> {
-        self.execute_query(self.verbatim(sql)).await
+        self.execute_with(sql, &[], self.request_timeout).await
     }
 
     /// [`CatalogClient::execute`] for a long server-side statement (a schema upgrade's copy) that may take longer than
     /// `catalog.request_timeout`.
     /// The server stops it at the same time (so a retry after a timeout never runs beside the first attempt).
     pub async fn execute_with_timeout(&self, sql: &str, timeout: Duration) -> Result<(), CatalogError> {
-        let query = self
-            .verbatim(sql)
-            .with_setting("max_execution_time", timeout.as_secs().max(1).to_string())
-            .with_setting("timeout_overflow_mode", "throw");
-        run_with_timeout(timeout + Duration::from_secs(5), "execute", query.execute()).await
+        let settings = [
+            ("max_execution_time", timeout.as_secs().max(1).to_string()),
+            ("timeout_overflow_mode", "throw".to_string()),
+        ];
+        self.execute_with(sql, &settings, timeout + Duration::from_secs(5)).await
     }
 
     /// [`CatalogClient::execute`] for a statement longer than the server's default `max_query_size` (256 KiB), up
@@ -444,55 +522,40 @@ impl CatalogClient {
     /// (a server that runs a mutation before it answers).
     pub async fn execute_large(&self, sql: &str, max_bytes: usize, timeout: Duration) -> Result<(), CatalogError> {
         let limit = max_bytes.max(sql.len() + 1).to_string();
-        let query = self
-            .verbatim(sql)
-            .with_setting("max_query_size", limit.clone())
-            .with_setting("max_ast_elements", limit.clone())
-            .with_setting("max_expanded_ast_elements", limit);
-        run_with_timeout(timeout.max(self.request_timeout), "execute", query.execute()).await
-    }
-
-    /// A query whose text is sent as written, with no client-side `?` binding.
-    fn verbatim(&self, sql: &str) -> clickhouse::query::Query {
-        self.client.query_raw(sql)
-    }
-
-    /// [`CatalogClient::execute`] for a statement built with [`CatalogClient::query`] and `.bind()`.
-    pub async fn execute_query(&self, query: clickhouse::query::Query) -> Result<(), CatalogError> {
-        run_with_timeout(self.request_timeout, "execute", query.execute()).await
+        let settings = [
+            ("max_query_size", limit.clone()),
+            ("max_ast_elements", limit.clone()),
+            ("max_expanded_ast_elements", limit),
+        ];
+        self.execute_with(sql, &settings, timeout.max(self.request_timeout)).await
     }
 
     /// Run a deciding statement (a fenced publish or lease claim): the server stops it after
-    /// `max_execution_time` (whole seconds, rounded up) and answers only once it has finished. `sql` is sent
-    /// verbatim.
+    /// `max_execution_time` (whole seconds, rounded up) and answers only once it has finished; sequentially
+    /// consistent on a replicated catalog. `sql` is sent verbatim.
     pub async fn execute_deciding(&self, sql: &str, max_execution_time: Duration) -> Result<(), CatalogError> {
-        let query = self.verbatim(sql);
-        self.execute_deciding_query(query, max_execution_time).await
-    }
-
-    /// [`CatalogClient::execute_deciding`] for a statement built with [`CatalogClient::query`] and `.bind()`.
-    pub async fn execute_deciding_query(
-        &self,
-        query: clickhouse::query::Query,
-        max_execution_time: Duration,
-    ) -> Result<(), CatalogError> {
         debug_assert!(max_execution_time.subsec_nanos() == 0, "max_execution_time is sent in whole seconds");
         let whole_seconds = max_execution_time.as_secs_f64().ceil().max(1.0) as u64;
-        let query = self
-            .sequentially_consistent(query)
-            .with_setting("max_execution_time", whole_seconds.to_string())
-            .with_setting("timeout_overflow_mode", "throw");
-        run_with_timeout(self.request_timeout, "execute deciding", query.execute()).await
+        let mut settings =
+            vec![("max_execution_time", whole_seconds.to_string()), ("timeout_overflow_mode", "throw".to_string())];
+        settings.extend(self.sequential_consistency());
+        self.execute_with(sql, &settings, self.request_timeout).await
     }
 
-    /// With a replicated catalog, `query` reads every row a quorum insert has acknowledged (or fails on a replica
-    /// that does not have them yet); otherwise unchanged. What a decision reads (the lease head, the fence inside a
+    async fn execute_with(
+        &self,
+        sql: &str,
+        settings: &[(&'static str, String)],
+        timeout: Duration,
+    ) -> Result<(), CatalogError> {
+        self.request("execute", timeout, |client| with_settings(client.query_raw(sql), settings).execute()).await
+    }
+
+    /// With a replicated catalog, a read with this setting sees every row a quorum insert has acknowledged (or fails
+    /// on a replica that does not have them yet). What a decision reads (the lease head, the fence inside a
     /// publish, a read-back) must not come from a replica that lags: it could let a second publisher in.
-    fn sequentially_consistent(&self, query: clickhouse::query::Query) -> clickhouse::query::Query {
-        match self.insert_quorum {
-            Some(_) => query.with_setting("select_sequential_consistency", "1"),
-            None => query,
-        }
+    fn sequential_consistency(&self) -> Option<(&'static str, String)> {
+        self.insert_quorum.map(|_| ("select_sequential_consistency", "1".to_string()))
     }
 
     /// [`CatalogClient::fetch_all`] for a read a decision rests on (the lease head, a read-back, the replay guard):
@@ -501,39 +564,44 @@ impl CatalogClient {
     where
         T: RowOwned + RowRead,
     {
-        self.fetch_all_query(self.sequentially_consistent(self.verbatim(sql))).await
+        self.fetch_all_with(sql, self.sequential_consistency()).await
     }
 
     /// Read every row of a SELECT. `sql` is sent verbatim; columns map to the row's fields by position.
-    pub async fn fetch_all<T>(&self, sql: &str) -> Result<Vec<T>, CatalogError>
-    where
-        T: RowOwned + RowRead,
-    {
-        self.fetch_all_query(self.verbatim(sql)).await
-    }
-
-    /// [`CatalogClient::fetch_all`] for a statement built with [`CatalogClient::query`] and `.bind()`;
-    /// `?fields` expands to the row type's column names.
     ///
     /// Every read is bounded on the server as well: it stops after `catalog.request_timeout` (when this client gives
     /// up; servers from 20.x on also cancel a read whose client has gone) and at `catalog.read_max_memory`, so a read
     /// that grows with the catalog fails with an error naming the limit instead of running on or starving the server.
-    pub async fn fetch_all_query<T>(&self, query: clickhouse::query::Query) -> Result<Vec<T>, CatalogError>
+    pub async fn fetch_all<T>(&self, sql: &str) -> Result<Vec<T>, CatalogError>
+    where
+        T: RowOwned + RowRead,
+    {
+        self.fetch_all_with(sql, None).await
+    }
+
+    async fn fetch_all_with<T>(&self, sql: &str, extra: Option<(&'static str, String)>) -> Result<Vec<T>, CatalogError>
     where
         T: RowOwned + RowRead,
     {
         let whole_seconds = self.request_timeout.as_secs_f64().ceil().max(1.0) as u64;
-        let mut query = query
-            .with_setting("max_execution_time", whole_seconds.to_string())
-            .with_setting("timeout_overflow_mode", "throw")
-            .with_setting("max_memory_usage", self.read_max_memory.to_string());
+        let mut settings = vec![
+            ("max_execution_time", whole_seconds.to_string()),
+            ("timeout_overflow_mode", "throw".to_string()),
+            ("max_memory_usage", self.read_max_memory.to_string()),
+        ];
         if self.server_version.major >= 20 {
             // The server cancels on close only a query it knows to be read-only: a POST is not, unless it says so
             // (readonly = 2 still lets a request carry settings such as these).
-            query =
-                query.with_setting("readonly", "2").with_setting("cancel_http_readonly_queries_on_client_close", "1");
+            settings.push(("readonly", "2".to_string()));
+            settings.push(("cancel_http_readonly_queries_on_client_close", "1".to_string()));
         }
-        run_with_timeout(self.request_timeout, "fetch", query.fetch_all::<T>()).await.map_err(|mut error| {
+        settings.extend(extra);
+        let settings = &settings;
+        self.request("fetch", self.request_timeout, |client| {
+            with_settings(client.query_raw(sql), settings).fetch_all::<T>()
+        })
+        .await
+        .map_err(|mut error| {
             if error.server_code == Some(MEMORY_LIMIT_EXCEEDED) {
                 error.message = format!("{} (the limit is catalog.read_max_memory)", error.message);
             }
@@ -561,45 +629,162 @@ impl CatalogClient {
         if rows.is_empty() {
             return Ok(());
         }
-        let insert_all = async {
-            let mut insert = self.client.insert_unescaped::<T>(table).await?.with_setting("wait_end_of_query", "1");
+        self.request("insert", self.request_timeout, |client| async move {
+            let mut insert = client.insert_unescaped::<T>(table).await?.with_setting("wait_end_of_query", "1");
             for row in rows {
                 insert.write(row).await?;
             }
             insert.end().await
-        };
-        run_with_timeout(self.request_timeout, "insert", insert_all).await
+        })
+        .await
+    }
+
+    /// Send one request, failing over between the replicas of `catalog.url` and `catalog.replica_urls`.
+    ///
+    /// It goes to the current server. A server that cannot be connected to has run nothing, so the request is sent
+    /// to the next one at once, and the one that answers becomes current. A request whose reply was lost (the
+    /// connection broke after sending, or no reply in time) is not sent again: its error goes back to the caller,
+    /// whose unknown-outcome rule applies as on a single server (a publish is read back, sequentially consistent,
+    /// before anything else is published), and the next request goes to the next server.
+    async fn request<T, Fut>(
+        &self,
+        context: &str,
+        timeout: Duration,
+        send: impl Fn(clickhouse::Client) -> Fut,
+    ) -> Result<T, CatalogError>
+    where
+        Fut: std::future::Future<Output = clickhouse::error::Result<T>>,
+    {
+        let endpoints = &self.endpoints;
+        let first = endpoints.current();
+        let count = endpoints.servers.len();
+        let mut unreachable = None;
+        for attempt in 0..count {
+            let index = (first + attempt) % count;
+            let server = &endpoints.servers[index];
+            match endpoints.check(index).await {
+                Ok(true) => {}
+                Ok(false) => continue,
+                Err(error) if error.is_unreachable() => {
+                    unreachable = Some(error);
+                    continue;
+                }
+                Err(error) => return Err(error),
+            }
+            match run_with_timeout(timeout, context, send(server.client.clone())).await {
+                Ok(value) => {
+                    if index != first {
+                        endpoints.switch(first, index, "answered after a failover");
+                    }
+                    return Ok(value);
+                }
+                Err(error) if error.is_unreachable() && count > 1 => {
+                    tracing::warn!(url = %server.shown_url, %error, "catalog server unreachable, trying the next replica");
+                    unreachable = Some(error);
+                }
+                Err(error) => {
+                    if error.reply_lost() && count > 1 {
+                        endpoints.switch(index, (index + 1) % count, "the last reply was lost");
+                    }
+                    return Err(error);
+                }
+            }
+        }
+        Err(unreachable.unwrap_or_else(|| {
+            CatalogError::new(
+                ErrorKind::DefinitelyFailed,
+                "no server of catalog.url and catalog.replica_urls is a replica of the connected shard",
+            )
+        }))
     }
 }
 
-/// A majority of the replicas of the connected server's shard in `cluster` (`system.clusters`); refuses a cluster the
-/// server does not know, or one it is not a replica of.
-async fn majority_of_replicas(
+/// The servers of `catalog.url` and `catalog.replica_urls` and the one requests go to first.
+///
+/// States: `current` names the server that answered last (or the one after a server whose reply was lost); every
+/// server but the first to answer at connect is `checked` once, when a request first goes to it, to be a replica
+/// of the same shard of `catalog.cluster` (a server of other tables would split the catalog), and skipped for good
+/// if it is not. Invariant: only checked servers are sent statements.
+struct Endpoints {
+    servers: Vec<Endpoint>,
+    current: AtomicUsize,
+    /// `catalog.cluster` and the shard number of the first server to answer.
+    shard: Option<(String, u32)>,
+    request_timeout: Duration,
+}
+
+struct Endpoint {
+    client: clickhouse::Client,
+    /// The URL with its password redacted, for logs.
+    shown_url: String,
+    /// Whether the server is a replica of the shard; unset until it has answered the check.
+    checked: tokio::sync::OnceCell<bool>,
+}
+
+impl Endpoints {
+    fn current(&self) -> usize {
+        self.current.load(Ordering::Relaxed)
+    }
+
+    /// Make `to` current unless another request has moved on from `from` already.
+    fn switch(&self, from: usize, to: usize, why: &str) {
+        if self.current.compare_exchange(from, to, Ordering::Relaxed, Ordering::Relaxed).is_ok() {
+            tracing::warn!(from = %self.servers[from].shown_url, to = %self.servers[to].shown_url, why, "catalog failover");
+        }
+    }
+
+    /// Whether server `index` may be sent statements (see the type's doc); an unreachable server stays unchecked.
+    async fn check(&self, index: usize) -> Result<bool, CatalogError> {
+        let server = &self.servers[index];
+        let checked = server
+            .checked
+            .get_or_try_init(|| async {
+                let Some((cluster, number)) = &self.shard else { return Ok(true) };
+                let shard = local_shard(&server.client, cluster, self.request_timeout).await?;
+                let same = shard.as_ref().is_some_and(|shard| shard.number == *number);
+                if !same {
+                    tracing::error!(url = %server.shown_url, cluster, expected_shard = number, found = ?shard.map(|shard| shard.number),
+                        "catalog.replica_urls: this server is not a replica of the shard of catalog.url; it is never used");
+                }
+                Ok(same)
+            })
+            .await?;
+        Ok(*checked)
+    }
+}
+
+fn with_settings(mut query: clickhouse::query::Query, settings: &[(&'static str, String)]) -> clickhouse::query::Query {
+    for (name, value) in settings {
+        query = query.with_setting(*name, value.clone());
+    }
+    query
+}
+
+/// The connected server's shard of `cluster` in `system.clusters`: its number and how many replicas it has; `None`
+/// when the server is not a replica of a cluster of that name.
+struct Shard {
+    number: u32,
+    replicas: u64,
+}
+
+async fn local_shard(
     client: &clickhouse::Client,
     cluster: &str,
     request_timeout: Duration,
-) -> Result<u64, CatalogError> {
+) -> Result<Option<Shard>, CatalogError> {
     let cluster_literal = sql_string_literal(cluster);
-    let replicas = fetch_count(
-        client,
-        "count the cluster's replicas",
-        &format!(
-            "SELECT count() FROM system.clusters WHERE cluster = {cluster_literal} AND shard_num IN \
-             (SELECT shard_num FROM system.clusters WHERE cluster = {cluster_literal} AND is_local = 1)"
-        ),
+    let sql = format!(
+        "SELECT toUInt64(any(shard_num)) AS shard, count() AS replicas FROM system.clusters \
+         WHERE cluster = {cluster_literal} AND shard_num IN \
+         (SELECT shard_num FROM system.clusters WHERE cluster = {cluster_literal} AND is_local = 1)"
+    );
+    let (number, replicas) = run_with_timeout(
         request_timeout,
+        "find the server's shard of catalog.cluster",
+        client.query_raw(&sql).fetch_one::<(u64, u64)>(),
     )
     .await?;
-    if replicas == 0 {
-        return Err(CatalogError::new(
-            ErrorKind::DefinitelyFailed,
-            format!(
-                "catalog.cluster: the server is not a replica of a cluster named {cluster:?} (see system.clusters and \
-                 remote_servers in its configuration)"
-            ),
-        ));
-    }
-    Ok(replicas / 2 + 1)
+    Ok((replicas > 0).then_some(Shard { number: number as u32, replicas }))
 }
 
 async fn server_has_setting(
@@ -608,17 +793,9 @@ async fn server_has_setting(
     request_timeout: Duration,
 ) -> Result<bool, CatalogError> {
     let sql = format!("SELECT count() FROM system.settings WHERE name = {}", sql_string_literal(name));
-    Ok(fetch_count(client, "look up a setting", &sql, request_timeout).await? > 0)
-}
-
-/// The one number a `SELECT count() ...` of the connection's set-up answers; `what` names it in an error.
-async fn fetch_count(
-    client: &clickhouse::Client,
-    what: &str,
-    sql: &str,
-    request_timeout: Duration,
-) -> Result<u64, CatalogError> {
-    run_with_timeout(request_timeout, what, client.query_raw(sql).fetch_one::<u64>()).await
+    let count =
+        run_with_timeout(request_timeout, "look up a setting", client.query_raw(&sql).fetch_one::<u64>()).await?;
+    Ok(count > 0)
 }
 
 /// Run one whole request (send, wait, read the body) under `timeout`; a timeout is `OutcomeUnknown`.
@@ -640,7 +817,11 @@ async fn run_with_timeout<T>(
 
 /// The hyper client under the crate: our own so https can use a custom CA, and so connecting has its own timeout
 /// (a connect timeout is a connect error, hence `DefinitelyFailed`, instead of an unknown whole-request timeout).
-fn build_http_client(config: &CatalogConfig, request_timeout: Duration) -> Result<clickhouse::Client, CatalogError> {
+fn build_http_client(
+    url: &str,
+    ca_file: Option<&Path>,
+    request_timeout: Duration,
+) -> Result<clickhouse::Client, CatalogError> {
     let mut connector = HttpConnector::new();
     connector.set_connect_timeout(Some(request_timeout / 2));
     connector.set_nodelay(true);
@@ -648,15 +829,14 @@ fn build_http_client(config: &CatalogConfig, request_timeout: Duration) -> Resul
     let mut builder = HyperClient::builder(TokioExecutor::new());
     builder.pool_idle_timeout(POOL_IDLE_TIMEOUT);
 
-    let is_https = config.url.starts_with("https://");
-    if !is_https {
-        if config.ca_file.is_some() {
-            tracing::warn!(url = %crate::config::units::redact_url(&config.url), "catalog.ca_file is ignored for a plain http url");
+    if !url.starts_with("https://") {
+        if ca_file.is_some() {
+            tracing::warn!(url = %redact_url(url), "catalog.ca_file is ignored for a plain http url");
         }
         return Ok(clickhouse::Client::with_http_client(builder.build(connector)));
     }
     connector.enforce_http(false);
-    let tls_config = tls_client_config(config.ca_file.as_deref())?;
+    let tls_config = tls_client_config(ca_file)?;
     let https_connector = hyper_rustls::HttpsConnectorBuilder::new()
         .with_tls_config(tls_config)
         .https_only()

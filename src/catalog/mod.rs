@@ -8,10 +8,12 @@
 //! - [`intents`]: the packs about to be uploaded, recorded before the upload, so a start reconciles without a listing.
 //! - [`publish`]: publishing a batch of packs at version watermark + 1 behind the fence, with read-back.
 //! - [`query`]: reads with a pinned watermark, tailing by version, garbage collection.
+//! - [`fleet`]: listings across the catalogs of a fleet of daemons sharing the tables.
 //! - [`retired`]: the packs a compaction replaced, and the removal of their objects after the reader grace period.
 //! - [`purge`]: the removal of deleted captures' rows from the tables, once readers are done with them.
 
 pub mod client;
+pub mod fleet;
 pub mod intents;
 pub mod lease;
 pub mod publish;

@@ -192,11 +192,29 @@ impl Page {
     pub fn cut_by(mut self, max_bytes: usize, size_of: impl Fn(&CaptureLocation) -> usize) -> Page {
         let keep = keep_within(self.captures.iter().map(size_of), max_bytes);
         if keep < self.captures.len() {
+            self.next_cursor = self.resume_after(keep);
             self.captures.truncate(keep);
-            let last = self.captures.last().expect("at least one capture is kept");
-            self.next_cursor = Some(Cursor::after(self.watermark, last, self.window_ns).encode());
         }
         self
+    }
+
+    /// Where the next page starts, as (captured_at_ns, capture_id): every capture of the selection at or before it
+    /// is on this page or superseded. `None` on the last page.
+    pub fn frontier(&self) -> Option<(u64, String)> {
+        let cursor = Cursor::decode(self.next_cursor.as_deref()?).ok()?;
+        Some((cursor.captured_at_ns, cursor.capture_id.to_string()))
+    }
+
+    /// The cursor of the page that goes on after the first `kept` captures of this one (at least one): this page's
+    /// own next cursor when all are kept.
+    pub fn resume_after(&self, kept: usize) -> Option<String> {
+        assert!(kept >= 1, "a page resumes after one capture at least");
+        match self.captures.get(kept - 1) {
+            Some(last) if kept < self.captures.len() => {
+                Some(Cursor::after(self.watermark, last, self.window_ns).encode())
+            }
+            _ => self.next_cursor.clone(),
+        }
     }
 }
 
@@ -435,6 +453,29 @@ pub struct CatalogReader {
 impl CatalogReader {
     pub fn new(client: CatalogClient, tables: Tables, catalog: &str) -> CatalogReader {
         CatalogReader { client, tables, catalog: catalog.to_string() }
+    }
+
+    /// A reader of another catalog in the same tables.
+    pub fn for_catalog(&self, catalog: &str) -> CatalogReader {
+        CatalogReader::new(self.client.clone(), self.tables.clone(), catalog)
+    }
+
+    /// The catalog this reader reads.
+    pub fn catalog(&self) -> &str {
+        &self.catalog
+    }
+
+    /// Every catalog name that has published in these tables (from `watermark`: one row per catalog and part).
+    pub async fn catalog_names(&self) -> Result<Vec<String>, CatalogError> {
+        #[derive(clickhouse::Row, serde::Deserialize)]
+        struct Name {
+            catalog: String,
+        }
+        let rows: Vec<Name> = self
+            .client
+            .fetch_all(&format!("SELECT catalog FROM {} GROUP BY catalog ORDER BY catalog", self.tables.watermark))
+            .await?;
+        Ok(rows.into_iter().map(|row| row.catalog).collect())
     }
 
     fn catalog_literal(&self) -> String {

@@ -344,6 +344,32 @@ async fn stamped_version(client: &CatalogClient, tables: &Tables) -> Result<u32,
     Ok(stamps.first().map_or(0, |stamp| stamp.version))
 }
 
+/// The database and its tables and views that exist on the connected server, by the names the DDL gives them
+/// (`database`, `database.table`).
+async fn present_objects(
+    client: &CatalogClient,
+    tables: &Tables,
+) -> Result<std::collections::HashSet<String>, CatalogError> {
+    #[derive(clickhouse::Row, serde::Deserialize)]
+    struct Name {
+        object: String,
+    }
+    let database = sql_string_literal(&tables.database);
+    let names: Vec<Name> = client
+        .fetch_all(&format!(
+            "SELECT name AS object FROM system.databases WHERE name = {database} \
+             UNION ALL SELECT concat(database, '.', name) AS object FROM system.tables WHERE database = {database}"
+        ))
+        .await?;
+    Ok(names.into_iter().map(|row| row.object).collect())
+}
+
+/// The name a statement of [`Tables::ddl`] creates: the word after `IF NOT EXISTS`.
+fn created_object(statement: &str) -> &str {
+    let after = statement.split_once(" IF NOT EXISTS ").map_or("", |(_, rest)| rest);
+    after.split_whitespace().next().unwrap_or_default()
+}
+
 /// The schema version stamped in the catalog, or `None` when it has no tables yet (the daemon's first start creates
 /// them). Reads only.
 pub async fn installed_version(client: &CatalogClient, tables: &Tables) -> Result<Option<u32>, CatalogError> {
@@ -457,9 +483,17 @@ pub async fn check_schema(client: &CatalogClient, tables: &Tables) -> Result<(),
 }
 
 /// Create what is missing, then check and stamp the schema version. Idempotent; safe to run from every start.
+///
+/// Only the statements of objects the connected server lacks are run: on a cluster an `ON CLUSTER` statement waits
+/// for every replica to run it, so running them all at every start would keep a daemon from starting while any
+/// replica is down, although its tables are all there. (A replica added to the cluster later gets its tables the
+/// way ClickHouse documents: created on it, by hand or by a start connected to it.)
 pub async fn ensure_schema(client: &CatalogClient, tables: &Tables) -> Result<u32, SchemaError> {
+    let present = present_objects(client, tables).await?;
     for statement in tables.ddl() {
-        client.execute(&statement).await?;
+        if !present.contains(created_object(&statement)) {
+            client.execute(&statement).await?;
+        }
     }
     let found = stamped_version(client, tables).await?;
     if found > SCHEMA_VERSION {
@@ -542,6 +576,20 @@ mod tests {
                 && ddl.contains("ENGINE = MergeTree() ORDER BY (catalog, term, lease_id)")
         );
         assert!(!ddl.contains("ON CLUSTER") && !ddl.contains("Replicated"));
+    }
+
+    #[test]
+    fn every_ddl_statement_names_the_object_it_creates() {
+        for cluster in [None, Some("main")] {
+            let tables = Tables::new("capstore", "cs", cluster);
+            let ddl = tables.ddl();
+            let created: Vec<&str> = ddl.iter().map(|statement| created_object(statement)).collect();
+            assert_eq!(created[0], "capstore");
+            assert!(created.contains(&tables.captures.as_str()) && created.contains(&"capstore.cs_by_version_view"));
+            assert!(created[1..].iter().all(|name| name.starts_with("capstore.cs_")), "{created:?}");
+            let unique: std::collections::HashSet<&&str> = created.iter().collect();
+            assert_eq!(unique.len(), ddl.len(), "{created:?}");
+        }
     }
 
     #[test]

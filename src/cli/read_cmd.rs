@@ -10,7 +10,8 @@ use clap::Args;
 use uuid::Uuid;
 
 use capstore::bucket::Bucket;
-use capstore::catalog::query::{ListQuery, TailPosition};
+use capstore::catalog::fleet;
+use capstore::catalog::query::{CaptureLocation, ListQuery, TailPosition};
 use capstore::config::Config;
 use capstore::exit_code;
 use capstore::reader::{LocalSpool, Reader};
@@ -66,9 +67,25 @@ pub struct LsArgs {
     /// At most this many captures (all of them when not given).
     #[arg(long)]
     limit: Option<u64>,
-    /// One JSON object per line: capture_id, stream, captured_at_ns, size, labels, version.
+    /// One JSON object per line: capture_id, stream, captured_at_ns, size, labels, version (and catalog, with
+    /// --catalog or --all-catalogs).
     #[arg(long)]
     json: bool,
+    /// List these catalogs of the same tables together (comma separated) instead of catalog_name's, merged in time
+    /// order; every capture shows its catalog.
+    #[arg(long = "catalog", value_name = "NAME,...", value_delimiter = ',', value_parser = parse_catalog_name)]
+    catalogs: Vec<String>,
+    /// List every catalog that has published into the tables, as --catalog does.
+    #[arg(long, conflicts_with = "catalogs")]
+    all_catalogs: bool,
+}
+
+fn parse_catalog_name(text: &str) -> Result<String, String> {
+    if capstore::config::is_catalog_name(text) {
+        Ok(text.to_string())
+    } else {
+        Err(format!("{text:?} is not a catalog name (letters, digits, '.', '_', '-'; at most 64)"))
+    }
 }
 
 /// RFC 3339 (`2026-11-30T07:00:00Z`), a UTC date (`2026-11-30`, its midnight) or nanoseconds since the epoch.
@@ -87,6 +104,11 @@ pub fn ls(config: &Config, args: LsArgs) -> anyhow::Result<i32> {
     let runtime = crate::cli::runtime()?;
     runtime.block_on(async {
         let reader = reader(config).await?;
+        let catalogs = match (args.all_catalogs, args.catalogs.is_empty()) {
+            (true, _) => Some(reader.catalog().catalog_names().await?),
+            (false, false) => Some(args.catalogs.clone()),
+            (false, true) => None,
+        };
         let mut remaining = args.limit.unwrap_or(u64::MAX);
         let mut query = ListQuery {
             stream: args.stream.clone(),
@@ -98,52 +120,73 @@ pub fn ls(config: &Config, args: LsArgs) -> anyhow::Result<i32> {
         };
         let mut out = std::io::stdout().lock();
         if !args.json {
+            let catalog_column = if catalogs.is_some() { format!("{:<20}  ", "catalog") } else { String::new() };
             writeln!(
                 out,
-                "{:<36}  {:<24}  {:<20}  {:>10}  {:>7}  labels",
+                "{catalog_column}{:<36}  {:<24}  {:<20}  {:>10}  {:>7}  labels",
                 "capture_id", "stream", "captured_at", "size", "version"
             )?;
         }
         while remaining > 0 {
             query.limit = remaining.min(10_000);
-            let page = reader.catalog().list(&query).await?;
-            for capture in &page.captures {
-                if args.json {
-                    let line = serde_json::json!({
-                        "capture_id": capture.capture_id,
-                        "stream": capture.stream,
-                        "captured_at_ns": capture.captured_at_ns,
-                        "size": capture.payload_len,
-                        "labels": capture.labels_map(),
-                        "version": capture.version,
-                    });
-                    writeln!(out, "{line}")?;
-                } else {
-                    let labels: Vec<String> = capture
-                        .labels_map()
-                        .iter()
-                        .map(|(key, value)| format!("{}={}", printable(key), printable(value)))
-                        .collect();
-                    writeln!(
-                        out,
-                        "{:<36}  {:<24}  {:<20}  {:>10}  {:>7}  {}",
-                        capture.capture_id,
-                        printable(&capture.stream),
-                        capstore::util::ns_to_rfc3339(capture.captured_at_ns),
-                        capture.payload_len,
-                        capture.version,
-                        labels.join(",")
-                    )?;
+            let (captures, next_cursor): (Vec<(Option<String>, CaptureLocation)>, _) = match &catalogs {
+                None => {
+                    let page = reader.catalog().list(&query).await?;
+                    (page.captures.into_iter().map(|capture| (None, capture)).collect(), page.next_cursor)
                 }
+                Some(catalogs) => {
+                    let page = fleet::list(reader.catalog(), catalogs, &query, usize::MAX, |_| 1).await?;
+                    let captures = page.captures.into_iter().map(|c| (Some(c.catalog), c.capture)).collect();
+                    (captures, page.next_cursor)
+                }
+            };
+            for (catalog, capture) in &captures {
+                write_listed(&mut out, args.json, catalog.as_deref(), capture)?;
             }
-            remaining = remaining.saturating_sub(page.captures.len() as u64);
-            match page.next_cursor {
+            remaining = remaining.saturating_sub(captures.len() as u64);
+            match next_cursor {
                 Some(cursor) => query.cursor = Some(cursor),
                 None => break,
             }
         }
         Ok(exit_code::CLEAN)
     })
+}
+
+/// One line of `capstore ls`: a JSON object, or a row of the table.
+fn write_listed(
+    out: &mut impl Write,
+    json: bool,
+    catalog: Option<&str>,
+    capture: &CaptureLocation,
+) -> std::io::Result<()> {
+    if json {
+        let mut line = serde_json::json!({
+            "capture_id": capture.capture_id,
+            "stream": capture.stream,
+            "captured_at_ns": capture.captured_at_ns,
+            "size": capture.payload_len,
+            "labels": capture.labels_map(),
+            "version": capture.version,
+        });
+        if let Some(catalog) = catalog {
+            line["catalog"] = catalog.into();
+        }
+        return writeln!(out, "{line}");
+    }
+    let labels: Vec<String> =
+        capture.labels_map().iter().map(|(key, value)| format!("{}={}", printable(key), printable(value))).collect();
+    let catalog_column = catalog.map(|catalog| format!("{catalog:<20}  ")).unwrap_or_default();
+    writeln!(
+        out,
+        "{catalog_column}{:<36}  {:<24}  {:<20}  {:>10}  {:>7}  {}",
+        capture.capture_id,
+        printable(&capture.stream),
+        capstore::util::ns_to_rfc3339(capture.captured_at_ns),
+        capture.payload_len,
+        capture.version,
+        labels.join(",")
+    )
 }
 
 #[derive(Args)]

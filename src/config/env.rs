@@ -53,6 +53,7 @@ pub(super) const KEYS: &[(&str, &str, ValueKind)] = {
         ("upload", "concurrency", Integer),
         ("upload", "part_size", Text),
         ("catalog", "url", Text),
+        ("catalog", "replica_urls", List),
         ("catalog", "database", Text),
         ("catalog", "table_prefix", Text),
         ("catalog", "user", Text),

@@ -147,6 +147,9 @@ pub struct UploadConfig {
 pub struct CatalogConfig {
     /// ClickHouse HTTP interface, `http://` or `https://`.
     pub url: String,
+    /// With `cluster`: the HTTP interfaces of the other replicas of `url`'s shard, failed over to in order when the
+    /// current server cannot be reached or loses a reply.
+    pub replica_urls: Vec<String>,
     pub database: String,
     pub table_prefix: String,
     pub user: String,
@@ -296,6 +299,7 @@ impl Default for CatalogConfig {
     fn default() -> Self {
         CatalogConfig {
             url: "http://127.0.0.1:8123".into(),
+            replica_urls: Vec::new(),
             database: "capstore".into(),
             table_prefix: "capstore".into(),
             user: "default".into(),
@@ -442,6 +446,7 @@ impl Config {
         let mut shown = self.clone();
         shown.lease.start_wait = Some(HumanDuration(self.start_wait()));
         shown.catalog.url = units::redact_url(&self.catalog.url);
+        shown.catalog.replica_urls = self.catalog.replica_urls.iter().map(|url| units::redact_url(url)).collect();
         shown.bucket.url = units::redact_url(&self.bucket.url);
         shown.bucket.endpoint = self.bucket.endpoint.as_deref().map(units::redact_url);
         for (name, value) in shown.bucket.options.iter_mut() {

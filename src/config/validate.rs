@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
-use super::{Config, ConfigError, ConfigProblem, HumanDuration, Secret, GIB, MIB};
+use super::{units, Config, ConfigError, ConfigProblem, HumanDuration, Secret, GIB, MIB};
 use crate::pack;
 
 impl Config {
@@ -64,7 +64,27 @@ impl Config {
         if !(self.catalog.url.starts_with("http://") || self.catalog.url.starts_with("https://")) {
             bad("catalog.url", format!("{:?} must start with http:// or https://", self.catalog.url));
         }
-        if self.catalog.ca_file.is_some() && !self.catalog.url.starts_with("https://") {
+        for url in &self.catalog.replica_urls {
+            if !(url.starts_with("http://") || url.starts_with("https://")) {
+                bad(
+                    "catalog.replica_urls",
+                    format!("{:?} must start with http:// or https://", units::redact_url(url)),
+                );
+            }
+            if url.trim_end_matches('/') == self.catalog.url.trim_end_matches('/') {
+                bad("catalog.replica_urls", format!("{:?} is catalog.url itself", units::redact_url(url)));
+            }
+        }
+        if !self.catalog.replica_urls.is_empty() && self.catalog.cluster.is_none() {
+            bad(
+                "catalog.replica_urls",
+                "needs catalog.cluster: failing over to a server that does not replicate the same tables would split \
+                 the catalog in two"
+                    .into(),
+            );
+        }
+        let all_urls = || std::iter::once(&self.catalog.url).chain(&self.catalog.replica_urls);
+        if self.catalog.ca_file.is_some() && !all_urls().any(|url| url.starts_with("https://")) {
             bad("catalog.ca_file", "only applies to an https:// catalog.url".into());
         }
         for (key, value) in

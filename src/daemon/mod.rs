@@ -242,7 +242,9 @@ impl Running {
             http.state().set_reader(Reader::new(catalog, bucket.clone(), Some(spool)));
         }
 
-        let keeper = LeaseKeeper::for_catalog(&client, &tables, &config, self.spool.id());
+        let renew_latency = self.board.lease_renew_latency.clone();
+        let keeper = LeaseKeeper::for_catalog(&client, &tables, &config, self.spool.id())
+            .observe_renewals(move |took| renew_latency.observe(took));
         self.board.set_lease(keeper.handle());
         let running_lease = match keeper.start(config.start_wait(), shutdown_rx).await {
             Ok(running_lease) => running_lease,

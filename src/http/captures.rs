@@ -14,6 +14,7 @@ use uuid::Uuid;
 
 use super::{ApiError, HttpState};
 use crate::capture::{self, CaptureMeta};
+use crate::catalog::fleet;
 use crate::catalog::query::{validate_cursor, ListQuery};
 use crate::pipeline::PackPublished;
 use crate::reader::ReadError;
@@ -378,16 +379,90 @@ pub(super) async fn list_captures(
     State(state): State<Arc<HttpState>>,
     RawQuery(raw_query): RawQuery,
 ) -> Result<Response, ApiError> {
-    let query = list_query(query_pairs(raw_query))?;
+    let (selection, pairs) = catalog_selection(query_pairs(raw_query))?;
     let reader = state.reader.get().ok_or_else(|| ApiError::unavailable("the catalog is not connected yet"))?;
+    let unavailable = |error: crate::catalog::CatalogError| {
+        tracing::debug!(%error, "list: catalog unavailable");
+        ApiError::unavailable("the catalog is unavailable; retry later")
+    };
+    let Some(selection) = selection else {
+        let query = list_query(pairs)?;
+        let Ok(_read) = state.reads.try_acquire() else {
+            return Err(ApiError::busy("busy: http.max_concurrent_reads reads are running; retry shortly"));
+        };
+        let page = reader.catalog().list(&query).await.map_err(unavailable)?;
+        return Ok(Json(page.cut_to_bytes(LIST_RESPONSE_MAX_BYTES)).into_response());
+    };
+    // A cursor across catalogs is not a single catalog's: checked here, the rest as for one catalog.
+    let (cursor, pairs): (Vec<_>, Vec<_>) = pairs.into_iter().partition(|(key, _)| key == "cursor");
+    let mut query = list_query(pairs)?;
+    if let Some((_, cursor)) = cursor.into_iter().last() {
+        fleet::validate_cursor(&cursor).map_err(|problem| ApiError::bad("cursor", problem))?;
+        query.cursor = Some(cursor);
+    }
     let Ok(_read) = state.reads.try_acquire() else {
         return Err(ApiError::busy("busy: http.max_concurrent_reads reads are running; retry shortly"));
     };
-    let page = reader.catalog().list(&query).await.map_err(|error| {
-        tracing::debug!(%error, "list: catalog unavailable");
-        ApiError::unavailable("the catalog is unavailable; retry later")
-    })?;
-    Ok(Json(page.cut_to_bytes(LIST_RESPONSE_MAX_BYTES)).into_response())
+    let catalogs = match selection {
+        CatalogSelection::All => reader.catalog().catalog_names().await.map_err(unavailable)?,
+        CatalogSelection::Named(catalogs) => catalogs,
+    };
+    let size_of = |capture: &fleet::FleetCapture| serde_json::to_vec(capture).map_or(0, |row| row.len()) + 1;
+    let page =
+        fleet::list(reader.catalog(), &catalogs, &query, LIST_RESPONSE_MAX_BYTES, size_of).await.map_err(|error| {
+            match error.kind {
+                // The only failure decided before a round trip: a cursor of another set of catalogs.
+                crate::catalog::ErrorKind::DefinitelyFailed if error.server_code.is_none() => {
+                    ApiError::bad("cursor", error.message)
+                }
+                _ => unavailable(error),
+            }
+        })?;
+    Ok(Json(page).into_response())
+}
+
+/// Which catalogs a listing reads besides the daemon's own: `catalog=a,b` (repeatable) or `all_catalogs=true`.
+enum CatalogSelection {
+    Named(Vec<String>),
+    All,
+}
+
+type QueryPairs = Vec<(String, String)>;
+
+/// The catalog selection of a listing's query, and the rest of its parameters.
+fn catalog_selection(pairs: QueryPairs) -> Result<(Option<CatalogSelection>, QueryPairs), ApiError> {
+    let (mut named, mut all, mut rest) = (Vec::new(), false, Vec::new());
+    for (key, value) in pairs {
+        match key.as_str() {
+            "catalog" => {
+                for name in value.split(',') {
+                    if !crate::config::is_catalog_name(name) {
+                        return Err(ApiError::bad("catalog", format!("{name:?} is not a catalog name")));
+                    }
+                    named.push(name.to_string());
+                }
+            }
+            "all_catalogs" => {
+                all = match value.as_str() {
+                    "true" | "1" => true,
+                    "false" | "0" => false,
+                    other => {
+                        return Err(ApiError::bad("all_catalogs", format!("all_catalogs = {other:?}: true or false")))
+                    }
+                }
+            }
+            _ => rest.push((key, value)),
+        }
+    }
+    let selection = match (all, named.is_empty()) {
+        (true, false) => {
+            return Err(ApiError::bad("all_catalogs", "give catalog= or all_catalogs=true, not both".to_string()))
+        }
+        (true, true) => Some(CatalogSelection::All),
+        (false, false) => Some(CatalogSelection::Named(named)),
+        (false, true) => None,
+    };
+    Ok((selection, rest))
 }
 
 #[cfg(test)]
@@ -429,6 +504,20 @@ mod tests {
         assert_eq!(list_query(pairs("since=yesterday")).unwrap_err().field_opt, Some("since"));
         assert_eq!(list_query(pairs("limit=0")).unwrap_err().field_opt, Some("limit"));
         assert_eq!(list_query(pairs("cursor=x")).unwrap_err().field_opt, Some("cursor"));
+        // Only a listing's catalog selection is taken out; the rest is left for `list_query`.
+        let (selection, rest) = catalog_selection(pairs("catalog=a,b.c&catalog=d-e&limit=3")).unwrap();
+        assert!(matches!(selection, Some(CatalogSelection::Named(names)) if names == ["a", "b.c", "d-e"]));
+        assert_eq!(rest, vec![("limit".to_string(), "3".to_string())]);
+        assert!(matches!(catalog_selection(pairs("all_catalogs=true")).unwrap().0, Some(CatalogSelection::All)));
+        assert!(catalog_selection(pairs("stream=a")).unwrap().0.is_none());
+        for (query, field) in [
+            ("catalog=a/b", "catalog"),
+            ("catalog=", "catalog"),
+            ("all_catalogs=yes", "all_catalogs"),
+            ("catalog=a&all_catalogs=true", "all_catalogs"),
+        ] {
+            assert_eq!(catalog_selection(pairs(query)).err().and_then(|error| error.field_opt), Some(field), "{query}");
+        }
     }
 
     #[test]

@@ -178,11 +178,18 @@ impl MetricsSample {
             ),
             ("capstore_start_time", "when this process started, in seconds since the Unix epoch", started_at),
         ];
-        let mut histograms = vec![(
-            "capstore_append_to_ack",
-            "an append's request to its acknowledgement (fsynced) or refusal",
-            board.writer_stats.append_latency.histogram().clone(),
-        )];
+        let mut histograms = vec![
+            (
+                "capstore_append_to_ack",
+                "an append's request to its acknowledgement (fsynced) or refusal",
+                board.writer_stats.append_latency.histogram().clone(),
+            ),
+            (
+                "capstore_lease_renew_duration",
+                "one lease renewal statement, sent to answered (whatever the answer)",
+                board.lease_renew_latency.histogram().clone(),
+            ),
+        ];
         if let Some(counters) = board.pipeline_counters.get() {
             histograms.extend([
                 ("capstore_upload_duration", "one pack's upload and verification", counters.upload_latency.histogram().clone()),

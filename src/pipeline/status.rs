@@ -84,6 +84,8 @@ pub(crate) struct StatusBoard {
     pub(crate) ingest_stats: Arc<IngestStats>,
     clickhouse_version: OnceLock<String>,
     pub(crate) lease: OnceLock<LeaseHandle>,
+    /// Every lease renewal statement, sent to answered.
+    pub(crate) lease_renew_latency: crate::telemetry::Latency,
     pub(crate) pipeline_counters: OnceLock<Arc<PipelineCounters>>,
     reconcile: Mutex<Option<ReconcileReport>>,
     last_error: Mutex<Option<String>>,
@@ -110,6 +112,7 @@ impl StatusBoard {
             ingest_stats,
             clickhouse_version: OnceLock::new(),
             lease: OnceLock::new(),
+            lease_renew_latency: crate::telemetry::Latency::between(0.001, 60.0),
             pipeline_counters: OnceLock::new(),
             reconcile: Mutex::new(None),
             last_error: Mutex::new(None),

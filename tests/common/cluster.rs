@@ -21,8 +21,10 @@ pub struct ClickHouseCluster {
     pub replicas: Vec<ClickHouseServer>,
     /// How each replica was started (ports and configuration), to start it again on the same data.
     starts: Vec<ReplicaStart>,
-    _zookeeper: Child,
+    /// `None` while stopped ([`ClickHouseCluster::stop_zookeeper`]).
+    zookeeper: Option<Child>,
     zookeeper_dir: PathBuf,
+    zookeeper_port: u16,
 }
 
 struct ReplicaStart {
@@ -34,7 +36,9 @@ struct ReplicaStart {
 impl ClickHouseCluster {
     /// Start ZooKeeper and the three replicas; panics with the install hint when ZooKeeper is missing.
     pub fn start() -> ClickHouseCluster {
-        let (zookeeper, zookeeper_dir, zookeeper_port) = start_zookeeper();
+        let zookeeper_dir = super::scratch_dir("zookeeper");
+        let zookeeper_port = super::free_port(false);
+        let zookeeper = start_zookeeper(&zookeeper_dir, zookeeper_port);
         let ports = super::free_ports(3 * REPLICAS, false);
         let tcp_port = |replica: usize| ports[3 * replica + 1];
         let shard_replicas: String = (0..REPLICAS)
@@ -59,7 +63,21 @@ impl ClickHouseCluster {
             .enumerate()
             .map(|(replica, start)| start_replica(replica, start, super::scratch_dir("clickhouse-replica")))
             .collect();
-        ClickHouseCluster { replicas, starts, _zookeeper: zookeeper, zookeeper_dir }
+        ClickHouseCluster { replicas, starts, zookeeper: Some(zookeeper), zookeeper_dir, zookeeper_port }
+    }
+
+    /// SIGKILL ZooKeeper: every replica loses its session, and its replicated tables turn read-only.
+    pub fn stop_zookeeper(&mut self) {
+        let mut zookeeper = self.zookeeper.take().expect("ZooKeeper is running");
+        zookeeper.kill().unwrap();
+        zookeeper.wait().unwrap();
+        assert!(!serving(self.zookeeper_port), "ZooKeeper still serves after SIGKILL");
+    }
+
+    /// Start ZooKeeper again on its data and port, once it serves.
+    pub fn start_zookeeper(&mut self) {
+        assert!(self.zookeeper.is_none(), "ZooKeeper is running already");
+        self.zookeeper = Some(start_zookeeper(&self.zookeeper_dir, self.zookeeper_port));
     }
 
     /// SIGKILL replica `index` and start it again on its data and ports, once it answers.
@@ -81,15 +99,13 @@ fn start_replica(replica: usize, start: &ReplicaStart, dir: PathBuf) -> ClickHou
         .unwrap_or_else(|error| panic!("replica {replica} of the test cluster did not start: {error}"))
 }
 
-/// ZooKeeper in the foreground on a free port, data in a scratch directory, serving before this returns. Run as its
-/// Java main class: Debian's `zkServer.sh` overrides the configuration and log directories, and logs nothing without
-/// an SLF4J binding on the class path (`slf4j-simple` comes with the package's dependencies).
-fn start_zookeeper() -> (Child, PathBuf, u16) {
+/// ZooKeeper in the foreground on `port`, data in `dir` (kept across a restart), serving before this returns. Run as
+/// its Java main class: Debian's `zkServer.sh` overrides the configuration and log directories, and logs nothing
+/// without an SLF4J binding on the class path (`slf4j-simple` comes with the package's dependencies).
+fn start_zookeeper(dir: &Path, port: u16) -> Child {
     let jars = std::env::var("CAPSTORE_ZOOKEEPER_CLASSPATH")
         .unwrap_or_else(|_| "/usr/share/java/zookeeper.jar:/usr/share/java/slf4j-simple.jar".to_string());
     assert!(jars.split(':').all(|jar| Path::new(jar).is_file()), "{ZOOKEEPER_HINT} (class path {jars})");
-    let dir = super::scratch_dir("zookeeper");
-    let port = super::free_port(false);
     let config = dir.join("zoo.cfg");
     // A short tick: sessions of killed servers expire in seconds (each server asks for 3 s), so the others see a
     // replica gone when a quorum is counted. No fsync (scratch data). No admin server (it would take port 8080).
@@ -102,11 +118,12 @@ fn start_zookeeper() -> (Child, PathBuf, u16) {
         ),
     )
     .unwrap();
-    let log = std::fs::File::create(dir.join("stdout.log")).unwrap();
+    // Appended to, so a restart keeps the log of the first run.
+    let log = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("stdout.log")).unwrap();
     let mut command = Command::new("java");
     command
         .args(["-cp", &jars, "org.apache.zookeeper.server.ZooKeeperServerMain", &config.display().to_string()])
-        .current_dir(&dir)
+        .current_dir(dir)
         .stdin(Stdio::null())
         .stdout(log.try_clone().unwrap())
         .stderr(log);
@@ -120,7 +137,7 @@ fn start_zookeeper() -> (Child, PathBuf, u16) {
         serving(port)
     });
     assert!(ready, "ZooKeeper is not serving on 127.0.0.1:{port}:\n{}", super::log_tail(&dir.join("stdout.log"), 30));
-    (child, dir, port)
+    child
 }
 
 /// ZooKeeper's `srvr` command answers with its mode once it serves requests.

@@ -167,6 +167,8 @@ pub enum StartError {
 pub struct LeaseKeeper {
     handle: LeaseHandle,
     catalog: String,
+    /// Told how long each renewal took ([`LeaseKeeper::observe_renewals`]).
+    renewal_observer: Option<RenewalObserver>,
     /// Requests that definitely failed (ClickHouse unreachable): one WARN, then reminders.
     unreachable: Mutex<OutageLog>,
 }
@@ -197,6 +199,9 @@ impl RunningLease {
         let _ = self.task.await;
     }
 }
+
+/// Called with the duration of every renewal statement, whatever its outcome.
+pub type RenewalObserver = Box<dyn Fn(Duration) + Send + Sync>;
 
 const UNREACHABLE_RETRY: RetryPolicy = RetryPolicy::unbounded(Duration::from_millis(100), Duration::from_secs(5));
 
@@ -232,6 +237,7 @@ impl LeaseKeeper {
         LeaseKeeper {
             handle,
             catalog: catalog.to_string(),
+            renewal_observer: None,
             unreachable: Mutex::new(OutageLog::new("catalog unreachable: the lease cannot be claimed or renewed")),
         }
     }
@@ -258,6 +264,12 @@ impl LeaseKeeper {
 
     pub fn handle(&self) -> LeaseHandle {
         self.handle.clone()
+    }
+
+    /// Tell `observer` how long each renewal takes (a latency histogram, a benchmark's samples).
+    pub fn observe_renewals(mut self, observer: impl Fn(Duration) + Send + Sync + 'static) -> LeaseKeeper {
+        self.renewal_observer = Some(Box::new(observer));
+        self
     }
 
     fn timings(&self) -> LeaseTimings {
@@ -338,7 +350,11 @@ impl LeaseKeeper {
         };
         match state {
             LeaseState::Held => {
+                let started = Instant::now();
                 let outcome = self.handle.store.renew(&lease_id, &self.handle.identity, term).await;
+                if let Some(observe) = &self.renewal_observer {
+                    observe(started.elapsed());
+                }
                 self.apply(outcome, epoch, true)
             }
             LeaseState::Quarantined => {

@@ -130,7 +130,7 @@ pub(super) async fn publish_until_committed(publisher: &Publisher, pack: &PackDe
     }
 }
 
-fn baseline_tsv(catalog: &str, object_key: &str, pack_id: Uuid, entries: &[IndexEntry]) -> Vec<u8> {
+pub(super) fn baseline_tsv(catalog: &str, object_key: &str, pack_id: Uuid, entries: &[IndexEntry]) -> Vec<u8> {
     use std::fmt::Write as _;
     let mut tsv = String::with_capacity(entries.len() * 200);
     for entry in entries {

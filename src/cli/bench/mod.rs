@@ -1,9 +1,10 @@
-//! `capstore bench spool|catalog|catalog-scale|purge-scale|e2e`: throughput and latency beside a baseline measured in the same run. One file per
+//! `capstore bench spool|catalog|catalog-scale|purge-scale|e2e|fleet`: throughput and latency beside a baseline measured in the same run. One file per
 //! benchmark; this one holds the commands and their tables.
 
 mod catalog;
 mod catalog_scale;
 mod e2e;
+mod fleet;
 mod purge_scale;
 mod spool;
 
@@ -17,6 +18,7 @@ use capstore::exit_code;
 use catalog::{catalog_publish, CatalogBenchOptions};
 use catalog_scale::{catalog_scale, CatalogScaleOptions};
 use e2e::{e2e, E2eBenchOptions};
+use fleet::{fleet, FleetBenchOptions};
 use purge_scale::{purge_scale, PurgeScaleOptions};
 use spool::{spool_append, SpoolBenchOptions};
 
@@ -98,6 +100,24 @@ pub enum BenchCommand {
         /// Publishes timed into the big catalog and into an empty one.
         #[arg(long, default_value_t = 20)]
         publishes: usize,
+        #[arg(long)]
+        json: bool,
+    },
+    /// A fleet of N virtual daemons (each its own lease keeper and publisher on its own catalog name, publishing a
+    /// trickle of captures) on one ClickHouse: publishes/s, server inserts/s, publish and renewal p50/p99, the most
+    /// active parts of a table, merges, "too many parts" refusals; beside the same statements as plain inserts into
+    /// copies of the tables. The catalog comes from the config; the bench uses `<catalog.database>_fleet`.
+    Fleet {
+        #[arg(long, value_delimiter = ',', default_value = "10,50,200")]
+        daemons: Vec<usize>,
+        /// How long each fleet size runs (its baseline as long again).
+        #[arg(long, default_value = "60s")]
+        duration: capstore::config::HumanDuration,
+        /// Each daemon publishes once per interval.
+        #[arg(long, default_value = "5s")]
+        interval: capstore::config::HumanDuration,
+        #[arg(long, default_value_t = 20)]
+        captures_per_publish: u64,
         #[arg(long)]
         json: bool,
     },
@@ -195,6 +215,55 @@ pub fn run(config: &Config, config_path: Option<&Path>, command: BenchCommand) -
                 return Ok(exit_code::CLEAN);
             }
             print_scale_rows(results);
+            return Ok(exit_code::CLEAN);
+        }
+        BenchCommand::Fleet { daemons, duration, interval, captures_per_publish, json } => {
+            let options = FleetBenchOptions {
+                config: config.clone(),
+                daemons,
+                duration: duration.0,
+                interval: interval.0,
+                captures_per_publish: captures_per_publish.max(1),
+            };
+            let results = runtime.block_on(fleet(&options))?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&results)?);
+                return Ok(exit_code::CLEAN);
+            }
+            println!(
+                "{:>7}  {:<9}  {:>10}  {:>9}  {:>8}  {:>8}  {:>8}  {:>8}  {:>9}  {:>6}  {:>13}  {:>6}",
+                "daemons",
+                "load",
+                "publish/s",
+                "insert/s",
+                "pub p50",
+                "pub p99",
+                "renew50",
+                "renew99",
+                "max parts",
+                "merges",
+                "too many parts",
+                "failed"
+            );
+            for row in results {
+                for (load, figures) in [("capstore", &row.capstore), ("plain", &row.baseline)] {
+                    println!(
+                        "{:>7}  {:<9}  {:>10.1}  {:>9.1}  {:>6.0}ms  {:>6.0}ms  {:>6.0}ms  {:>6.0}ms  {:>9}  {:>6}  {:>13}  {:>6}",
+                        row.daemons,
+                        load,
+                        figures.publishes_per_s,
+                        figures.server_inserts_per_s,
+                        figures.publish_p50_ms,
+                        figures.publish_p99_ms,
+                        figures.renew_p50_ms,
+                        figures.renew_p99_ms,
+                        figures.max_active_parts,
+                        figures.max_merges_running,
+                        figures.too_many_parts,
+                        figures.failed
+                    );
+                }
+            }
             return Ok(exit_code::CLEAN);
         }
         BenchCommand::Catalog { native_port, rows, repeats, json } => {
