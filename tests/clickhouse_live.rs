@@ -285,3 +285,39 @@ async fn a_delaying_proxy_slows_requests_without_failing_them(server: &'static C
     // At least one chunk each way is held back.
     assert!(started.elapsed() >= Duration::from_millis(600), "{:?}", started.elapsed());
 }
+
+// Failover between the servers of `catalog.url` and `catalog.replica_urls` (the client on its own; a cluster is not
+// needed for the mechanism, and without `catalog.cluster` the client does not check shards): a server that cannot
+// be connected to is passed over at once, the same request is answered by the next one; a request whose reply is
+// lost is not sent again (its error is an unknown outcome), but the next one goes to the next server.
+for_each_version!(requests_fail_over_at_once_when_a_server_is_unreachable_and_move_on_after_a_lost_reply);
+async fn requests_fail_over_at_once_when_a_server_is_unreachable_and_move_on_after_a_lost_reply(
+    server: &'static ClickHouseServer,
+) {
+    // Nothing listens on a port we just bound and released.
+    let closed = format!("http://127.0.0.1:{}", common::free_port(false));
+    let mut config = config_for(closed, Duration::from_secs(2));
+    config.replica_urls = vec![server.url()];
+    let client = CatalogClient::connect(&config).await.unwrap_or_else(|error| panic!("{error}"));
+    let answer: Vec<u8> = client.fetch_all("SELECT 7").await.unwrap();
+    assert_eq!(answer, vec![7]);
+
+    let table = fresh_table(server, "failover");
+    let proxy = FaultProxy::start(server.http_addr);
+    let mut config = config_for(proxy.url(), Duration::from_secs(1));
+    config.replica_urls = vec![server.url()];
+    let client = CatalogClient::connect(&config).await.unwrap();
+    proxy.blackhole_replies_matching("INSERT");
+    let error = client.insert_rows(&table, &[NoteRow { id: 1, note: "through the proxy".into() }]).await.unwrap_err();
+    assert_kind(&error, ErrorKind::OutcomeUnknown, None);
+    assert!(error.reply_lost(), "{error}");
+    // The proxy still swallows every INSERT's reply; the next insert goes straight to the server and is answered.
+    client.insert_rows(&table, &[NoteRow { id: 2, note: "direct".into() }]).await.unwrap();
+    let direct: Vec<u64> = client.fetch_all(&format!("SELECT id FROM {table} WHERE id = 2")).await.unwrap();
+    assert_eq!(direct, vec![2]);
+    // The first landed too, although its reply was lost.
+    let landed = common::wait_until(Duration::from_secs(5), || {
+        server.query(&format!("SELECT count() FROM {table}")).as_deref() == Ok("2\n")
+    });
+    assert!(landed, "{}", server.log_tail());
+}

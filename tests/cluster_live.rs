@@ -215,6 +215,7 @@ async fn a_daemon_fails_over_between_replicas_waits_out_zookeeper_and_starts_wit
     cluster.restart(2);
     assert_replica_serves(&cluster, 2, &env, &posted).await;
     assert_gapless_versions(&cluster.replicas[2], &env);
+    assert_published_once(&cluster.replicas[2], &env, posted.len());
     let (code, _, log) = daemon.terminate();
     assert_eq!(code, 0, "{log}");
     let first_log = std::fs::read_to_string(dir.path().join("daemon.log")).unwrap();
@@ -258,6 +259,29 @@ fn assert_gapless_versions(replica: &common::clickhouse::ClickHouseServer, env: 
         "gapless versions, each once: {answer}"
     );
     counts[0]
+}
+
+/// Nothing was published twice: every committed pack at one version only, and the committed publishes count each
+/// of the `posted` captures once.
+fn assert_published_once(replica: &common::clickhouse::ClickHouseServer, env: &DaemonEnv, posted: usize) {
+    let tables = capstore::catalog::Tables::from_config(&env.config().catalog);
+    let catalog = env.get("CAPSTORE_CATALOG_NAME").unwrap();
+    let committed = format!(
+        "(version, publish_id) IN (SELECT version, publish_id FROM {} WHERE catalog = '{catalog}')",
+        tables.publishes
+    );
+    let twice = replica
+        .query(&format!(
+            "SELECT pack_id, count() AS times FROM {} WHERE catalog = '{catalog}' AND {committed} GROUP BY pack_id \
+             HAVING times > 1 FORMAT TSV",
+            tables.packs
+        ))
+        .unwrap();
+    assert_eq!(twice, "", "packs committed at more than one version");
+    let counted = replica
+        .query(&format!("SELECT sum(captures) FROM {} WHERE catalog = '{catalog}' FORMAT TSV", tables.publishes))
+        .unwrap();
+    assert_eq!(counted.trim(), posted.to_string(), "the committed publishes count every capture once");
 }
 
 /// `replica` lists each of `posted` once and reads it back byte-identical (`capstore ls` and `get` pointed at it).

@@ -1598,6 +1598,21 @@ async fn a_fleet_shares_the_tables_and_is_listed_across_catalogs_once_in_time_or
     // all_catalogs: the three, now with the two posted since.
     let everything = json(fleet[2].get_ok(&client, "/v1/captures?all_catalogs=true&limit=1000").await).await;
     assert_eq!(everything["captures"].as_array().unwrap().len(), 47, "{everything}");
+    // Paged, it goes on with the catalogs of its first page.
+    let (mut paged, mut cursor_param) = (std::collections::BTreeSet::new(), String::new());
+    loop {
+        let page =
+            json(fleet[1].get_ok(&client, &format!("/v1/captures?all_catalogs=true&limit=10{cursor_param}")).await)
+                .await;
+        for capture in page["captures"].as_array().unwrap() {
+            assert!(paged.insert(capture["capture_id"].as_str().unwrap().to_string()), "listed twice: {capture}");
+        }
+        match page["next_cursor"].as_str() {
+            Some(next) => cursor_param = format!("&cursor={next}"),
+            None => break,
+        }
+    }
+    assert_eq!(paged.len(), 47);
 
     // The CLI: two of them, and all of them; every line names its catalog, and a capture reads back from any.
     let ls = |args: &[&str]| -> Vec<Value> {

@@ -431,7 +431,7 @@ impl CatalogClient {
                         ),
                     )
                 })?;
-                let quorum = shard.replicas / 2 + 1;
+                let quorum = shard.replicas.len() as u64 / 2 + 1;
                 let wait_ms = u64::try_from(request_timeout.as_millis()).unwrap_or(u64::MAX);
                 // One quorum insert at a time per table (the only way before 20.10): an insert whose quorum timed
                 // out can still be completed later, when a replica fetches its part, and until then every later
@@ -451,7 +451,7 @@ impl CatalogClient {
                         }
                     })
                     .collect();
-                (Some(quorum), Some((cluster.clone(), shard.number)))
+                (Some(quorum), Some((cluster.clone(), shard)))
             }
             None => (None, None),
         };
@@ -468,7 +468,13 @@ impl CatalogClient {
             .collect();
         tracing::info!(url = %servers[current].shown_url, server_version = %server_version, ?insert_quorum, replicas = servers.len(), "catalog connected");
         Ok(CatalogClient {
-            endpoints: Arc::new(Endpoints { servers, current: AtomicUsize::new(current), shard, request_timeout }),
+            endpoints: Arc::new(Endpoints {
+                servers,
+                current: AtomicUsize::new(current),
+                shard,
+                required_objects: std::sync::OnceLock::new(),
+                request_timeout,
+            }),
             database: config.database.clone(),
             request_timeout,
             read_max_memory: config.read_max_memory.0,
@@ -539,6 +545,14 @@ impl CatalogClient {
         let mut settings =
             vec![("max_execution_time", whole_seconds.to_string()), ("timeout_overflow_mode", "throw".to_string())];
         settings.extend(self.sequential_consistency());
+        self.execute_with(sql, &settings, self.request_timeout).await
+    }
+
+    /// [`CatalogClient::execute`] for a statement that reads what this process has just written (a server-side copy
+    /// of rows inserted a moment ago): sequentially consistent on a replicated catalog, so a replica failed over to
+    /// that lacks those rows refuses it instead of copying nothing.
+    pub async fn execute_consistent(&self, sql: &str) -> Result<(), CatalogError> {
+        let settings: Vec<_> = self.sequential_consistency().into_iter().collect();
         self.execute_with(sql, &settings, self.request_timeout).await
     }
 
@@ -658,18 +672,19 @@ impl CatalogClient {
         let endpoints = &self.endpoints;
         let first = endpoints.current();
         let count = endpoints.servers.len();
-        let mut unreachable = None;
+        let mut last_error = None;
         for attempt in 0..count {
             let index = (first + attempt) % count;
             let server = &endpoints.servers[index];
             match endpoints.check(index).await {
                 Ok(true) => {}
                 Ok(false) => continue,
-                Err(error) if error.is_unreachable() => {
-                    unreachable = Some(error);
+                Err(error) => {
+                    // Not checked now (unreachable, stalled, refusing): it stays unchecked, and the next is tried.
+                    tracing::warn!(url = %server.shown_url, %error, "catalog replica cannot be checked, trying the next");
+                    last_error = Some(error);
                     continue;
                 }
-                Err(error) => return Err(error),
             }
             match run_with_timeout(timeout, context, send(server.client.clone())).await {
                 Ok(value) => {
@@ -680,36 +695,46 @@ impl CatalogClient {
                 }
                 Err(error) if error.is_unreachable() && count > 1 => {
                     tracing::warn!(url = %server.shown_url, %error, "catalog server unreachable, trying the next replica");
-                    unreachable = Some(error);
+                    last_error = Some(error);
                 }
                 Err(error) => {
                     if error.reply_lost() && count > 1 {
-                        endpoints.switch(index, (index + 1) % count, "the last reply was lost");
+                        endpoints.switch(first, (index + 1) % count, "the last reply was lost");
                     }
                     return Err(error);
                 }
             }
         }
-        Err(unreachable.unwrap_or_else(|| {
+        Err(last_error.unwrap_or_else(|| {
             CatalogError::new(
                 ErrorKind::DefinitelyFailed,
-                "no server of catalog.url and catalog.replica_urls is a replica of the connected shard",
+                "no server of catalog.url and catalog.replica_urls is a replica of the same shard with the catalog's \
+                 tables (see the error log)",
             )
         }))
+    }
+
+    /// Every server failed over to must hold these tables and views of `database` (the catalog's, views included:
+    /// a replica without the views would take inserts and index nothing). Set once the schema is known.
+    pub fn require_objects(&self, database: &str, names: Vec<String>) {
+        let _ = self.endpoints.required_objects.set((database.to_string(), names));
     }
 }
 
 /// The servers of `catalog.url` and `catalog.replica_urls` and the one requests go to first.
 ///
 /// States: `current` names the server that answered last (or the one after a server whose reply was lost); every
-/// server but the first to answer at connect is `checked` once, when a request first goes to it, to be a replica
-/// of the same shard of `catalog.cluster` (a server of other tables would split the catalog), and skipped for good
-/// if it is not. Invariant: only checked servers are sent statements.
+/// server but the first to answer at connect is `checked` once, when a request first goes to it: a replica of the
+/// same shard of `catalog.cluster` (the same replicas in `system.clusters`: a server of other tables would split the
+/// catalog) that holds every table and view of the catalog ([`CatalogClient::require_objects`]); one that is not is
+/// skipped for good (until a restart). Invariant: only checked servers are sent statements.
 struct Endpoints {
     servers: Vec<Endpoint>,
     current: AtomicUsize,
-    /// `catalog.cluster` and the shard number of the first server to answer.
-    shard: Option<(String, u32)>,
+    /// `catalog.cluster` and the shard of the first server to answer.
+    shard: Option<(String, Shard)>,
+    /// The catalog's database and the tables and views a server must hold.
+    required_objects: std::sync::OnceLock<(String, Vec<String>)>,
     request_timeout: Duration,
 }
 
@@ -739,14 +764,29 @@ impl Endpoints {
         let checked = server
             .checked
             .get_or_try_init(|| async {
-                let Some((cluster, number)) = &self.shard else { return Ok(true) };
+                let Some((cluster, expected)) = &self.shard else { return Ok(true) };
                 let shard = local_shard(&server.client, cluster, self.request_timeout).await?;
-                let same = shard.as_ref().is_some_and(|shard| shard.number == *number);
-                if !same {
-                    tracing::error!(url = %server.shown_url, cluster, expected_shard = number, found = ?shard.map(|shard| shard.number),
-                        "catalog.replica_urls: this server is not a replica of the shard of catalog.url; it is never used");
+                if shard.as_ref() != Some(expected) {
+                    tracing::error!(url = %server.shown_url, cluster, expected = ?expected.replicas, found = ?shard.map(|shard| shard.replicas),
+                        "catalog.replica_urls: this server is not a replica of the shard of the first server; it is never used");
+                    return Ok(false);
                 }
-                Ok(same)
+                if let Some((database, required)) = self.required_objects.get() {
+                    let sql = format!("SELECT name FROM system.tables WHERE database = {}", sql_string_literal(database));
+                    let present: Vec<String> = run_with_timeout(
+                        self.request_timeout,
+                        "list the catalog's tables",
+                        server.client.query_raw(&sql).fetch_all::<String>(),
+                    )
+                    .await?;
+                    let missing: Vec<&String> = required.iter().filter(|name| !present.contains(name)).collect();
+                    if !missing.is_empty() {
+                        tracing::error!(url = %server.shown_url, ?missing,
+                            "catalog.replica_urls: this replica lacks tables or views of the catalog (create them on it, then restart); it is never used");
+                        return Ok(false);
+                    }
+                }
+                Ok(true)
             })
             .await?;
         Ok(*checked)
@@ -760,11 +800,12 @@ fn with_settings(mut query: clickhouse::query::Query, settings: &[(&'static str,
     query
 }
 
-/// The connected server's shard of `cluster` in `system.clusters`: its number and how many replicas it has; `None`
-/// when the server is not a replica of a cluster of that name.
+/// The connected server's shard of `cluster` in `system.clusters`: its number and its replicas (`host:port`,
+/// sorted); `None` when the server is not a replica of a cluster of that name.
+#[derive(Debug, PartialEq, Eq)]
 struct Shard {
-    number: u32,
-    replicas: u64,
+    number: u64,
+    replicas: Vec<String>,
 }
 
 async fn local_shard(
@@ -774,17 +815,19 @@ async fn local_shard(
 ) -> Result<Option<Shard>, CatalogError> {
     let cluster_literal = sql_string_literal(cluster);
     let sql = format!(
-        "SELECT toUInt64(any(shard_num)) AS shard, count() AS replicas FROM system.clusters \
+        "SELECT toUInt64(shard_num) AS shard, concat(host_name, ':', toString(port)) AS replica FROM system.clusters \
          WHERE cluster = {cluster_literal} AND shard_num IN \
-         (SELECT shard_num FROM system.clusters WHERE cluster = {cluster_literal} AND is_local = 1)"
+         (SELECT shard_num FROM system.clusters WHERE cluster = {cluster_literal} AND is_local = 1) \
+         ORDER BY replica"
     );
-    let (number, replicas) = run_with_timeout(
+    let rows = run_with_timeout(
         request_timeout,
         "find the server's shard of catalog.cluster",
-        client.query_raw(&sql).fetch_one::<(u64, u64)>(),
+        client.query_raw(&sql).fetch_all::<(u64, String)>(),
     )
     .await?;
-    Ok((replicas > 0).then_some(Shard { number: number as u32, replicas }))
+    let number = rows.first().map(|(number, _)| *number);
+    Ok(number.map(|number| Shard { number, replicas: rows.into_iter().map(|(_, replica)| replica).collect() }))
 }
 
 async fn server_has_setting(

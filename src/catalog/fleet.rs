@@ -31,7 +31,7 @@ pub struct FleetPage {
     pub captures: Vec<FleetCapture>,
     /// Present when more may follow.
     pub next_cursor: Option<String>,
-    /// The watermark each catalog is read at.
+    /// The watermark each catalog still being read is read at (the one of its first page).
     pub watermarks: BTreeMap<String, u64>,
 }
 
@@ -45,28 +45,33 @@ enum Position {
     Done,
 }
 
-/// What a fleet cursor starts with, so it is never taken for a single catalog's (which starts with a digit).
-const CURSOR_PREFIX: &str = "f";
+/// The most catalogs one listing reads: each page reads a page of every one of them.
+pub const MAX_CATALOGS: usize = 256;
+/// Catalog pages read at once for one page of a listing.
+const CONCURRENT_READS: usize = 4;
+
+/// What a fleet cursor starts with, so it is never taken for a single catalog's (which starts with a digit). The
+/// text is URL-safe as it is: `~` and `:` are in neither catalog names nor a catalog's cursor.
+const CURSOR_PREFIX: &str = "f~";
 
 fn encode_cursor(positions: &BTreeMap<String, Position>) -> String {
-    let text: Vec<String> = positions
+    let entries: Vec<String> = positions
         .iter()
         .map(|(catalog, position)| match position {
-            Position::Start(watermark) => format!("{catalog}=start:{watermark}"),
-            Position::At(cursor) => format!("{catalog}=at:{cursor}"),
-            Position::Done => format!("{catalog}=done"),
+            Position::Start(watermark) => format!("{catalog}:start:{watermark}"),
+            Position::At(cursor) => format!("{catalog}:at:{cursor}"),
+            Position::Done => format!("{catalog}:done"),
         })
         .collect();
-    format!("{CURSOR_PREFIX}{}", hex::encode(text.join(";")))
+    format!("{CURSOR_PREFIX}{}", entries.join("~"))
 }
 
 fn decode_cursor(text: &str) -> Result<BTreeMap<String, Position>, String> {
     let bad = || format!("invalid cursor {text:?}: not one of a listing across catalogs");
-    let bytes = text.strip_prefix(CURSOR_PREFIX).and_then(|hex_text| hex::decode(hex_text).ok()).ok_or_else(bad)?;
-    let text = String::from_utf8(bytes).map_err(|_| bad())?;
+    let entries = text.strip_prefix(CURSOR_PREFIX).ok_or_else(bad)?;
     let mut positions = BTreeMap::new();
-    for entry in text.split(';') {
-        let (catalog, position) = entry.split_once('=').ok_or_else(bad)?;
+    for entry in entries.split('~') {
+        let (catalog, position) = entry.split_once(':').ok_or_else(bad)?;
         if !crate::config::is_catalog_name(catalog) {
             return Err(bad());
         }
@@ -79,7 +84,12 @@ fn decode_cursor(text: &str) -> Result<BTreeMap<String, Position>, String> {
             None if position == "done" => Position::Done,
             _ => return Err(bad()),
         };
-        positions.insert(catalog.to_string(), position);
+        if positions.insert(catalog.to_string(), position).is_some() {
+            return Err(bad());
+        }
+    }
+    if positions.len() > MAX_CATALOGS {
+        return Err(format!("invalid cursor: more than {MAX_CATALOGS} catalogs"));
     }
     Ok(positions)
 }
@@ -87,6 +97,30 @@ fn decode_cursor(text: &str) -> Result<BTreeMap<String, Position>, String> {
 /// Check a fleet cursor's syntax without a round trip.
 pub fn validate_cursor(text: &str) -> Result<(), String> {
     decode_cursor(text).map(|_| ())
+}
+
+/// The catalogs a fleet cursor lists (the selection of its first page).
+pub fn cursor_catalogs(text: &str) -> Result<Vec<String>, String> {
+    decode_cursor(text).map(|positions| positions.into_keys().collect())
+}
+
+/// Check that `catalogs` is a selection a listing can take, and that `cursor` (if any) belongs to it.
+pub fn check_selection(catalogs: &[String], cursor: Option<&str>) -> Result<(), String> {
+    let selected: std::collections::BTreeSet<&String> = catalogs.iter().collect();
+    if selected.len() > MAX_CATALOGS {
+        return Err(format!("at most {MAX_CATALOGS} catalogs in one listing, not {}", selected.len()));
+    }
+    if let Some(cursor) = cursor {
+        let positions = decode_cursor(cursor)?;
+        if !positions.keys().eq(selected.iter().copied()) {
+            return Err(format!(
+                "the cursor is of a listing of the catalogs {:?}, not of {:?}",
+                positions.keys().collect::<Vec<_>>(),
+                selected
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// One page of the captures of `catalogs` matching `query` (its `cursor`, if any, from an earlier [`FleetPage`] of
@@ -100,34 +134,44 @@ pub async fn list(
     size_of: impl Fn(&FleetCapture) -> usize,
 ) -> Result<FleetPage, CatalogError> {
     let invalid = |message: String| CatalogError::new(ErrorKind::DefinitelyFailed, message);
+    check_selection(catalogs, query.cursor.as_deref()).map_err(invalid)?;
     let mut positions: BTreeMap<String, Position> = match &query.cursor {
-        Some(cursor) => {
-            let positions = decode_cursor(cursor).map_err(invalid)?;
-            if !positions.keys().eq(catalogs.iter().collect::<std::collections::BTreeSet<_>>()) {
-                return Err(invalid(format!(
-                    "the cursor is of a listing of the catalogs {:?}, not of {catalogs:?}",
-                    positions.keys().collect::<Vec<_>>()
-                )));
-            }
-            positions
-        }
+        Some(cursor) => decode_cursor(cursor).map_err(invalid)?,
         None => catalogs.iter().map(|catalog| (catalog.clone(), Position::Start(0))).collect(),
     };
 
     // Every catalog still going reads one page: as many captures as the whole page may hold.
-    let reads = positions.iter().filter(|(_, position)| **position != Position::Done).map(|(catalog, position)| {
+    let mut reads = Vec::new();
+    for (catalog, position) in &positions {
         let mut catalog_query = ListQuery { cursor: None, watermark: None, ..query.clone() };
         match position {
+            Position::Done => continue,
             Position::Start(watermark) if query.cursor.is_some() => catalog_query.watermark = Some(*watermark),
             Position::Start(_) => {}
             Position::At(cursor) => catalog_query.cursor = Some(cursor.clone()),
-            Position::Done => unreachable!("filtered out"),
         }
-        let catalog_reader = reader.for_catalog(catalog);
-        async move { catalog_reader.list(&catalog_query).await.map(|page| (catalog.clone(), page)) }
-    });
-    let pages: Vec<(String, Page)> = futures::future::try_join_all(reads).await?;
+        let (catalog_reader, catalog) = (reader.for_catalog(catalog), catalog.clone());
+        reads.push(async move { catalog_reader.list(&catalog_query).await.map(|page| (catalog, page)) });
+    }
+    use futures::{StreamExt, TryStreamExt};
+    let pages: Vec<(String, Page)> = futures::stream::iter(reads).buffered(CONCURRENT_READS).try_collect().await?;
 
+    let (captures, watermarks) =
+        merge(&pages, &mut positions, query.limit.clamp(1, 100_000) as usize, max_bytes, size_of);
+    let next_cursor = positions.values().any(|position| *position != Position::Done).then(|| encode_cursor(&positions));
+    Ok(FleetPage { captures, next_cursor, watermarks })
+}
+
+/// One page of the listing from one page of each catalog still going: at most `limit` captures in (captured_at_ns,
+/// capture_id) order, none past the nearest frontier, within `max_bytes`; `positions` become where each catalog goes
+/// on. Returns the captures and the watermark of each catalog read.
+fn merge(
+    pages: &[(String, Page)],
+    positions: &mut BTreeMap<String, Position>,
+    limit: usize,
+    max_bytes: usize,
+    size_of: impl Fn(&FleetCapture) -> usize,
+) -> (Vec<FleetCapture>, BTreeMap<String, u64>) {
     let mut merged: Vec<(usize, usize)> = Vec::new();
     for (page_index, (_, page)) in pages.iter().enumerate() {
         merged.extend((0..page.captures.len()).map(|capture_index| (page_index, capture_index)));
@@ -142,7 +186,7 @@ pub async fn list(
     if let Some(frontier) = pages.iter().filter_map(|(_, page)| page.frontier()).min() {
         merged.retain(|position| order(position) <= frontier);
     }
-    merged.truncate(query.limit.clamp(1, 100_000) as usize);
+    merged.truncate(limit);
     let mut captures: Vec<FleetCapture> = merged
         .iter()
         .map(|&(page, capture)| FleetCapture {
@@ -175,13 +219,75 @@ pub async fn list(
         };
         positions.insert(catalog.clone(), next);
     }
-    let next_cursor = positions.values().any(|position| *position != Position::Done).then(|| encode_cursor(&positions));
-    Ok(FleetPage { captures, next_cursor, watermarks })
+    (captures, watermarks)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn capture(at: u64, id: u128) -> CaptureLocation {
+        CaptureLocation {
+            capture_id: uuid::Uuid::from_u128(id).to_string(),
+            stream: "s".into(),
+            captured_at_ns: at,
+            pack_id: "p".into(),
+            object_key: "k".into(),
+            record_offset: 0,
+            record_len: 0,
+            payload_offset: 0,
+            payload_len: 0,
+            crc32c: 0,
+            label_keys: vec![],
+            label_values: vec![],
+            content_type: String::new(),
+            version: 1,
+        }
+    }
+
+    fn shown(captures: &[FleetCapture]) -> Vec<(String, u64)> {
+        captures.iter().map(|c| (c.catalog.clone(), c.capture.captured_at_ns)).collect()
+    }
+
+    fn starts(names: &[&str]) -> BTreeMap<String, Position> {
+        names.iter().map(|name| (name.to_string(), Position::Start(0))).collect()
+    }
+
+    #[test]
+    fn nothing_past_the_nearest_frontier_is_shown_and_each_catalog_goes_on_after_what_it_showed() {
+        // a's page was shortened (superseded candidates up to t=50 dropped): it has more after t=50.
+        let a = Page::for_test(vec![capture(20, 1), capture(40, 2)], Some((50, uuid::Uuid::from_u128(3))), 7);
+        let b = Page::for_test(vec![capture(10, 4), capture(60, 5), capture(70, 6)], None, 9);
+        let pages = vec![("a".to_string(), a.clone()), ("b".to_string(), b.clone())];
+        let mut positions = starts(&["a", "b"]);
+        let (captures, watermarks) = merge(&pages, &mut positions, 5, usize::MAX, |_| 1);
+        assert_eq!(shown(&captures), [("b".into(), 10), ("a".into(), 20), ("a".into(), 40)]);
+        assert_eq!(watermarks, BTreeMap::from([("a".to_string(), 7), ("b".to_string(), 9)]));
+        assert_eq!(positions["a"], Position::At(a.next_cursor.clone().unwrap()), "a goes on after its frontier");
+        assert_eq!(positions["b"], Position::At(b.resume_after(1).unwrap()), "b goes on after t=10");
+    }
+
+    #[test]
+    fn a_catalog_with_nothing_visible_moves_on_and_one_cut_off_keeps_its_place() {
+        // a: every candidate up to t=30 superseded; b: cut off by the byte bound after one capture.
+        let a = Page::for_test(vec![], Some((30, uuid::Uuid::from_u128(9))), 3);
+        let b = Page::for_test(vec![capture(5, 1), capture(6, 2)], None, 4);
+        let c = Page::for_test(vec![capture(7, 3)], None, 5);
+        let pages = vec![("a".to_string(), a.clone()), ("b".to_string(), b.clone()), ("c".to_string(), c)];
+        let mut positions = starts(&["a", "b", "c"]);
+        let (captures, _) = merge(&pages, &mut positions, 10, 1, |_| 1);
+        assert_eq!(shown(&captures), [("b".into(), 5)]);
+        assert_eq!(positions["a"], Position::At(a.next_cursor.clone().unwrap()));
+        assert_eq!(positions["b"], Position::At(b.resume_after(1).unwrap()));
+        assert_eq!(positions["c"], Position::Start(5), "c starts again, at the watermark it was read at");
+
+        // Everything shown: every catalog is done.
+        let pages = vec![("b".to_string(), Page::for_test(vec![capture(8, 5)], None, 4))];
+        let mut positions = starts(&["b"]);
+        let (captures, _) = merge(&pages, &mut positions, 10, usize::MAX, |_| 1);
+        assert_eq!(captures.len(), 1);
+        assert_eq!(positions["b"], Position::Done);
+    }
 
     #[test]
     fn cursors_round_trip_and_refuse_what_they_did_not_write() {
@@ -193,17 +299,25 @@ mod tests {
         .into_iter()
         .collect();
         let text = encode_cursor(&positions);
-        assert!(text.starts_with(CURSOR_PREFIX) && text.chars().all(|c| c.is_ascii_alphanumeric()), "{text}");
+        // URL-safe as it is (RFC 3986 unreserved characters and ':').
+        assert!(text.chars().all(|c| c.is_ascii_alphanumeric() || "-._~:".contains(c)), "{text}");
         assert_eq!(decode_cursor(&text).unwrap(), positions);
+        assert_eq!(cursor_catalogs(&text).unwrap(), ["edge-7", "edge.8", "edge_9"]);
         for bad in [
-            "12.1.0192d3a4-0000-7000-8000-000000000001.1".to_string(),
-            "fzz".to_string(),
-            format!("{CURSOR_PREFIX}{}", hex::encode("a b=done")),
-            format!("{CURSOR_PREFIX}{}", hex::encode("a=at:nonsense")),
-            format!("{CURSOR_PREFIX}{}", hex::encode("a=start:x")),
-            format!("{CURSOR_PREFIX}{}", hex::encode("a=later")),
+            "12.1.0192d3a4-0000-7000-8000-000000000001.1",
+            "f~",
+            "f~a b:done",
+            "f~a:at:nonsense",
+            "f~a:start:x",
+            "f~a:later",
+            "f~a:done~a:done",
         ] {
-            assert!(validate_cursor(&bad).is_err(), "{bad}");
+            assert!(validate_cursor(bad).is_err(), "{bad}");
         }
+        let names = |list: &[&str]| list.iter().map(|name| name.to_string()).collect::<Vec<_>>();
+        assert!(check_selection(&names(&["edge_9", "edge-7", "edge.8"]), Some(&text)).is_ok());
+        assert!(check_selection(&names(&["edge-7", "edge.8"]), Some(&text)).unwrap_err().contains("the cursor is of"));
+        let many: Vec<String> = (0..=MAX_CATALOGS).map(|n| format!("c{n}")).collect();
+        assert!(check_selection(&many, None).unwrap_err().contains("at most"));
     }
 }

@@ -22,6 +22,8 @@
 //!   hide an intent behind a mark.
 //! - Reads are inclusive (`intent_at_ms >= mark`): on servers with whole-second clocks, rows of the mark's second are
 //!   read again, which costs a few rows and misses none.
+//! - Reads are sequentially consistent on a replicated catalog: a replica failed over to that lacks the newest
+//!   intents must not let a start miss a pack and mark past it.
 
 use uuid::Uuid;
 
@@ -85,7 +87,7 @@ impl IntentLog {
     pub async fn newest_mark(&self) -> Result<Option<u64>, CatalogError> {
         let rows: Vec<MarkRow> = self
             .client
-            .fetch_all(&format!(
+            .fetch_all_deciding(&format!(
                 "SELECT maxMerge(marked_at_ms) AS marked_at_ms, count() AS marks FROM {} WHERE catalog = {}",
                 self.tables.intent_marks,
                 self.catalog_literal()
@@ -152,7 +154,7 @@ impl IntentLog {
             None => String::new(),
         };
         self.client
-            .fetch_all(&format!(
+            .fetch_all_deciding(&format!(
                 "SELECT intent_at_ms, pack_id, object_key FROM {intents} WHERE catalog = {catalog} \
                  AND intent_at_ms >= {since_ms}{after} AND kind = 'pack' ORDER BY intent_at_ms, pack_id \
                  LIMIT {INTENTS_PER_READ}",

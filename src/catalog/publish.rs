@@ -568,12 +568,12 @@ impl Publisher {
     }
 
     /// Rows that go into the index tables only (deletions and moves, see [`super::query`]): `by_version`, then its
-    /// rows of this publish copied into `by_id` on the server. Either may be left an orphan by a failure before the
-    /// commit, which no read sees.
+    /// rows of this publish copied into `by_id` on the server (sequentially consistent: the copy may run on another
+    /// replica than the insert). Either may be left an orphan by a failure before the commit, which no read sees.
     async fn insert_index_rows(&self, rows: &[CaptureRow], version: u64, publish_id: &str) -> Result<(), CatalogError> {
         self.client.insert_rows(&self.tables.by_version, rows).await?;
         self.client
-            .execute(&format!(
+            .execute_consistent(&format!(
                 "INSERT INTO {by_id} (catalog, capture_id, version, publish_id) SELECT catalog, \
                  UUIDStringToNum(capture_id), version, UUIDStringToNum(publish_id) FROM {by_version} \
                  WHERE catalog = {catalog} AND version = {version} AND publish_id = {publish_id}",

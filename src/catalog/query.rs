@@ -198,6 +198,15 @@ impl Page {
         self
     }
 
+    /// A page as [`CatalogReader::list`] would answer it, its next cursor right after `frontier`.
+    #[cfg(test)]
+    pub(crate) fn for_test(captures: Vec<CaptureLocation>, frontier: Option<(u64, Uuid)>, watermark: u64) -> Page {
+        let next_cursor = frontier.map(|(captured_at_ns, capture_id)| {
+            Cursor { watermark, captured_at_ns, capture_id, window_ns: 1 }.encode()
+        });
+        Page { captures, next_cursor, watermark, window_ns: 1 }
+    }
+
     /// Where the next page starts, as (captured_at_ns, capture_id): every capture of the selection at or before it
     /// is on this page or superseded. `None` on the last page.
     pub fn frontier(&self) -> Option<(u64, String)> {

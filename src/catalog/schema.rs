@@ -95,6 +95,15 @@ impl Tables {
         }
     }
 
+    /// The names (in [`Tables::database`], without it) of every table and view the catalog has.
+    pub fn objects(&self) -> Vec<String> {
+        let prefix = format!("{}.", self.database);
+        self.ddl()
+            .iter()
+            .filter_map(|statement| created_object(statement).strip_prefix(&prefix).map(str::to_string))
+            .collect()
+    }
+
     /// True with `catalog.cluster`: the tables are replicated.
     pub fn is_replicated(&self) -> bool {
         self.cluster.is_some()
@@ -484,15 +493,16 @@ pub async fn check_schema(client: &CatalogClient, tables: &Tables) -> Result<(),
 
 /// Create what is missing, then check and stamp the schema version. Idempotent; safe to run from every start.
 ///
-/// Only the statements of objects the connected server lacks are run: on a cluster an `ON CLUSTER` statement waits
-/// for every replica to run it, so running them all at every start would keep a daemon from starting while any
-/// replica is down, although its tables are all there. (A replica added to the cluster later gets its tables the
-/// way ClickHouse documents: created on it, by hand or by a start connected to it.)
+/// When the connected server holds every object already, no DDL is sent: on a cluster an `ON CLUSTER` statement
+/// waits for every replica to run it, so running them at every start would keep a daemon from starting while any
+/// replica is down. When anything is missing, every statement is run (each `IF NOT EXISTS`, `ON CLUSTER` on a
+/// cluster), so that every replica gets what it lacks.
 pub async fn ensure_schema(client: &CatalogClient, tables: &Tables) -> Result<u32, SchemaError> {
     let present = present_objects(client, tables).await?;
-    for statement in tables.ddl() {
-        if !present.contains(created_object(&statement)) {
-            client.execute(&statement).await?;
+    let ddl = tables.ddl();
+    if !ddl.iter().all(|statement| present.contains(created_object(statement))) {
+        for statement in &ddl {
+            client.execute(statement).await?;
         }
     }
     let found = stamped_version(client, tables).await?;
@@ -589,6 +599,9 @@ mod tests {
             assert!(created[1..].iter().all(|name| name.starts_with("capstore.cs_")), "{created:?}");
             let unique: std::collections::HashSet<&&str> = created.iter().collect();
             assert_eq!(unique.len(), ddl.len(), "{created:?}");
+            let objects = tables.objects();
+            assert_eq!(objects.len(), ddl.len() - 1, "every table and view, not the database: {objects:?}");
+            assert!(objects.contains(&"cs_captures".to_string()) && objects.contains(&"cs_watermark_view".to_string()));
         }
     }
 

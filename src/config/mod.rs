@@ -601,6 +601,26 @@ mod tests {
     }
 
     #[test]
+    fn replica_urls_need_a_cluster_and_distinct_http_urls() {
+        let env = [("CAPSTORE_CATALOG_REPLICA_URLS", "http://b:8123, http://c:8123")];
+        let config = load("[catalog]\nurl = \"http://a:8123\"\ncluster = \"main\"\n", &env).unwrap();
+        assert_eq!(config.catalog.replica_urls, ["http://b:8123", "http://c:8123"]);
+        config.validate().unwrap();
+        for (toml, why) in [
+            ("[catalog]\nreplica_urls = [\"http://b:8123\"]\n", "no cluster"),
+            ("[catalog]\ncluster = \"main\"\nreplica_urls = [\"ftp://b\"]\n", "not http"),
+            (
+                "[catalog]\ncluster = \"main\"\nurl = \"http://a:8123\"\nreplica_urls = [\"http://a:8123/\"]\n",
+                "url itself",
+            ),
+            ("[catalog]\ncluster = \"main\"\nreplica_urls = [\"http://b:8123\", \"http://b:8123\"]\n", "twice"),
+        ] {
+            let problems = load(toml, &[]).unwrap().validate().unwrap_err();
+            assert!(problem_keys(problems).iter().any(|key| key == "catalog.replica_urls"), "{why}");
+        }
+    }
+
+    #[test]
     fn validate_reports_every_problem_at_once() {
         let config = load(
             "catalog_name = \"bad name\"\n[bucket]\nurl = \"ftp://x\"\n[upload]\nconcurrency = 0\n[http]\nlisten = \"nowhere\"\n",

@@ -71,8 +71,11 @@ impl Config {
                     format!("{:?} must start with http:// or https://", units::redact_url(url)),
                 );
             }
-            if url.trim_end_matches('/') == self.catalog.url.trim_end_matches('/') {
+            let same = |other: &String| other.trim_end_matches('/') == url.trim_end_matches('/');
+            if same(&self.catalog.url) {
                 bad("catalog.replica_urls", format!("{:?} is catalog.url itself", units::redact_url(url)));
+            } else if self.catalog.replica_urls.iter().filter(|other| same(other)).count() > 1 {
+                bad("catalog.replica_urls", format!("{:?} is listed twice", units::redact_url(url)));
             }
         }
         if !self.catalog.replica_urls.is_empty() && self.catalog.cluster.is_none() {
@@ -85,7 +88,7 @@ impl Config {
         }
         let all_urls = || std::iter::once(&self.catalog.url).chain(&self.catalog.replica_urls);
         if self.catalog.ca_file.is_some() && !all_urls().any(|url| url.starts_with("https://")) {
-            bad("catalog.ca_file", "only applies to an https:// catalog.url".into());
+            bad("catalog.ca_file", "only applies to https:// catalog.url or catalog.replica_urls".into());
         }
         for (key, value) in
             [("catalog.database", &self.catalog.database), ("catalog.table_prefix", &self.catalog.table_prefix)]

@@ -403,21 +403,22 @@ pub(super) async fn list_captures(
     let Ok(_read) = state.reads.try_acquire() else {
         return Err(ApiError::busy("busy: http.max_concurrent_reads reads are running; retry shortly"));
     };
-    let catalogs = match selection {
-        CatalogSelection::All => reader.catalog().catalog_names().await.map_err(unavailable)?,
-        CatalogSelection::Named(catalogs) => catalogs,
+    let catalogs = match (selection, &query.cursor) {
+        // A listing of every catalog goes on with the catalogs of its first page.
+        (CatalogSelection::All, Some(cursor)) => {
+            fleet::cursor_catalogs(cursor).map_err(|problem| ApiError::bad("cursor", problem))?
+        }
+        (CatalogSelection::All, None) => reader.catalog().catalog_names().await.map_err(unavailable)?,
+        (CatalogSelection::Named(catalogs), _) => catalogs,
     };
+    fleet::check_selection(&catalogs, query.cursor.as_deref()).map_err(|problem| {
+        let field = if query.cursor.is_some() && problem.contains("cursor") { "cursor" } else { "catalog" };
+        ApiError::bad(field, problem)
+    })?;
     let size_of = |capture: &fleet::FleetCapture| serde_json::to_vec(capture).map_or(0, |row| row.len()) + 1;
-    let page =
-        fleet::list(reader.catalog(), &catalogs, &query, LIST_RESPONSE_MAX_BYTES, size_of).await.map_err(|error| {
-            match error.kind {
-                // The only failure decided before a round trip: a cursor of another set of catalogs.
-                crate::catalog::ErrorKind::DefinitelyFailed if error.server_code.is_none() => {
-                    ApiError::bad("cursor", error.message)
-                }
-                _ => unavailable(error),
-            }
-        })?;
+    let page = fleet::list(reader.catalog(), &catalogs, &query, LIST_RESPONSE_MAX_BYTES, size_of)
+        .await
+        .map_err(unavailable)?;
     Ok(Json(page).into_response())
 }
 

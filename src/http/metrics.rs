@@ -186,7 +186,7 @@ impl MetricsSample {
             ),
             (
                 "capstore_lease_renew_duration",
-                "one lease renewal statement, sent to answered (whatever the answer)",
+                "one renewal of the held lease (its fenced statement and read-back), sent to answered (whatever the answer)",
                 board.lease_renew_latency.histogram().clone(),
             ),
         ];

@@ -84,7 +84,7 @@ pub(crate) struct StatusBoard {
     pub(crate) ingest_stats: Arc<IngestStats>,
     clickhouse_version: OnceLock<String>,
     pub(crate) lease: OnceLock<LeaseHandle>,
-    /// Every lease renewal statement, sent to answered.
+    /// Every renewal of the held lease (fenced statement and read-back), sent to answered.
     pub(crate) lease_renew_latency: crate::telemetry::Latency,
     pub(crate) pipeline_counters: OnceLock<Arc<PipelineCounters>>,
     reconcile: Mutex<Option<ReconcileReport>>,

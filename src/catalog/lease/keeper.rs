@@ -200,7 +200,8 @@ impl RunningLease {
     }
 }
 
-/// Called with the duration of every renewal statement, whatever its outcome.
+/// Called with the duration of every renewal of the held lease (its fenced statement and read-back), whatever its
+/// outcome.
 pub type RenewalObserver = Box<dyn Fn(Duration) + Send + Sync>;
 
 const UNREACHABLE_RETRY: RetryPolicy = RetryPolicy::unbounded(Duration::from_millis(100), Duration::from_secs(5));

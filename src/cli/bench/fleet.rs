@@ -23,6 +23,8 @@ use super::catalog::synthetic_pack;
 
 /// ClickHouse's "too many parts" refusal (`parts_to_throw_insert`).
 const TOO_MANY_PARTS: u32 = 252;
+/// Dropping a database of many thousand parts takes longer than a request.
+const SCRATCH_DDL_TIMEOUT: Duration = Duration::from_secs(300);
 /// How often the parts and merges of the tables are sampled.
 const SAMPLE_EVERY: Duration = Duration::from_secs(2);
 
@@ -65,6 +67,8 @@ pub struct LoadFigures {
     /// Active parts of all the tables at the end.
     pub final_active_parts: u64,
     pub max_merges_running: u64,
+    /// Every sample: seconds into the load, the active parts of all tables, of the table with most, merges running.
+    pub parts_over_time: Vec<(f64, u64, u64, u64)>,
     /// Inserts refused with "too many parts".
     pub too_many_parts: u64,
     /// Other failed publishes (each retried at the next tick).
@@ -72,20 +76,28 @@ pub struct LoadFigures {
 }
 
 pub async fn fleet(options: &FleetBenchOptions) -> anyhow::Result<Vec<FleetBenchRow>> {
+    // The baseline's copies (`CREATE TABLE ... AS`) and the scratch drops are single-server statements.
+    anyhow::ensure!(
+        options.config.catalog.cluster.is_none(),
+        "capstore bench fleet measures one server: unset catalog.cluster"
+    );
     let mut rows = Vec::new();
     for &daemons in &options.daemons {
         let database = format!("{}_fleet", options.config.catalog.database);
         let mut config = options.config.clone();
         config.catalog.database = database.clone();
         let scratch = CatalogClient::connect(&config.catalog).await?;
-        scratch.execute(&format!("DROP DATABASE IF EXISTS {database}")).await?;
+        scratch.execute_with_timeout(&format!("DROP DATABASE IF EXISTS {database}"), SCRATCH_DDL_TIMEOUT).await?;
         let (client, tables) = capstore::catalog::connect(&config).await?;
         eprintln!("fleet of {daemons}: capstore for {:?}", options.duration);
         let capstore = run_fleet(&client, &tables, &config, daemons, options).await?;
         eprintln!("fleet of {daemons}: plain inserts for {:?}", options.duration);
         let baseline = run_baseline(&client, &tables, &config, daemons, options).await?;
-        client.execute(&format!("DROP DATABASE IF EXISTS {database}")).await?;
-        rows.push(FleetBenchRow { daemons, seconds: options.duration.as_secs_f64(), capstore, baseline });
+        client.execute_with_timeout(&format!("DROP DATABASE IF EXISTS {database}"), SCRATCH_DDL_TIMEOUT).await?;
+        let row = FleetBenchRow { daemons, seconds: options.duration.as_secs_f64(), capstore, baseline };
+        // On stderr as each size ends, so a later failure does not take the earlier figures with it.
+        eprintln!("{}", serde_json::to_string(&row)?);
+        rows.push(row);
     }
     Ok(rows)
 }
@@ -190,7 +202,7 @@ async fn run_baseline(
     options: &FleetBenchOptions,
 ) -> anyhow::Result<LoadFigures> {
     let database = format!("{}_plain", tables.database);
-    client.execute(&format!("DROP DATABASE IF EXISTS {database}")).await?;
+    client.execute_with_timeout(&format!("DROP DATABASE IF EXISTS {database}"), SCRATCH_DDL_TIMEOUT).await?;
     client.execute(&format!("CREATE DATABASE {database}")).await?;
     let copy = |table: &str| format!("{database}.{}", table.rsplit('.').next().unwrap_or(table));
     for table in [&tables.captures, &tables.packs, &tables.publishes, &tables.lease] {
@@ -270,7 +282,7 @@ async fn run_baseline(
     let inserts = server_inserts(client).await? - inserts_before;
     let samples = sampler.stop().await;
     let final_parts = active_parts(client, &database).await?.values().sum();
-    client.execute(&format!("DROP DATABASE IF EXISTS {database}")).await?;
+    client.execute_with_timeout(&format!("DROP DATABASE IF EXISTS {database}"), SCRATCH_DDL_TIMEOUT).await?;
     let tally = std::mem::take(&mut *tally.lock().unwrap());
     Ok(figures(tally, seconds, inserts, samples, final_parts))
 }
@@ -291,6 +303,7 @@ fn figures(mut tally: Tally, seconds: f64, inserts: u64, samples: Samples, final
         max_active_parts_table: samples.max_active_parts_table,
         final_active_parts: final_parts,
         max_merges_running: samples.max_merges,
+        parts_over_time: samples.series,
         too_many_parts: tally.too_many_parts,
         failed: tally.failed,
     }
@@ -330,6 +343,7 @@ struct Samples {
     max_active_parts: u64,
     max_active_parts_table: String,
     max_merges: u64,
+    series: Vec<(f64, u64, u64, u64)>,
 }
 
 /// Samples the active parts of every table of a database and the merges running there, every [`SAMPLE_EVERY`].
@@ -347,17 +361,23 @@ impl Sampler {
                 "SELECT count() FROM system.merges WHERE database = {}",
                 capstore::catalog::client::sql_string_literal(&database)
             );
+            let started = Instant::now();
             loop {
+                let (mut total, mut most, mut merging) = (0, 0, 0);
                 if let Ok(parts) = active_parts(&client, &database).await {
+                    total = parts.values().sum();
                     if let Some((table, count)) = parts.into_iter().max_by_key(|(_, count)| *count) {
+                        most = count;
                         if count > samples.max_active_parts {
                             (samples.max_active_parts, samples.max_active_parts_table) = (count, table);
                         }
                     }
                 }
                 if let Ok(merges) = client.fetch_all::<u64>(&merges_sql).await {
-                    samples.max_merges = samples.max_merges.max(merges.first().copied().unwrap_or(0));
+                    merging = merges.first().copied().unwrap_or(0);
+                    samples.max_merges = samples.max_merges.max(merging);
                 }
+                samples.series.push((started.elapsed().as_secs_f64(), total, most, merging));
                 tokio::select! {
                     _ = stopped.changed() => return samples,
                     _ = tokio::time::sleep(SAMPLE_EVERY) => {}
