@@ -78,7 +78,7 @@ use std::fmt;
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use clickhouse::{Compression, RowOwned, RowRead, RowWrite};
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -351,6 +351,11 @@ impl fmt::Debug for CatalogClient {
     }
 }
 
+/// Errors of a replica that cannot serve what others can: behind the quorum (`REPLICA_IS_NOT_IN_QUORUM`, a
+/// sequentially consistent read) or read-only (`TABLE_IS_READ_ONLY`, its ZooKeeper session lost). The next request
+/// goes to the next server.
+const REPLICA_CANNOT_SERVE: &[u32] = &[289, 242];
+
 /// ClickHouse's error code for a query over its `max_memory_usage`.
 const MEMORY_LIMIT_EXCEEDED: u32 = 241;
 
@@ -464,6 +469,7 @@ impl CatalogClient {
                 shown_url: redact_url(url),
                 // The server that answered was checked above.
                 checked: tokio::sync::OnceCell::new_with((index == current).then_some(true)),
+                check_failed_at: std::sync::Mutex::new(None),
             })
             .collect();
         tracing::info!(url = %servers[current].shown_url, server_version = %server_version, ?insert_quorum, replicas = servers.len(), "catalog connected");
@@ -676,13 +682,20 @@ impl CatalogClient {
         for attempt in 0..count {
             let index = (first + attempt) % count;
             let server = &endpoints.servers[index];
+            if server.checked.get().is_none() && endpoints.recently_failed_check(index) {
+                continue;
+            }
             match endpoints.check(index).await {
                 Ok(true) => {}
                 Ok(false) => continue,
                 Err(error) => {
-                    // Not checked now (unreachable, stalled, refusing): it stays unchecked, and the next is tried.
+                    // Not checked now (unreachable, stalled, lacking tables): it stays unchecked, the next is tried,
+                    // and nothing was sent, whatever the check's own failure was.
                     tracing::warn!(url = %server.shown_url, %error, "catalog replica cannot be checked, trying the next");
-                    last_error = Some(error);
+                    last_error = Some(CatalogError::new(
+                        ErrorKind::DefinitelyFailed,
+                        format!("not sent: {} could not be checked as a replica: {error}", server.shown_url),
+                    ));
                     continue;
                 }
             }
@@ -698,8 +711,10 @@ impl CatalogClient {
                     last_error = Some(error);
                 }
                 Err(error) => {
-                    if error.reply_lost() && count > 1 {
+                    if count > 1 && error.reply_lost() {
                         endpoints.switch(first, (index + 1) % count, "the last reply was lost");
+                    } else if count > 1 && error.server_code.is_some_and(|code| REPLICA_CANNOT_SERVE.contains(&code)) {
+                        endpoints.switch(first, (index + 1) % count, "the replica cannot serve (behind or read-only)");
                     }
                     return Err(error);
                 }
@@ -726,8 +741,9 @@ impl CatalogClient {
 /// States: `current` names the server that answered last (or the one after a server whose reply was lost); every
 /// server but the first to answer at connect is `checked` once, when a request first goes to it: a replica of the
 /// same shard of `catalog.cluster` (the same replicas in `system.clusters`: a server of other tables would split the
-/// catalog) that holds every table and view of the catalog ([`CatalogClient::require_objects`]); one that is not is
-/// skipped for good (until a restart). Invariant: only checked servers are sent statements.
+/// catalog; one that differs is skipped for good, until a restart) that holds every table and view of the catalog the
+/// first server holds ([`CatalogClient::require_objects`]; one that lacks some, or cannot be reached, is passed over
+/// for a request timeout and checked again). Invariant: only checked servers are sent statements.
 struct Endpoints {
     servers: Vec<Endpoint>,
     current: AtomicUsize,
@@ -744,6 +760,8 @@ struct Endpoint {
     shown_url: String,
     /// Whether the server is a replica of the shard; unset until it has answered the check.
     checked: tokio::sync::OnceCell<bool>,
+    /// When its check last failed (see [`Endpoints::recently_failed_check`]).
+    check_failed_at: std::sync::Mutex<Option<Instant>>,
 }
 
 impl Endpoints {
@@ -781,15 +799,30 @@ impl Endpoints {
                     .await?;
                     let missing: Vec<&String> = required.iter().filter(|name| !present.contains(name)).collect();
                     if !missing.is_empty() {
-                        tracing::error!(url = %server.shown_url, ?missing,
-                            "catalog.replica_urls: this replica lacks tables or views of the catalog (create them on it, then restart); it is never used");
-                        return Ok(false);
+                        // Not cached: a replica may still be running the ON CLUSTER statements queued for it.
+                        return Err(CatalogError::new(
+                            ErrorKind::DefinitelyFailed,
+                            format!("the replica lacks tables or views of the catalog: {missing:?}"),
+                        ));
                     }
                 }
                 Ok(true)
             })
-            .await?;
-        Ok(*checked)
+            .await;
+        match checked {
+            Ok(checked) => Ok(*checked),
+            Err(error) => {
+                *server.check_failed_at.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+                Err(error)
+            }
+        }
+    }
+
+    /// A server whose check failed within the last request timeout is passed over without checking it again, so
+    /// requests do not queue behind a stalled server.
+    fn recently_failed_check(&self, index: usize) -> bool {
+        let failed_at = *self.servers[index].check_failed_at.lock().unwrap_or_else(|p| p.into_inner());
+        failed_at.is_some_and(|at| at.elapsed() < self.request_timeout)
     }
 }
 

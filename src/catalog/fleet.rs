@@ -104,20 +104,29 @@ pub fn cursor_catalogs(text: &str) -> Result<Vec<String>, String> {
     decode_cursor(text).map(|positions| positions.into_keys().collect())
 }
 
+/// Why a selection of catalogs cannot be listed ([`check_selection`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SelectionError {
+    #[error("at most {MAX_CATALOGS} catalogs in one listing, not {0}: name them with catalog=")]
+    TooMany(usize),
+    #[error("{0}")]
+    Cursor(String),
+}
+
 /// Check that `catalogs` is a selection a listing can take, and that `cursor` (if any) belongs to it.
-pub fn check_selection(catalogs: &[String], cursor: Option<&str>) -> Result<(), String> {
+pub fn check_selection(catalogs: &[String], cursor: Option<&str>) -> Result<(), SelectionError> {
     let selected: std::collections::BTreeSet<&String> = catalogs.iter().collect();
     if selected.len() > MAX_CATALOGS {
-        return Err(format!("at most {MAX_CATALOGS} catalogs in one listing, not {}", selected.len()));
+        return Err(SelectionError::TooMany(selected.len()));
     }
     if let Some(cursor) = cursor {
-        let positions = decode_cursor(cursor)?;
+        let positions = decode_cursor(cursor).map_err(SelectionError::Cursor)?;
         if !positions.keys().eq(selected.iter().copied()) {
-            return Err(format!(
+            return Err(SelectionError::Cursor(format!(
                 "the cursor is of a listing of the catalogs {:?}, not of {:?}",
                 positions.keys().collect::<Vec<_>>(),
                 selected
-            ));
+            )));
         }
     }
     Ok(())
@@ -134,7 +143,7 @@ pub async fn list(
     size_of: impl Fn(&FleetCapture) -> usize,
 ) -> Result<FleetPage, CatalogError> {
     let invalid = |message: String| CatalogError::new(ErrorKind::DefinitelyFailed, message);
-    check_selection(catalogs, query.cursor.as_deref()).map_err(invalid)?;
+    check_selection(catalogs, query.cursor.as_deref()).map_err(|error| invalid(error.to_string()))?;
     let mut positions: BTreeMap<String, Position> = match &query.cursor {
         Some(cursor) => decode_cursor(cursor).map_err(invalid)?,
         None => catalogs.iter().map(|catalog| (catalog.clone(), Position::Start(0))).collect(),
@@ -316,8 +325,12 @@ mod tests {
         }
         let names = |list: &[&str]| list.iter().map(|name| name.to_string()).collect::<Vec<_>>();
         assert!(check_selection(&names(&["edge_9", "edge-7", "edge.8"]), Some(&text)).is_ok());
-        assert!(check_selection(&names(&["edge-7", "edge.8"]), Some(&text)).unwrap_err().contains("the cursor is of"));
+        let foreign = check_selection(&names(&["edge-7", "edge.8"]), Some(&text)).unwrap_err();
+        assert!(
+            matches!(&foreign, SelectionError::Cursor(message) if message.contains("the cursor is of")),
+            "{foreign}"
+        );
         let many: Vec<String> = (0..=MAX_CATALOGS).map(|n| format!("c{n}")).collect();
-        assert!(check_selection(&many, None).unwrap_err().contains("at most"));
+        assert_eq!(check_selection(&many, None), Err(SelectionError::TooMany(MAX_CATALOGS + 1)));
     }
 }

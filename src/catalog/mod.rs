@@ -32,7 +32,7 @@ pub async fn connect(config: &Config) -> Result<(CatalogClient, Tables), schema:
     let client = CatalogClient::connect(&config.catalog).await?;
     let tables = Tables::from_config(&config.catalog);
     schema::ensure_schema(&client, &tables).await?;
-    client.require_objects(&tables.database, tables.objects());
+    client.require_objects(&tables.database, schema::objects_present(&client, &tables).await?);
     Ok((client, tables))
 }
 
@@ -42,6 +42,6 @@ pub async fn connect_reader(config: &Config) -> Result<query::CatalogReader, sch
     let client = CatalogClient::connect(&config.catalog).await?;
     let tables = Tables::from_config(&config.catalog);
     schema::check_schema(&client, &tables).await?;
-    client.require_objects(&tables.database, tables.objects());
+    client.require_objects(&tables.database, schema::objects_present(&client, &tables).await?);
     Ok(query::CatalogReader::new(client, tables, &config.catalog_name))
 }

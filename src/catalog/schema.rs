@@ -373,6 +373,14 @@ async fn present_objects(
     Ok(names.into_iter().map(|row| row.object).collect())
 }
 
+/// The catalog's tables and views (names without the database) that the connected server holds: what every replica
+/// failed over to must hold as well ([`CatalogClient::require_objects`]). A catalog of an older schema may lack some
+/// (such as `retired_packs`); those are not required.
+pub async fn objects_present(client: &CatalogClient, tables: &Tables) -> Result<Vec<String>, CatalogError> {
+    let present = present_objects(client, tables).await?;
+    Ok(tables.objects().into_iter().filter(|name| present.contains(&format!("{}.{name}", tables.database))).collect())
+}
+
 /// The name a statement of [`Tables::ddl`] creates: the word after `IF NOT EXISTS`.
 fn created_object(statement: &str) -> &str {
     let after = statement.split_once(" IF NOT EXISTS ").map_or("", |(_, rest)| rest);

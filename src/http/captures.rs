@@ -403,6 +403,7 @@ pub(super) async fn list_captures(
     let Ok(_read) = state.reads.try_acquire() else {
         return Err(ApiError::busy("busy: http.max_concurrent_reads reads are running; retry shortly"));
     };
+    let every_catalog = matches!(selection, CatalogSelection::All);
     let catalogs = match (selection, &query.cursor) {
         // A listing of every catalog goes on with the catalogs of its first page.
         (CatalogSelection::All, Some(cursor)) => {
@@ -411,9 +412,10 @@ pub(super) async fn list_captures(
         (CatalogSelection::All, None) => reader.catalog().catalog_names().await.map_err(unavailable)?,
         (CatalogSelection::Named(catalogs), _) => catalogs,
     };
-    fleet::check_selection(&catalogs, query.cursor.as_deref()).map_err(|problem| {
-        let field = if query.cursor.is_some() && problem.contains("cursor") { "cursor" } else { "catalog" };
-        ApiError::bad(field, problem)
+    fleet::check_selection(&catalogs, query.cursor.as_deref()).map_err(|error| match error {
+        fleet::SelectionError::Cursor(problem) => ApiError::bad("cursor", problem),
+        too_many if every_catalog => ApiError::bad("all_catalogs", too_many.to_string()),
+        too_many => ApiError::bad("catalog", too_many.to_string()),
     })?;
     let size_of = |capture: &fleet::FleetCapture| serde_json::to_vec(capture).map_or(0, |row| row.len()) + 1;
     let page = fleet::list(reader.catalog(), &catalogs, &query, LIST_RESPONSE_MAX_BYTES, size_of)
