@@ -418,12 +418,8 @@ impl CatalogClient {
         let server_version = ServerVersion::parse(&version_text).ok_or_else(|| {
             CatalogError::new(ErrorKind::DefinitelyFailed, format!("cannot parse the server version {version_text:?}"))
         })?;
-        if server_version.is_modern() {
-            clients = clients
-                .into_iter()
-                .map(|client| client.with_compression(Compression::Lz4).with_validation(true))
-                .collect();
-        }
+        // Settings for every server, chosen from the one that answered.
+        let mut settings: Vec<(&'static str, String)> = Vec::new();
         let (insert_quorum, shard) = match &config.cluster {
             Some(cluster) => {
                 let shard = local_shard(&clients[current], cluster, request_timeout).await?.ok_or_else(|| {
@@ -441,21 +437,11 @@ impl CatalogClient {
                 // One quorum insert at a time per table (the only way before 20.10): an insert whose quorum timed
                 // out can still be completed later, when a replica fetches its part, and until then every later
                 // quorum insert into that table is refused, so no publish can be decided beside it.
-                let serial_quorum =
-                    server_has_setting(&clients[current], "insert_quorum_parallel", request_timeout).await?;
-                clients = clients
-                    .into_iter()
-                    .map(|client| {
-                        let client = client
-                            .with_setting("insert_quorum", quorum.to_string())
-                            .with_setting("insert_quorum_timeout", wait_ms.to_string());
-                        if serial_quorum {
-                            client.with_setting("insert_quorum_parallel", "0")
-                        } else {
-                            client
-                        }
-                    })
-                    .collect();
+                settings.push(("insert_quorum", quorum.to_string()));
+                settings.push(("insert_quorum_timeout", wait_ms.to_string()));
+                if server_has_setting(&clients[current], "insert_quorum_parallel", request_timeout).await? {
+                    settings.push(("insert_quorum_parallel", "0".to_string()));
+                }
                 (Some(quorum), Some((cluster.clone(), shard)))
             }
             None => (None, None),
@@ -464,12 +450,20 @@ impl CatalogClient {
             .into_iter()
             .zip(&urls)
             .enumerate()
-            .map(|(index, (client, url))| Endpoint {
-                client,
-                shown_url: redact_url(url),
-                // The server that answered was checked above.
-                checked: tokio::sync::OnceCell::new_with((index == current).then_some(true)),
-                check_failed_at: std::sync::Mutex::new(None),
+            .map(|(index, (mut client, url))| {
+                if server_version.is_modern() {
+                    client = client.with_compression(Compression::Lz4).with_validation(true);
+                }
+                for (name, value) in &settings {
+                    client = client.with_setting(*name, value.clone());
+                }
+                Endpoint {
+                    client,
+                    shown_url: redact_url(url),
+                    // The server that answered was checked above.
+                    checked: tokio::sync::OnceCell::new_with((index == current).then_some(true)),
+                    check_failed_at: std::sync::Mutex::new(None),
+                }
             })
             .collect();
         tracing::info!(url = %servers[current].shown_url, server_version = %server_version, ?insert_quorum, replicas = servers.len(), "catalog connected");

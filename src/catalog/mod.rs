@@ -32,7 +32,8 @@ pub async fn connect(config: &Config) -> Result<(CatalogClient, Tables), schema:
     let client = CatalogClient::connect(&config.catalog).await?;
     let tables = Tables::from_config(&config.catalog);
     schema::ensure_schema(&client, &tables).await?;
-    client.require_objects(&tables.database, schema::objects_present(&client, &tables).await?);
+    // ensure_schema leaves every object in place.
+    client.require_objects(&tables.database, tables.objects());
     Ok((client, tables))
 }
 
