@@ -130,6 +130,56 @@ async fn a_hundred_thousand_rows_go_in_one_insert(server: &'static ClickHouseSer
     assert_eq!(counts, vec![(100_000, (0..100_000u64).sum())]);
 }
 
+for_each_version!(inserts_say_whether_they_are_asynchronous_where_the_server_has_them_and_are_seen_once_acked);
+async fn inserts_say_whether_they_are_asynchronous_where_the_server_has_them_and_are_seen_once_acked(
+    server: &'static ClickHouseServer,
+) {
+    const INSERTS: u64 = 20;
+    for async_insert in [false, true] {
+        let config = CatalogConfig { async_insert, ..config_for(server.url(), Duration::from_secs(10)) };
+        let client = CatalogClient::connect(&config).await.unwrap();
+        // What the server applies to capstore's requests. 18.16 has neither setting (and would refuse one sent);
+        // chDB 26.x turns asynchronous inserts on by default, which capstore overrides unless asked for them.
+        let applied: Vec<(String, String)> = client
+            .fetch_all(
+                "SELECT name, value FROM system.settings WHERE name IN ('async_insert', 'wait_for_async_insert') \
+                 ORDER BY name",
+            )
+            .await
+            .unwrap();
+        let expected: Vec<(String, String)> = match (server.version.is_modern(), async_insert) {
+            (false, _) => vec![],
+            (true, false) => vec![("async_insert".into(), "0".into()), ("wait_for_async_insert".into(), "1".into())],
+            (true, true) => vec![("async_insert".into(), "1".into()), ("wait_for_async_insert".into(), "1".into())],
+        };
+        assert_eq!(applied, expected, "async_insert={async_insert}");
+
+        let table = fresh_table(server, "async_insert");
+        server.query(&format!("SYSTEM STOP MERGES {table}")).unwrap();
+        let inserts = (0..INSERTS).map(|id| {
+            let client = client.clone();
+            let table = table.clone();
+            async move {
+                client.insert_rows(&table, &[NoteRow { id, note: format!("row {id}") }]).await.unwrap();
+                // Acknowledged means flushed: the row is there for the next read, on another connection.
+                let seen: Vec<u64> =
+                    client.fetch_all(&format!("SELECT count() FROM {table} WHERE id = {id}")).await.unwrap();
+                assert_eq!(seen, vec![1], "row {id} unseen once its insert returned (async_insert={async_insert})");
+            }
+        });
+        futures::future::join_all(inserts).await;
+        if !async_insert {
+            let (database, name) = table.split_once('.').unwrap();
+            let parts = server
+                .query(&format!(
+                    "SELECT count() FROM system.parts WHERE database = '{database}' AND table = '{name}' AND active"
+                ))
+                .unwrap();
+            assert_eq!(parts.trim(), INSERTS.to_string(), "a synchronous insert makes a part of its own");
+        }
+    }
+}
+
 for_each_version!(quoted_literals_survive_hostile_strings);
 async fn quoted_literals_survive_hostile_strings(server: &'static ClickHouseServer) {
     let client = connect_direct(server).await;

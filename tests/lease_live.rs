@@ -1524,3 +1524,79 @@ async fn the_rows_of_captures_deleted_longer_ago_than_the_grace_are_removed_and_
     shutdown_tx.send(true).unwrap();
     keeper_task.await.unwrap();
 }
+
+for_each_version!(the_holder_trims_its_lease_history_below_the_head_and_leaves_other_catalogs_alone);
+async fn the_holder_trims_its_lease_history_below_the_head_and_leaves_other_catalogs_alone(
+    server: &'static ClickHouseServer,
+) {
+    const EVERY: u64 = 4;
+    let catalog = catalog(server, false).await;
+    // Another catalog in the same tables, with a history of six terms.
+    let other = catalog.store("other-catalog");
+    let neighbour = identity("neighbour");
+    let ClaimOutcome::Held { mut term, .. } = other.claim("lease-n", &neighbour).await.unwrap() else { panic!() };
+    for _ in 0..5 {
+        let ClaimOutcome::Held { term: renewed, .. } = other.renew("lease-n", &neighbour, term).await.unwrap() else {
+            panic!()
+        };
+        term = renewed;
+    }
+    other.release("lease-n", &neighbour, term).await.unwrap();
+    let history = |name: &str| -> (u64, u64, u64) {
+        let text = catalog
+            .server
+            .query(&format!(
+                "SELECT min(term), max(term), count() FROM {} WHERE catalog = '{name}' FORMAT TSV",
+                catalog.tables.lease
+            ))
+            .unwrap();
+        let fields: Vec<u64> = text.split_whitespace().map(|field| field.parse().unwrap()).collect();
+        (fields[0], fields[1], fields[2])
+    };
+    let neighbour_history = history("other-catalog");
+    assert_eq!(neighbour_history, (1, 6, 7), "six terms and a tombstone");
+
+    let keeper = catalog.keeper(identity("trimmer")).trim_history_every(EVERY);
+    let (shutdown_tx, mut shutdown_rx) = watch::channel(false);
+    keeper.acquire_at_start(Duration::ZERO, &mut shutdown_rx).await.unwrap();
+    let handle = keeper.handle();
+    let publisher =
+        Publisher::new(catalog.client.clone(), catalog.tables.clone(), &catalog.config.catalog_name, handle.clone());
+    let keeper_task = tokio::spawn(keeper.run(shutdown_rx));
+
+    // Renewals every ttl/6 (0.5 s): a trim at term 4 and at each 4 terms after it deletes the rows below it. Wait
+    // for a trim past term 8, so at least two have run, and then for the history to be shorter than the terms.
+    let ours = catalog.config.catalog_name.clone();
+    let started = Instant::now();
+    let (lowest, head, rows) = loop {
+        let (lowest, head, rows) = history(&ours);
+        if lowest >= 2 * EVERY && rows < head {
+            break (lowest, head, rows);
+        }
+        assert!(
+            started.elapsed() < common::MUTATION_PATIENCE,
+            "the lease history was not trimmed: terms {lowest}..={head} in {rows} rows"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    eprintln!("lease history after trims: terms {lowest}..={head} in {rows} rows");
+    assert_eq!(
+        history("other-catalog"),
+        neighbour_history,
+        "another catalog's lease rows are not the holder's to trim"
+    );
+
+    // Nothing a decision reads went: the holder still renews, and its publishes pass the fence.
+    assert_eq!(handle.state(), LeaseState::Held, "{:?}", handle.status());
+    let outcome = retried!(publisher.publish_batch(&[one_capture_pack()]).await);
+    assert!(matches!(outcome, PublishOutcome::Committed { .. }), "{outcome:?}");
+    let renewals = handle.status().lease_renewals;
+    let started = Instant::now();
+    while handle.status().lease_renewals < renewals + 2 {
+        assert!(started.elapsed() < TTL * 2, "renewals stopped after a trim: {:?}", handle.status());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(handle.state(), LeaseState::Held, "{:?}", handle.status());
+    shutdown_tx.send(true).unwrap();
+    keeper_task.await.unwrap();
+}

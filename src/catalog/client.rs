@@ -28,6 +28,20 @@
 //! - one extra second of clock uncertainty ([`CatalogClient::clock_resolution_extra`]): `now()` has whole-second
 //!   resolution and there is no `now64()`.
 //!
+//! # Asynchronous inserts
+//!
+//! Where the server has `async_insert` (21.11 on), every request says whether its inserts are asynchronous, so a
+//! server profile that turns them on (26.x chDB does by default) changes nothing capstore relies on: by default they
+//! are synchronous (`async_insert = 0`). With `catalog.async_insert` (refused with `catalog.cluster`) rows go with
+//! `async_insert = 1, wait_for_async_insert = 1`: the server gathers the inserts of many clients into one part per
+//! table, so a fleet sharing the tables makes parts at the server's flush rate instead of its publish rate, at the
+//! cost of up to the flush delay per insert. The wait is what keeps the publish protocol sound: an insert is
+//! acknowledged only once its rows are in a part every later read sees, so a publish's rows exist before the fenced
+//! `publishes` row that makes them visible, and a lost reply leaves rows under a publish_id that is never committed,
+//! as a plain insert does. Statements with a fence (`INSERT ... SELECT`) are never asynchronous. Quorum inserts
+//! (`catalog.cluster`) are sequential (`insert_quorum_parallel = 0`), which servers do not combine with asynchronous
+//! inserts. See [`insert_settings`].
+//!
 //! # Replicated catalogs
 //!
 //! With `catalog.cluster`, [`CatalogClient::connect`] counts the replicas of the connected server's shard in
@@ -419,6 +433,12 @@ impl CatalogClient {
             CatalogError::new(ErrorKind::DefinitelyFailed, format!("cannot parse the server version {version_text:?}"))
         })?;
         // Settings for every server, chosen from the one that answered.
+        let present = server_settings_present(
+            &clients[current],
+            &["async_insert", "wait_for_async_insert", "insert_quorum_parallel"],
+            request_timeout,
+        )
+        .await?;
         let mut settings: Vec<(&'static str, String)> = Vec::new();
         let (insert_quorum, shard) = match &config.cluster {
             Some(cluster) => {
@@ -439,13 +459,17 @@ impl CatalogClient {
                 // quorum insert into that table is refused, so no publish can be decided beside it.
                 settings.push(("insert_quorum", quorum.to_string()));
                 settings.push(("insert_quorum_timeout", wait_ms.to_string()));
-                if server_has_setting(&clients[current], "insert_quorum_parallel", request_timeout).await? {
+                if present.contains("insert_quorum_parallel") {
                     settings.push(("insert_quorum_parallel", "0".to_string()));
                 }
                 (Some(quorum), Some((cluster.clone(), shard)))
             }
             None => (None, None),
         };
+        let has_async_insert = present.contains("async_insert") && present.contains("wait_for_async_insert");
+        let insert_settings = insert_settings(has_async_insert, config.async_insert, insert_quorum.is_some());
+        let async_insert = insert_settings.contains(&("async_insert", "1"));
+        settings.extend(insert_settings.into_iter().map(|(name, value)| (name, value.to_string())));
         let servers: Vec<Endpoint> = clients
             .into_iter()
             .zip(&urls)
@@ -466,7 +490,7 @@ impl CatalogClient {
                 }
             })
             .collect();
-        tracing::info!(url = %servers[current].shown_url, server_version = %server_version, ?insert_quorum, replicas = servers.len(), "catalog connected");
+        tracing::info!(url = %servers[current].shown_url, server_version = %server_version, ?insert_quorum, async_insert, replicas = servers.len(), "catalog connected");
         Ok(CatalogClient {
             endpoints: Arc::new(Endpoints {
                 servers,
@@ -857,15 +881,35 @@ async fn local_shard(
     Ok(number.map(|number| Shard { number, replicas: rows.into_iter().map(|(_, replica)| replica).collect() }))
 }
 
-async fn server_has_setting(
+/// Which of `names` the server has as settings (`system.settings`), in one read.
+async fn server_settings_present(
     client: &clickhouse::Client,
-    name: &str,
+    names: &[&str],
     request_timeout: Duration,
-) -> Result<bool, CatalogError> {
-    let sql = format!("SELECT count() FROM system.settings WHERE name = {}", sql_string_literal(name));
-    let count =
-        run_with_timeout(request_timeout, "look up a setting", client.query_raw(&sql).fetch_one::<u64>()).await?;
-    Ok(count > 0)
+) -> Result<std::collections::HashSet<String>, CatalogError> {
+    let listed: Vec<String> = names.iter().map(|name| sql_string_literal(name)).collect();
+    let sql = format!("SELECT name FROM system.settings WHERE name IN ({})", listed.join(", "));
+    let present =
+        run_with_timeout(request_timeout, "look up settings", client.query_raw(&sql).fetch_all::<String>()).await?;
+    Ok(present.into_iter().collect())
+}
+
+/// The insert settings every request carries (see the module doc, "Asynchronous inserts"): nothing on a server
+/// without asynchronous inserts (18.16 refuses settings it does not know); there, asynchronous with the flush awaited
+/// when `wanted` and the catalog is not replicated, and synchronous otherwise, sent explicitly so a server profile
+/// that turns them on changes nothing.
+pub fn insert_settings(
+    server_has_async_insert: bool,
+    wanted: bool,
+    replicated: bool,
+) -> Vec<(&'static str, &'static str)> {
+    if !server_has_async_insert {
+        Vec::new()
+    } else if wanted && !replicated {
+        vec![("async_insert", "1"), ("wait_for_async_insert", "1")]
+    } else {
+        vec![("async_insert", "0")]
+    }
 }
 
 /// Run one whole request (send, wait, read the body) under `timeout`; a timeout is `OutcomeUnknown`.
@@ -1027,6 +1071,19 @@ mod tests {
         }
         let codes: Vec<u32> = DEFINITELY_FAILED_CODES.iter().map(|(c, _)| *c).collect();
         assert!(codes.windows(2).all(|pair| pair[0] < pair[1]), "codes are sorted and unique");
+    }
+
+    #[test]
+    fn inserts_are_asynchronous_only_where_the_server_has_them_wanted_and_unreplicated() {
+        let asynchronous = vec![("async_insert", "1"), ("wait_for_async_insert", "1")];
+        let synchronous = vec![("async_insert", "0")];
+        assert_eq!(insert_settings(true, true, false), asynchronous);
+        assert_eq!(insert_settings(true, false, false), synchronous);
+        assert_eq!(insert_settings(true, true, true), synchronous, "quorum inserts stay synchronous");
+        assert_eq!(insert_settings(true, false, true), synchronous);
+        for (wanted, replicated) in [(true, false), (false, false), (true, true)] {
+            assert!(insert_settings(false, wanted, replicated).is_empty(), "18.16 refuses settings it lacks");
+        }
     }
 
     #[test]

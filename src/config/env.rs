@@ -62,6 +62,7 @@ pub(super) const KEYS: &[(&str, &str, ValueKind)] = {
         ("catalog", "ca_file", Text),
         ("catalog", "request_timeout", Text),
         ("catalog", "read_max_memory", Text),
+        ("catalog", "async_insert", Boolean),
         ("catalog", "reconcile_on_start", Boolean),
         ("catalog", "cluster", Text),
         ("catalog", "max_index_attempts", Integer),

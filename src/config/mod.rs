@@ -161,6 +161,9 @@ pub struct CatalogConfig {
     /// The most memory the server may use for one read (ClickHouse `max_memory_usage`); a read over it fails with a
     /// clear error instead of starving the server. Reads are also stopped on the server after `request_timeout`.
     pub read_max_memory: ByteSize,
+    /// Send rows as asynchronous inserts, awaiting their flush, where the server has them (not with `cluster`): a
+    /// fleet sharing the tables makes far fewer parts. Off: inserts are synchronous whatever the server's profile.
+    pub async_insert: bool,
     pub reconcile_on_start: bool,
     /// ClickHouse cluster name: DDL gets `ON CLUSTER` and Replicated engines.
     pub cluster: Option<String>,
@@ -308,6 +311,7 @@ impl Default for CatalogConfig {
             ca_file: None,
             request_timeout: HumanDuration::secs(10),
             read_max_memory: ByteSize(GIB),
+            async_insert: false,
             reconcile_on_start: true,
             cluster: None,
             max_index_attempts: 5,
@@ -618,6 +622,17 @@ mod tests {
             let problems = load(toml, &[]).unwrap().validate().unwrap_err();
             assert!(problem_keys(problems).iter().any(|key| key == "catalog.replica_urls"), "{why}");
         }
+    }
+
+    #[test]
+    fn async_insert_is_off_by_default_and_refused_with_a_cluster() {
+        assert!(!load("", &[]).unwrap().catalog.async_insert);
+        let config = load("", &[("CAPSTORE_CATALOG_ASYNC_INSERT", "true")]).unwrap();
+        assert!(config.catalog.async_insert);
+        config.validate().unwrap();
+        let problems =
+            load("[catalog]\nasync_insert = true\ncluster = \"main\"\n", &[]).unwrap().validate().unwrap_err();
+        assert_eq!(problem_keys(problems), ["catalog.async_insert"]);
     }
 
     #[test]

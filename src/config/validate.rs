@@ -104,6 +104,14 @@ impl Config {
             if !is_identifier(cluster) {
                 bad("catalog.cluster", format!("{cluster:?} must be an identifier"));
             }
+            if self.catalog.async_insert {
+                bad(
+                    "catalog.async_insert",
+                    "must be false with catalog.cluster: quorum inserts are sequential, and servers do not combine \
+                     them with asynchronous inserts"
+                        .into(),
+                );
+            }
         }
         if self.catalog.user.is_empty() {
             bad("catalog.user", "must not be empty".into());

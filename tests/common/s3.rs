@@ -127,8 +127,10 @@ impl S3Server {
         }
     }
 
-    /// A signed request on the bucket succeeds (a listing: object_store has no bucket HEAD; it fails until the
-    /// bucket exists, unlike `/healthz`, which is up earlier).
+    /// The bucket stores and serves bytes: a probe object is written, read back and removed. A listing alone is not
+    /// enough: after a restart the filer answers listings before the volume server has rejoined the master, and reads
+    /// of objects written before the outage fail with 500 until it has. (object_store has no bucket HEAD, and
+    /// `/healthz` is up earlier still.)
     fn bucket_answers(&self) -> bool {
         let store = self
             .builder()
@@ -139,9 +141,16 @@ impl S3Server {
         std::thread::spawn(move || {
             let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
             runtime.block_on(async {
-                tokio::time::timeout(Duration::from_secs(2), store.list_with_delimiter(None))
+                let probe = object_store::path::Path::from(".harness-ready-probe");
+                let round_trip = async {
+                    store.put(&probe, object_store::PutPayload::from_static(b"ready")).await?;
+                    let read = store.get(&probe).await?.bytes().await?;
+                    store.delete(&probe).await?;
+                    Ok::<_, object_store::Error>(&read[..] == b"ready")
+                };
+                tokio::time::timeout(Duration::from_secs(2), round_trip)
                     .await
-                    .is_ok_and(|listing| listing.is_ok())
+                    .is_ok_and(|outcome| outcome.unwrap_or(false))
             })
         })
         .join()

@@ -277,15 +277,43 @@ impl LeaseStore {
         if head.term <= 1 {
             return Ok(0);
         }
-        self.client
-            .execute(&format!(
-                "ALTER TABLE {} DELETE WHERE catalog = {} AND term < {}",
-                self.table,
-                self.catalog_literal(),
-                head.term
+        self.delete_below(head.term).await?;
+        Ok(head.term - 1)
+    }
+
+    /// The holder's trim of its catalog's lease history (see [`super::LeaseKeeper`]): delete the rows below
+    /// `head_term`, the term its renewal has just landed at, unless a mutation of the lease table is still running
+    /// (then nothing is sent and the answer is false). Terms only grow, so every row below it is below any head to
+    /// come, and no decision reads it.
+    pub async fn trim_below(&self, head_term: u64) -> Result<bool, CatalogError> {
+        #[derive(serde::Deserialize, clickhouse::Row)]
+        struct Unfinished {
+            unfinished: u64,
+        }
+        let (database, table) = self.table.split_once('.').unwrap_or(("", self.table.as_str()));
+        let running: Vec<Unfinished> = self
+            .client
+            .fetch_all(&format!(
+                "SELECT count() AS unfinished FROM system.mutations WHERE database = {} AND table = {} AND is_done = 0",
+                sql_string_literal(database),
+                sql_string_literal(table),
             ))
             .await?;
-        Ok(head.term - 1)
+        if running.first().is_some_and(|row| row.unfinished > 0) {
+            return Ok(false);
+        }
+        self.delete_below(head_term).await?;
+        Ok(true)
+    }
+
+    async fn delete_below(&self, term: u64) -> Result<(), CatalogError> {
+        self.client
+            .execute(&format!(
+                "ALTER TABLE {} DELETE WHERE catalog = {} AND term < {term}",
+                self.table,
+                self.catalog_literal(),
+            ))
+            .await
     }
 }
 
