@@ -1600,3 +1600,41 @@ async fn the_holder_trims_its_lease_history_below_the_head_and_leaves_other_cata
     shutdown_tx.send(true).unwrap();
     keeper_task.await.unwrap();
 }
+
+for_each_version!(a_publisher_guesses_its_next_version_within_a_tenure_and_a_wrong_guess_is_refused_not_reused);
+async fn a_publisher_guesses_its_next_version_within_a_tenure_and_a_wrong_guess_is_refused_not_reused(
+    server: &'static ClickHouseServer,
+) {
+    let catalog = catalog(server, false).await;
+    let keeper = catalog.keeper(identity("two-publishers"));
+    let (shutdown_tx, mut shutdown_rx) = watch::channel(false);
+    keeper.acquire_at_start(Duration::ZERO, &mut shutdown_rx).await.unwrap();
+    let handle = keeper.handle();
+    let keeper_task = tokio::spawn(keeper.run(shutdown_rx));
+    let new_publisher =
+        || Publisher::new(catalog.client.clone(), catalog.tables.clone(), &catalog.config.catalog_name, handle.clone());
+    // Production has one publisher per process; two on one lease handle make the first one's guess wrong.
+    let (first, second) = (new_publisher(), new_publisher());
+    let committed = |outcome: PublishOutcome| match outcome {
+        PublishOutcome::Committed { version, .. } => version,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(committed(retried!(first.publish_batch(&[one_capture_pack()]).await)), 1);
+    assert_eq!(committed(retried!(first.publish_batch(&[one_capture_pack()]).await)), 2, "the guess after its commit");
+    assert_eq!(committed(retried!(second.publish_batch(&[one_capture_pack()]).await)), 3, "read from the watermark");
+    // The first guesses 3, which is taken: the version check refuses it, and the retry reads the watermark.
+    let mut refusals = 0;
+    let version = loop {
+        match first.publish_batch(&[one_capture_pack()]).await {
+            Ok(outcome) => break committed(outcome),
+            Err(PublishError::NotCommitted) => refusals += 1,
+            Err(PublishError::NoLease) => tokio::time::sleep(Duration::from_millis(50)).await,
+            Err(other) => panic!("{other}"),
+        }
+    };
+    assert_eq!(version, 4);
+    assert!(refusals >= 1, "the stale guess must have been sent and refused");
+    assert_eq!(catalog.committed_versions(), vec![1, 2, 3, 4], "gapless, none twice");
+    shutdown_tx.send(true).unwrap();
+    keeper_task.await.unwrap();
+}

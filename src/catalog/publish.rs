@@ -1,4 +1,5 @@
-//! Publishing a batch of packs at catalog version V = watermark + 1.
+//! Publishing a batch of packs at catalog version V = watermark + 1 (within one tenure of the lease, the watermark is
+//! this publisher's last commit and is not read again: [`Publisher::next_version`]).
 //!
 //! 1. A [`PublishPermit`] from the lease: held, with at least `publish_timeout + clock_skew` left.
 //! 2. Replay guard: packs whose rows are already committed (their `(version, publish_id)` is in `publishes`) are
@@ -209,6 +210,9 @@ pub struct Publisher {
     /// The schema version known stamped (see [`super::schema::stamp_at_least`]); 0 until a deletion or a
     /// compaction first needs one.
     stamped: std::sync::atomic::AtomicU32,
+    /// `(tenure, version)` of this publisher's last commit: within one tenure of the lease nobody else publishes, so
+    /// the next version follows from it without reading the watermark (see [`Publisher::next_version`]).
+    last_commit: Mutex<Option<(u64, u64)>>,
 }
 
 impl Publisher {
@@ -221,7 +225,26 @@ impl Publisher {
             unresolved: Mutex::new(None),
             turn: tokio::sync::Mutex::new(()),
             stamped: std::sync::atomic::AtomicU32::new(0),
+            last_commit: Mutex::new(None),
         }
+    }
+
+    /// The version a publish under `permit` takes: one above this publisher's last commit in the same tenure of the
+    /// lease, else one above the watermark read now. A held lease keeps every other process from publishing (the
+    /// fence), and this publisher publishes one at a time (the turn), so within a tenure the last commit is the
+    /// watermark. A guess that is wrong anyway (a second publisher on the same lease handle) cannot break gapless
+    /// versions: the commit's own version check refuses it, and a refusal or an unknown outcome forgets the last
+    /// commit, so the next publish reads the watermark.
+    async fn next_version(&self, permit: &PublishPermit) -> Result<u64, CatalogError> {
+        let known = *self.last_commit.lock().unwrap_or_else(|p| p.into_inner());
+        match known {
+            Some((tenure, version)) if tenure == permit.tenure => Ok(version + 1),
+            _ => Ok(self.watermark().await? + 1),
+        }
+    }
+
+    fn remember_commit(&self, commit: Option<(u64, u64)>) {
+        *self.last_commit.lock().unwrap_or_else(|p| p.into_inner()) = commit;
     }
 
     fn reader(&self) -> CatalogReader {
@@ -336,7 +359,7 @@ impl Publisher {
             return Ok(PublishOutcome::AlreadyPublished);
         }
 
-        let version = self.watermark().await? + 1;
+        let version = self.next_version(permit).await?;
         let publish_id = Uuid::now_v7();
         self.insert_descriptor_rows(&fresh, version, publish_id).await?;
         let capture_count: usize = fresh.iter().map(|pack| pack.entries.len()).sum();
@@ -384,7 +407,7 @@ impl Publisher {
         if targets.is_empty() {
             return Ok(report);
         }
-        let version = self.watermark().await? + 1;
+        let version = self.next_version(permit).await?;
         let publish_id = Uuid::now_v7();
         let publish_id_text = publish_id.to_string();
         let rows: Vec<CaptureRow> = targets
@@ -471,7 +494,7 @@ impl Publisher {
             return Ok(RelocationOutcome::AlreadySwitched);
         }
 
-        let version = self.watermark().await? + 1;
+        let version = self.next_version(&permit).await?;
         let publish_id = Uuid::now_v7();
         let publish_id_text = publish_id.to_string();
         self.stamp_at_least(super::schema::STAMPED_BY_COMPACTION).await?;
@@ -532,6 +555,8 @@ impl Publisher {
             previous = version - 1,
         );
         let statement_cap = self.lease.timings().statement_cap();
+        // Forgotten until this commit is known to have landed.
+        self.remember_commit(None);
         let unknown = |error: CatalogError| {
             let lease_id = permit.lease_id.clone();
             *self.unresolved.lock().unwrap_or_else(|p| p.into_inner()) =
@@ -547,6 +572,7 @@ impl Publisher {
         match self.read_back(version, publish_id).await {
             Ok(Some(committed)) => {
                 debug_assert_eq!(committed, version);
+                self.remember_commit(Some((permit.tenure, version)));
                 tracing::info!(version, %publish_id, packs = pack_count, captures = capture_count, "published");
                 Ok(())
             }

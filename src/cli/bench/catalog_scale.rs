@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use uuid::Uuid;
 
+use capstore::catalog::client::sql_string_literal;
 use capstore::catalog::lease::LeaseKeeper;
 use capstore::catalog::publish::{PublishError, Publisher};
 use capstore::catalog::query::{CatalogReader, ListQuery, TailPosition};
@@ -86,12 +87,33 @@ pub(super) async fn load(client: &CatalogClient, tables: &Tables, rows: u64) -> 
     eprintln!("catalog-scale: loading {rows} captures into {} on the server", tables.database);
     let started = Instant::now();
     let step = SPAN_NS / rows;
+    // In chunks, each left to merge before the next: one statement of 100M rows writes its blocks as parts faster
+    // than the server merges them, and the unmerged parts take twice the disk of the merged table.
+    let mut first = 0;
+    while first < rows {
+        let chunk = LOAD_CHUNK_ROWS.min(rows - first);
+        for statement in load_statements(tables, first, chunk, step) {
+            client.execute_with_timeout(&statement, LOAD_TIMEOUT).await?;
+        }
+        first += chunk;
+        wait_for_merges(client, &tables.database).await?;
+        eprintln!("catalog-scale: {first} of {rows} loaded ({:.0} s)", started.elapsed().as_secs_f64());
+    }
+    eprintln!("catalog-scale: loaded in {:.0} s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// Rows loaded per statement (see [`load`]).
+const LOAD_CHUNK_ROWS: u64 = 10_000_000;
+
+/// The statements that load captures `first..first + count` of a catalog whose captures are `step` ns apart.
+fn load_statements(tables: &Tables, first: u64, count: u64, step: u64) -> [String; 3] {
     let source = format!(
         "SELECT number, intDiv(number, {CAPTURES_PER_PUBLISH}) + 1 AS v, toUInt64({FIRST_NS} + number * {step}) AS at \
-         FROM numbers({rows})"
+         FROM numbers({first}, {count})"
     );
     let (capture, pack, publish) = (synthetic_id("number", 1), synthetic_id("v", 5), synthetic_id("v", 3));
-    let statements = [
+    [
         format!(
             "INSERT INTO {captures} (catalog, stream, captured_at_ns, capture_id, pack_id, object_key, record_offset, \
              record_len, payload_offset, payload_len, crc32c, label_keys, label_values, content_type, version, \
@@ -115,11 +137,17 @@ pub(super) async fn load(client: &CatalogClient, tables: &Tables, rows: u64) -> 
              intDiv(at, 1000000) FROM ({source}) WHERE number % {CAPTURES_PER_PUBLISH} = 0",
             publishes = tables.publishes,
         ),
-    ];
-    for statement in &statements {
-        client.execute_with_timeout(statement, LOAD_TIMEOUT).await?;
+    ]
+}
+
+/// Wait until no merge runs in `database` (polled every 2 s, for at most the load timeout).
+async fn wait_for_merges(client: &CatalogClient, database: &str) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let sql = format!("SELECT count() FROM system.merges WHERE database = {}", sql_string_literal(database));
+    while count(client, &sql).await? > 0 {
+        anyhow::ensure!(started.elapsed() < LOAD_TIMEOUT, "merges in {database} still running after {LOAD_TIMEOUT:?}");
+        tokio::time::sleep(Duration::from_secs(2)).await;
     }
-    eprintln!("catalog-scale: loaded in {:.0} s", started.elapsed().as_secs_f64());
     Ok(())
 }
 
