@@ -229,12 +229,13 @@ impl Publisher {
         }
     }
 
-    /// The version a publish under `permit` takes: one above this publisher's last commit in the same tenure of the
-    /// lease, else one above the watermark read now. A held lease keeps every other process from publishing (the
-    /// fence), and this publisher publishes one at a time (the turn), so within a tenure the last commit is the
-    /// watermark. A guess that is wrong anyway (a second publisher on the same lease handle) cannot break gapless
-    /// versions: the commit's own version check refuses it, and a refusal or an unknown outcome forgets the last
-    /// commit, so the next publish reads the watermark.
+    /// The version a publish under `permit` takes: one above this publisher's last commit if that was under the
+    /// same tenure of the lease as `permit`, else one above the watermark read now. While a tenure lasts the fence
+    /// keeps every other process from publishing and this publisher publishes one at a time (the turn), so its last
+    /// commit is the watermark. A guess can still be wrong (a second publisher on the same lease handle; a permit
+    /// used after its tenure ended and the lease was claimed again, by which time another process may have
+    /// published), and that cannot break gapless versions: the commit's own version check refuses it, and a refusal
+    /// or an unknown outcome forgets the last commit, so the next publish reads the watermark.
     async fn next_version(&self, permit: &PublishPermit) -> Result<u64, CatalogError> {
         let known = *self.last_commit.lock().unwrap_or_else(|p| p.into_inner());
         match known {

@@ -140,7 +140,9 @@ fn load_statements(tables: &Tables, first: u64, count: u64, step: u64) -> [Strin
     ]
 }
 
-/// Wait until no merge runs in `database` (polled every 2 s, for at most the load timeout).
+/// Wait until no merge runs in `database` (polled every 2 s, for at most the load timeout). This lets the merges
+/// a chunk started finish; it does not wait for ones not yet scheduled, and merged-away parts stay on disk for the
+/// server's `old_parts_lifetime` (8 minutes by default): at 100M rows keep 50 GB free or lower that setting.
 async fn wait_for_merges(client: &CatalogClient, database: &str) -> anyhow::Result<()> {
     let started = Instant::now();
     let sql = format!("SELECT count() FROM system.merges WHERE database = {}", sql_string_literal(database));
@@ -294,11 +296,16 @@ async fn reads(bench: &mut Bench<'_>, reader: &CatalogReader, tables: &Tables, c
                 "SELECT * FROM {captures} WHERE catalog = '{CATALOG}' AND stream = '{stream}' AND \
                  captured_at_ns >= {since} ORDER BY captured_at_ns LIMIT 100"
             ),
-            // No table is ordered by time across streams; by_version is, here, because versions follow time.
-            None => format!(
-                "SELECT * FROM {by_version} WHERE catalog = '{CATALOG}' AND version >= {} ORDER BY version LIMIT 100",
-                from_row / CAPTURES_PER_PUBLISH + 1
-            ),
+            // No table is ordered by time across streams; by_version is, here, because versions follow time, and
+            // the page is the two versions from the first one on (a key range: 18.16 cannot stop a sort at a limit).
+            None => {
+                let first_version = from_row / CAPTURES_PER_PUBLISH + 1;
+                format!(
+                    "SELECT * FROM {by_version} WHERE catalog = '{CATALOG}' AND version >= {first_version} AND \
+                     version < {} ORDER BY version LIMIT 100",
+                    first_version + 2
+                )
+            }
         };
         let query = ListQuery {
             stream: stream.map(str::to_string),
