@@ -1252,9 +1252,17 @@ async fn erasure_rewrites_packs_without_their_deleted_captures_and_removes_the_o
     let config = daemon.env.config();
     let tables = capstore::catalog::Tables::from_config(&config.catalog);
     let ids: Vec<String> = deleted.iter().map(|(id, _, _)| format!("'{id}'")).collect();
+    // Committed rows only: a deletion whose commit the fence refused (a renewal running late on a loaded machine) is
+    // published again under a new publish_id, and its first tombstones stay behind as uncommitted rows, which no read
+    // sees and `capstore gc` removes.
     let rows_in = |table: String| {
         let (client, url) = (&client, config.catalog.url.clone());
-        let sql = format!("SELECT count() FROM {table} WHERE capture_id IN ({}) FORMAT TSV", ids.join(", "));
+        let sql = format!(
+            "SELECT count() FROM {table} WHERE capture_id IN ({}) \
+             AND (catalog, version, publish_id) IN (SELECT catalog, version, publish_id FROM {}) FORMAT TSV",
+            ids.join(", "),
+            tables.publishes
+        );
         async move { client.post(url).body(sql).send().await.unwrap().text().await.unwrap().trim().to_string() }
     };
     let removed =
