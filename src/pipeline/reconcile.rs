@@ -233,7 +233,22 @@ impl Pipeline {
                     created_at_ns: 0,
                 };
                 let descriptor = PackDescriptor { summary, object_key: key.clone(), entries: remote.entries };
-                match self.publisher.publish_batch(std::slice::from_ref(&descriptor)).await {
+                // A fence refusal (a renewal running late: on 18.16's whole-second clock now and then) or a moment
+                // without enough lease left is waited out here, as a deletion waits it out: `capstore reconcile`
+                // has no loop of its own to try again later.
+                let started = std::time::Instant::now();
+                let outcome = loop {
+                    match self.publisher.publish_batch(std::slice::from_ref(&descriptor)).await {
+                        Err(PublishError::NoLease | PublishError::NotCommitted)
+                            if started.elapsed() < super::deletion::LEASE_WAIT =>
+                        {
+                            self.unless_stopping()?;
+                            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                        }
+                        other => break other,
+                    }
+                };
+                match outcome {
                     Ok(PublishOutcome::Committed { version, .. }) => {
                         report.published += 1;
                         self.counters.packs_reconciled.fetch_add(1, Ordering::Relaxed);
