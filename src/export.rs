@@ -52,6 +52,9 @@ pub struct ExportPage {
     /// In selection order; [`Found::Unknown`] for an id asked that nothing knows (only with [`Selection::Ids`]),
     /// [`Found::Unreadable`] for a damaged record or a lost pack object (the export goes on with the others).
     pub captures: Vec<(Uuid, Found)>,
+    /// The retention horizons published in a version range's page, after its captures: (version, before_ns). From
+    /// each on, every capture captured before `before_ns` is gone (see [`crate::catalog::query::horizon_entry`]).
+    pub horizons: Vec<(u64, u64)>,
     /// Where the next page starts: give it to [`Export::new`] to resume after this page. `None` once done.
     pub resume: Option<String>,
 }
@@ -101,6 +104,7 @@ impl<'a> Export<'a> {
         if self.done {
             return Ok(None);
         }
+        let mut horizons = Vec::new();
         let (captures, resume) = match &self.selection {
             Selection::Query(query) => {
                 let page_query =
@@ -136,12 +140,13 @@ impl<'a> Export<'a> {
                 let page = page.cut_by(EXPORT_PAGE_BYTES, |location| location.payload_len as usize);
                 let done = page.caught_up() || page.next.version >= through;
                 let resume = (!done).then(|| format!("versions:{through}/{}", page.next));
+                horizons = page.horizons;
                 (self.reader.read_located(located(page.captures)).await?, resume)
             }
         };
         self.done = resume.is_none();
         self.position = resume.clone();
-        Ok(Some(ExportPage { captures, resume }))
+        Ok(Some(ExportPage { captures, horizons, resume }))
     }
 }
 
@@ -234,6 +239,9 @@ pub fn tar_page(page: ExportPage) -> TarPage {
             Found::Deleted { .. } => {}
             Found::Unreadable(reason) => tar.unreadable.push((id, reason)),
         }
+    }
+    for (version, before_ns) in page.horizons {
+        tar.lines.push((Uuid::nil(), crate::catalog::query::horizon_entry(version, before_ns)));
     }
     tar
 }

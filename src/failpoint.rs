@@ -6,7 +6,9 @@
 //! `after_upload_before_rename`, `after_publish_before_delete`, `after_tombstones_before_commit` and
 //! `after_deletion_commit` (a deletion's rows written, its `publishes` row not yet; committed, not yet answered);
 //! compaction's `after_compacted_upload`, `after_switch_commit`, `during_object_deletion` and `during_row_purge`
-//! (the first of a batch's three row-removal statements sent, the others not).
+//! (the first of a batch's three row-removal statements sent, the others not); retention's
+//! `after_horizon_row_before_commit`, `after_horizon_commit` and `during_partition_drop` (the first partition of a
+//! pass dropped, the others not).
 //!
 //! Stall points never return instead (the watchdog tests wedge a part with them): `stall_before_fsync` (blocks the
 //! spool's syncer thread before an append's fsync), `stall_upload` (an upload that never answers, as a black-holed

@@ -4,6 +4,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use common::clickhouse::ClickHouseServer;
 use common::daemon::{Daemon, DaemonEnv};
 use reqwest::StatusCode;
 use serde_json::Value;
@@ -22,9 +23,14 @@ struct HttpDaemon {
 impl HttpDaemon {
     /// Start `capstore run` on a fresh catalog and spool; returns once /healthz answers.
     async fn start(extra_env: &[(&str, String)]) -> HttpDaemon {
+        HttpDaemon::start_on(common::clickhouse::shared_server(), extra_env).await
+    }
+
+    /// [`HttpDaemon::start`] on the ClickHouse `server`.
+    async fn start_on(server: &ClickHouseServer, extra_env: &[(&str, String)]) -> HttpDaemon {
         let dir = tempfile::tempdir().unwrap();
         let port = common::free_port(false);
-        let env = DaemonEnv::live("http", dir.path())
+        let env = DaemonEnv::live_on(server, "http", dir.path())
             .set("CAPSTORE_SPOOL_MAX_CAPTURE_BYTES", "3MiB")
             .set("CAPSTORE_HTTP_LISTEN", format!("127.0.0.1:{port}"))
             .set("CAPSTORE_SHUTDOWN_GRACE", "5s");
@@ -1664,4 +1670,183 @@ async fn a_fleet_shares_the_tables_and_is_listed_across_catalogs_once_in_time_or
         assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{query}");
         assert_eq!(json(response).await["field"], field, "{query}");
     }
+}
+
+const DAY_NS: u64 = 86_400 * 1_000_000_000;
+
+/// The months (`YYYYMM`) of `catalog`'s partitions in `table` (of the daemon's database), from `system.parts`.
+fn months_of(server: &ClickHouseServer, database: &str, table: &str, catalog: &str) -> std::collections::BTreeSet<u32> {
+    let text = server
+        .query(&format!(
+            "SELECT DISTINCT partition FROM system.parts WHERE database = '{database}' AND table = '{table}' AND \
+             active FORMAT TSV"
+        ))
+        .unwrap();
+    text.lines()
+        .filter_map(|line| {
+            let line = line.replace("\\'", "'");
+            let (name, month) = line.trim_start_matches('(').trim_end_matches(')').rsplit_once(',')?;
+            (name.trim_matches('\'') == catalog).then(|| month.trim().parse().ok()).flatten()
+        })
+        .collect()
+}
+
+/// The UTC month (`YYYYMM`) of a time, as the server computes it for the partitions.
+fn month_of(server: &ClickHouseServer, at_ns: u64) -> u32 {
+    server
+        .query(&format!("SELECT toYYYYMM(toDateTime(intDiv({at_ns}, 1000000000), 'UTC')) FORMAT TSV"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+for_each_version!(a_retention_horizon_hides_what_is_older_at_once_and_drops_its_months_after_the_grace);
+async fn a_retention_horizon_hides_what_is_older_at_once_and_drops_its_months_after_the_grace(
+    server: &'static ClickHouseServer,
+) {
+    let mut daemon = HttpDaemon::start_on(
+        server,
+        &[
+            ("CAPSTORE_LIFECYCLE_RETENTION_INTERVAL", "1s".into()),
+            ("CAPSTORE_LIFECYCLE_COMPACTION_INTERVAL", "1s".into()),
+            ("CAPSTORE_LIFECYCLE_COMPACTION_MIN_AGE", "1h".into()),
+            ("CAPSTORE_LEASE_TTL", "10s".into()),
+        ],
+    )
+    .await;
+    let client = reqwest::Client::new();
+    daemon.get_ok(&client, "/v1/tail").await;
+    let config = daemon.env.config();
+    let tables = capstore::catalog::Tables::from_config(&config.catalog);
+    let database = tables.database.clone();
+    let catalog = config.catalog_name.clone();
+    let now_ns = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    let base = daemon.base.clone();
+    let post = |stream: &str, captured_at_ns: u64, seed: u8| {
+        let url = format!("{base}/v1/captures?stream={stream}&captured_at_ns={captured_at_ns}&wait=published");
+        let (client, body) = (client.clone(), payload(300, seed));
+        async move {
+            let response = client.post(url).body(body.clone()).send().await.unwrap();
+            assert_eq!(response.status(), StatusCode::CREATED);
+            (json(response).await["capture_id"].as_str().unwrap().to_string(), captured_at_ns, body)
+        }
+    };
+    // Two old months, each in packs of its own (one post at a time, each published before the next), one capture
+    // just below where the horizon will be and two above it. Keep 60 days: the horizon is then - 60 days.
+    let mut old = Vec::new();
+    for (index, days) in [150u64, 150, 120].into_iter().enumerate() {
+        old.push(post("cam/a", now_ns - days * DAY_NS + index as u64, index as u8).await);
+    }
+    let just_below = post("cam/b", now_ns - 61 * DAY_NS, 10).await;
+    let kept = [post("cam/a", now_ns - 59 * DAY_NS, 11).await, post("cam/b", now_ns - DAY_NS, 12).await];
+    let old_months: std::collections::BTreeSet<u32> = old.iter().map(|(_, at, _)| month_of(server, *at)).collect();
+    assert_eq!(old_months.len(), 2, "{old_months:?}");
+    assert!(old_months.is_subset(&months_of(server, &database, "cs_captures", &catalog)));
+    let first_page = json(daemon.get_ok(&client, "/v1/captures?stream=cam/a&limit=1").await).await;
+    let pinned_cursor = first_page["next_cursor"].as_str().unwrap().to_string();
+    let old_keys: std::collections::BTreeSet<String> = listed_places(&daemon, &client, "cam/a")
+        .await
+        .into_iter()
+        .filter(|(id, _)| old.iter().any(|(old_id, _, _)| old_id == id))
+        .map(|(_, key)| key)
+        .collect();
+    assert_eq!(old_keys.len(), 3, "each old capture in a pack of its own");
+
+    // With a catch-all policy, retention publishes a horizon: one version, and from it on nothing older is read.
+    let config_file = daemon._dir.path().join("retention.toml");
+    std::fs::write(&config_file, "[[retention]]\nstreams = \"*\"\nkeep = \"60d\"\n").unwrap();
+    daemon.daemon.signal(nix::sys::signal::Signal::SIGTERM);
+    daemon
+        .restart(&[("CAPSTORE_CONFIG", config_file.to_str().unwrap()), ("CAPSTORE_LIFECYCLE_READ_GRACE", "1h")])
+        .await;
+    let started = Instant::now();
+    let horizon = loop {
+        let tail = json(daemon.get_ok(&client, "/v1/tail?after=0&limit=1000").await).await;
+        let found =
+            tail["captures"].as_array().unwrap().iter().find(|entry| entry["expired_before_ns"].is_u64()).cloned();
+        if let Some(horizon) = found {
+            break horizon;
+        }
+        assert!(started.elapsed() < Duration::from_secs(30), "no horizon in the log:\n{}", daemon.log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let before_ns = horizon["expired_before_ns"].as_u64().unwrap();
+    assert!(before_ns > now_ns - 61 * DAY_NS && before_ns <= now_ns - 60 * DAY_NS + 60_000_000_000, "{horizon}");
+    for (id, _, _) in old.iter().chain([&just_below]) {
+        let answer = client.get(daemon.url(&format!("/v1/captures/{id}"))).send().await.unwrap();
+        assert_eq!(answer.status(), StatusCode::NOT_FOUND, "{id} is below the horizon");
+    }
+    assert_bytes_identical(
+        &daemon,
+        &client,
+        &kept.iter().map(|(id, at, body)| (id.clone(), *at, body.clone())).collect::<Vec<_>>(),
+    )
+    .await;
+    let mut listed = Vec::new();
+    for stream in ["cam/a", "cam/b"] {
+        listed.extend(listed_places(&daemon, &client, stream).await.into_iter().map(|(id, _)| id));
+    }
+    let mut expected: Vec<String> = kept.iter().map(|(id, _, _)| id.clone()).collect();
+    listed.sort();
+    expected.sort();
+    assert_eq!(listed, expected);
+    // A listing pinned before the horizon keeps its snapshot through the grace.
+    let second_page =
+        json(daemon.get_ok(&client, &format!("/v1/captures?stream=cam/a&limit=10&cursor={pinned_cursor}")).await).await;
+    let pinned_ids: Vec<&str> =
+        second_page["captures"].as_array().unwrap().iter().map(|c| c["capture_id"].as_str().unwrap()).collect();
+    assert!(pinned_ids.contains(&old[1].0.as_str()) && pinned_ids.contains(&old[2].0.as_str()), "{second_page}");
+    // A late arrival below the horizon is gone as it comes: accepted, never read, not in the log.
+    let late = post("new/stream", now_ns - 150 * DAY_NS + 7, 13).await;
+    let answer = client.get(daemon.url(&format!("/v1/captures/{}", late.0))).send().await.unwrap();
+    assert_eq!(answer.status(), StatusCode::NOT_FOUND);
+    let tail = json(daemon.get_ok(&client, "/v1/tail?after=0&limit=1000").await).await;
+    let entries = tail["captures"].as_array().unwrap();
+    let horizon_version = horizon["version"].as_u64().unwrap();
+    assert!(!entries.iter().any(|entry| entry["capture_id"] == late.0.as_str()), "{tail}");
+    assert!(
+        entries
+            .iter()
+            .any(|entry| entry["capture_id"] == old[0].0.as_str() && entry["version"].as_u64() < Some(horizon_version)),
+        "the log keeps what was published before the horizon"
+    );
+    assert_eq!(entries.iter().filter(|entry| entry["expired_before_ns"].is_u64()).count(), 1, "{tail}");
+    assert!(
+        old_months.is_subset(&months_of(server, &database, "cs_captures", &catalog)),
+        "nothing dropped within the grace"
+    );
+
+    // After the grace: the months below the horizon are dropped from every table, the old packs retired and their
+    // objects removed; what the horizon keeps is untouched.
+    daemon.daemon.signal(nix::sys::signal::Signal::SIGTERM);
+    daemon.restart(&[("CAPSTORE_LIFECYCLE_READ_GRACE", "1s")]).await;
+    let horizon_month = month_of(server, before_ns);
+    wait_until_async(&daemon, Duration::from_secs(60), "the months below the horizon dropped", || async {
+        ["cs_captures", "cs_by_version", "cs_by_id"]
+            .iter()
+            .all(|table| months_of(server, &database, table, &catalog).iter().all(|month| *month >= horizon_month))
+    })
+    .await;
+    wait_until_async(&daemon, Duration::from_secs(60), "the old packs' objects removed", || async {
+        let objects = bucket_objects(&daemon);
+        old_keys.iter().all(|key| !objects.contains_key(key))
+    })
+    .await;
+    assert!(months_of(server, &database, "cs_captures", &catalog).contains(&month_of(server, kept[1].1)));
+    assert_bytes_identical(
+        &daemon,
+        &client,
+        &kept.iter().map(|(id, at, body)| (id.clone(), *at, body.clone())).collect::<Vec<_>>(),
+    )
+    .await;
+    let metrics = daemon.get_ok(&client, "/metrics").await.text().await.unwrap();
+    assert!(metric(&metrics, "capstore_partitions_dropped_total") >= 6, "{metrics}");
+    let verify = daemon.env.command().args(["verify"]).output().unwrap();
+    assert!(
+        verify.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&verify.stdout),
+        String::from_utf8_lossy(&verify.stderr)
+    );
 }

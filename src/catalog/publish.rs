@@ -443,6 +443,38 @@ impl Publisher {
         Ok(report)
     }
 
+    /// Publish a retention horizon: from its version on, no read returns a capture captured before `before_ns`
+    /// (see [`crate::catalog::query`]), and once readers are done with it the months below it are dropped (see
+    /// [`super::purge`]). One row in `horizons`, committed like any change: fenced, versioned, in the log of publishes
+    /// (a publish of no pack and no capture), so only the lease holder makes one and `tail` consumers see it. Nothing
+    /// is published when the catalog's horizon is at `before_ns` or above already (asked inside the publish turn, so
+    /// a retried horizon whose first attempt landed is not published twice). Returns the version, if published.
+    pub async fn publish_horizon(&self, before_ns: u64) -> Result<Option<u64>, PublishError> {
+        let _turn = self.turn.lock().await;
+        let permit = self.lease.permit().ok_or(PublishError::NoLease)?;
+        self.resolve_unresolved(&permit).await?;
+        if self.reader().horizons(u64::MAX).await?.before_at(u64::MAX) >= before_ns {
+            return Ok(None);
+        }
+        let version = self.next_version(&permit).await?;
+        let publish_id = Uuid::now_v7();
+        self.stamp_at_least(super::schema::STAMPED_BY_HORIZON).await?;
+        self.client
+            .execute(&format!(
+                "INSERT INTO {horizons} (catalog, before_ns, version, publish_id, written_at_ms) \
+                 SELECT {catalog}, {before_ns}, {version}, {publish_id}, {now}",
+                horizons = self.tables.horizons,
+                catalog = self.catalog_literal(),
+                publish_id = sql_string_literal(&publish_id.to_string()),
+                now = server_now_ms_expr(&self.client),
+            ))
+            .await?;
+        crate::failpoint::hit("after_horizon_row_before_commit");
+        self.commit(&permit, version, publish_id, 0, 0).await?;
+        crate::failpoint::hit("after_horizon_commit");
+        Ok(Some(version))
+    }
+
     /// Switch the captures of `relocation.new_pack` to their new places and retire its sources, as one publish
     /// under the lease held now (a compaction's switch-over, see [`crate::pipeline::compaction`]). Each capture is
     /// moved only if its newest committed row is still the record the compaction copied (in a source, same CRC):
@@ -601,8 +633,8 @@ impl Publisher {
         self.client.insert_rows(&self.tables.by_version, rows).await?;
         self.client
             .execute_consistent(&format!(
-                "INSERT INTO {by_id} (catalog, capture_id, version, publish_id) SELECT catalog, \
-                 UUIDStringToNum(capture_id), version, UUIDStringToNum(publish_id) FROM {by_version} \
+                "INSERT INTO {by_id} (catalog, capture_id, version, publish_id, captured_at_ns) SELECT catalog, \
+                 UUIDStringToNum(capture_id), version, UUIDStringToNum(publish_id), captured_at_ns FROM {by_version} \
                  WHERE catalog = {catalog} AND version = {version} AND publish_id = {publish_id}",
                 by_id = self.tables.by_id,
                 by_version = self.tables.by_version,

@@ -27,6 +27,15 @@
 //! background on the server; a batch is not started while one on these tables is still running, so they never pile
 //! up.
 //!
+//! *Months below a retention horizon* (see [`super::query`]) go whole, with `ALTER TABLE ... DROP PARTITION` on
+//! tables partitioned by catalog and month ([`super::schema::PARTITION_BY`]): a metadata change that costs the same
+//! at any size, where a mutation rewrites every part of the table (18.16 rewrites them all, whatever they hold). A
+//! month of a catalog is dropped from `captures`, `by_version` and `by_id` once it lies wholly below a committed
+//! horizon whose publish is older than `read_grace`: every row in it is hidden from every reader that may still be
+//! reading, whatever its kind (a capture, a deletion, a move, an orphan), and a row published into it later (a late
+//! arrival) is hidden from the start and dropped by the next pass. Partitions are found in `system.parts`, so a
+//! pass that dropped some and died before the others drops the rest next time.
+//!
 //! A removal is not a publish: it takes no version and carries no fence. Only the lease holder runs it (the
 //! compactor's passes need a publish permit), but a stale process that ran it anyway would remove only rows that a
 //! committed tombstone already hides from every reader, and removing them twice is removing nothing.
@@ -82,16 +91,112 @@ struct CountRow {
     unfinished: u64,
 }
 
+#[derive(clickhouse::Row, serde::Deserialize)]
+struct PartitionRow {
+    table: String,
+    partition: String,
+}
+
+#[derive(clickhouse::Row, serde::Deserialize)]
+struct DueRow {
+    before_ns: u64,
+    month: u32,
+}
+
 #[derive(Clone)]
 pub struct RowPurge {
     client: CatalogClient,
     tables: Tables,
     catalog: String,
+    /// The tables are partitioned by month ([`super::schema::partitioned`]): months below a horizon can be dropped.
+    partitioned: bool,
+}
+
+/// The catalog and month of a partition as `system.parts` writes it: `('edge-7',202611)` (catalog names are
+/// letters, digits, `.`, `_` and `-`: nothing to unescape).
+fn parse_partition(text: &str) -> Option<(&str, u32)> {
+    let inner = text.trim().strip_prefix('(')?.strip_suffix(')')?;
+    let (catalog, month) = inner.rsplit_once(',')?;
+    let catalog = catalog.trim().strip_prefix('\'')?.strip_suffix('\'')?;
+    Some((catalog, month.trim().parse().ok()?))
 }
 
 impl RowPurge {
     pub fn new(client: CatalogClient, tables: Tables, catalog: &str) -> RowPurge {
-        RowPurge { client, tables, catalog: catalog.to_string() }
+        RowPurge { client, tables, catalog: catalog.to_string(), partitioned: false }
+    }
+
+    /// The same, for tables that are (or are not) partitioned by month.
+    pub fn partitioned(mut self, partitioned: bool) -> RowPurge {
+        self.partitioned = partitioned;
+        self
+    }
+
+    /// Whether months below a horizon can be dropped from these tables.
+    pub fn drops_months(&self) -> bool {
+        self.partitioned
+    }
+
+    /// The newest committed retention horizon whose publish is older than `grace` (server time), as `before_ns`
+    /// and the `YYYYMM` month it falls in (by [`super::schema::PARTITION_BY`]'s own expression); `(0, 0)` when
+    /// there is none. Sequentially consistent on a cluster: what it allows is dropped.
+    pub async fn due_horizon(&self, grace: Duration) -> Result<(u64, u32), CatalogError> {
+        let catalog = sql_string_literal(&self.catalog);
+        let grace_ms = u64::try_from(grace.as_millis()).unwrap_or(u64::MAX);
+        let rows: Vec<DueRow> = self
+            .client
+            .fetch_all_deciding(&format!(
+                "SELECT before_ns, toYYYYMM(toDateTime(least(intDiv(before_ns, 1000000000), 4102444799), 'UTC')) \
+                 AS month FROM (SELECT max(before_ns) AS before_ns FROM {horizons} WHERE catalog = {catalog} AND \
+                 (version, publish_id) IN (SELECT version, publish_id FROM {publishes} WHERE catalog = {catalog} AND \
+                 published_at_ms + {grace_ms} <= {now} AND version IN (SELECT version FROM {horizons} WHERE \
+                 catalog = {catalog})))",
+                horizons = self.tables.horizons,
+                publishes = self.tables.publishes,
+                now = server_now_ms_expr(&self.client),
+            ))
+            .await?;
+        Ok(rows.first().filter(|row| row.before_ns > 0).map_or((0, 0), |row| (row.before_ns, row.month)))
+    }
+
+    /// Drop every partition of this catalog's months before `month` (`YYYYMM`, the month of a due horizon: the
+    /// months before it lie wholly below the horizon) from `captures`, `by_version` and `by_id`. Returns how many
+    /// were dropped. `between` runs after the first drop (a failpoint's place).
+    pub async fn drop_months_before(&self, month: u32, between: impl Fn()) -> Result<u64, CatalogError> {
+        let names: Vec<String> = [&self.tables.captures, &self.tables.by_version, &self.tables.by_id]
+            .iter()
+            .map(|table| sql_string_literal(table.rsplit('.').next().unwrap_or_default()))
+            .collect();
+        let parts: Vec<PartitionRow> = self
+            .client
+            .fetch_all(&format!(
+                "SELECT DISTINCT table, partition FROM system.parts WHERE database = {} AND table IN ({}) AND active \
+                 ORDER BY table, partition",
+                sql_string_literal(&self.tables.database),
+                names.join(", ")
+            ))
+            .await?;
+        let mut dropped = 0;
+        for part in parts {
+            let Some((catalog, part_month)) = parse_partition(&part.partition) else { continue };
+            if catalog != self.catalog || part_month >= month {
+                continue;
+            }
+            self.client
+                .execute(&format!(
+                    "ALTER TABLE {}.{} DROP PARTITION ({}, {part_month})",
+                    self.tables.database,
+                    part.table,
+                    sql_string_literal(catalog)
+                ))
+                .await?;
+            tracing::info!(table = %part.table, month = part_month, "dropped a month below the retention horizon");
+            if dropped == 0 {
+                between();
+            }
+            dropped += 1;
+        }
+        Ok(dropped)
     }
 
     /// Captures per batch at most: fewer with replicated tables (see [`CAPTURES_PER_REPLICATED_BATCH`]).
@@ -211,5 +316,19 @@ impl RowPurge {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_partition;
+
+    #[test]
+    fn partitions_of_system_parts_are_read_as_catalog_and_month() {
+        assert_eq!(parse_partition("('edge-7',202611)"), Some(("edge-7", 202611)));
+        assert_eq!(parse_partition("('a.b_c', 197001)"), Some(("a.b_c", 197001)));
+        for other in ["tuple()", "202611", "('x')", "(x,202611)", "('x',)", ""] {
+            assert_eq!(parse_partition(other), None, "{other}");
+        }
     }
 }

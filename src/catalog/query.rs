@@ -13,6 +13,14 @@
 //! newer still and makes the capture visible again. Once no reader may be pinned below the deletion any more, the
 //! rows it hides are removed and only the tombstone stays (see [`super::purge`]).
 //!
+//! A *retention horizon* (see [`super::publish::Publisher::publish_horizon`]) is a publish of its own that removes
+//! every capture captured before its time at once: a reader pinned at or above its version sees none of them (a
+//! listing starts at the horizon, `get` and multi-get answer "not found"), a reader pinned below it still does, and
+//! `tail` shows it as an entry of its own (`expired_before_ns`) at its version and leaves out any capture captured
+//! before it that is published after it (a producer's late arrival, gone as it comes). Once no reader may be pinned
+//! below it, the months below it are dropped from the tables (see [`super::purge`]). Horizons are few (one per
+//! retention step), so a read fetches the committed ones with one primary-key read of `horizons`.
+//!
 //! A *move* (a compaction's switch-over, see [`super::publish::Publisher::publish_relocation`]) is likewise a row of
 //! `by_version` and `by_id` only: the same capture (stream, time, labels, record) at a new place, in a publish of no
 //! pack (`packs = 0`). `get` and multi-get return it as the newest row; `list` finds the capture's row in `captures`
@@ -351,6 +359,8 @@ impl std::fmt::Display for TailPosition {
 #[derive(Debug, Clone)]
 pub struct TailPage {
     pub captures: Vec<CaptureLocation>,
+    /// The retention horizons published in the versions this page covers: (version, before_ns).
+    pub horizons: Vec<(u64, u64)>,
     /// Where this page started.
     pub from: TailPosition,
     /// Where the next page starts.
@@ -361,7 +371,22 @@ impl TailPage {
     /// True when the page holds nothing and the position did not move: nothing is published after it (up to the
     /// page's `through`).
     pub fn caught_up(&self) -> bool {
-        self.captures.is_empty() && self.next == self.from
+        self.captures.is_empty() && self.horizons.is_empty() && self.next == self.from
+    }
+
+    /// The page's entries of the log in order (by version; within one, by capture id): each capture's
+    /// [`CaptureLocation::tail_entry`], each horizon's [`horizon_entry`].
+    pub fn entries(&self) -> Vec<serde_json::Value> {
+        let mut horizons = self.horizons.iter().peekable();
+        let mut entries = Vec::with_capacity(self.captures.len() + self.horizons.len());
+        for capture in &self.captures {
+            while let Some((version, before)) = horizons.next_if(|(version, _)| *version < capture.version) {
+                entries.push(horizon_entry(*version, *before));
+            }
+            entries.push(capture.tail_entry());
+        }
+        entries.extend(horizons.map(|(version, before)| horizon_entry(*version, *before)));
+        entries
     }
 
     /// The page cut after the last capture that keeps the sum of `size_of` within `max_bytes` (one capture at
@@ -370,10 +395,59 @@ impl TailPage {
         let keep = keep_within(self.captures.iter().map(size_of), max_bytes);
         if keep < self.captures.len() {
             self.captures.truncate(keep);
-            self.next = TailPosition::after(self.captures.last().expect("at least one capture is kept"));
+            let last = self.captures.last().expect("at least one capture is kept");
+            self.next = TailPosition::after(last);
+            // Horizons are publishes of no capture: those before the last capture kept are on this page.
+            let last_version = last.version;
+            self.horizons.retain(|(version, _)| *version < last_version);
         }
         self
     }
+}
+
+/// The committed retention horizons of a catalog up to some version, in version order ([`CatalogReader::horizons`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Horizons {
+    /// (version, before_ns) of each committed horizon.
+    committed: Vec<(u64, u64)>,
+}
+
+impl Horizons {
+    #[cfg(test)]
+    pub(crate) fn for_test(committed: Vec<(u64, u64)>) -> Horizons {
+        Horizons { committed }
+    }
+
+    /// What a reader pinned at `watermark` no longer sees: every capture captured before this (0: none hidden).
+    pub fn before_at(&self, watermark: u64) -> u64 {
+        self.committed.iter().filter(|(version, _)| *version <= watermark).map(|(_, before)| *before).max().unwrap_or(0)
+    }
+
+    /// Whether `row` is hidden from a reader pinned at `watermark`.
+    pub fn hides_at(&self, row: &CaptureLocation, watermark: u64) -> bool {
+        row.captured_at_ns < self.before_at(watermark)
+    }
+
+    /// Whether `row`, an entry of the log, is left out of it: captured before a horizon published before it.
+    pub fn hides_in_log(&self, row: &CaptureLocation) -> bool {
+        row.captured_at_ns < self.before_at(row.version.saturating_sub(1))
+    }
+
+    /// The horizons published after `after` up to `through`, as entries of the log: (version, before_ns).
+    pub fn published_in(&self, after: u64, through: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.committed.iter().copied().filter(move |(version, _)| *version > after && *version <= through)
+    }
+}
+
+/// A retention horizon as an entry of the log of publishes (`capstore tail`, `GET /v1/tail`).
+pub fn horizon_entry(version: u64, before_ns: u64) -> serde_json::Value {
+    serde_json::json!({ "version": version, "expired_before_ns": before_ns })
+}
+
+#[derive(clickhouse::Row, serde::Deserialize)]
+struct HorizonRow {
+    version: u64,
+    before_ns: u64,
 }
 
 /// How many of `sizes`, from the first, add up to at most `max_bytes` (one at least, when there is one): where a
@@ -534,6 +608,28 @@ impl CatalogReader {
         )
     }
 
+    /// The committed retention horizons at versions up to `through` (one primary-key read of the few rows of
+    /// `horizons`; none in tables older than schema 6).
+    pub async fn horizons(&self, through: u64) -> Result<Horizons, CatalogError> {
+        let catalog = self.catalog_literal();
+        let rows: Result<Vec<HorizonRow>, CatalogError> = self
+            .client
+            .fetch_all(&format!(
+                "SELECT version, before_ns FROM {horizons} WHERE catalog = {catalog} AND version <= {through} AND \
+                 (version, publish_id) IN (SELECT version, publish_id FROM {publishes} WHERE catalog = {catalog} AND \
+                 version IN (SELECT version FROM {horizons} WHERE catalog = {catalog} AND version <= {through})) \
+                 ORDER BY version",
+                horizons = self.tables.horizons,
+                publishes = self.tables.publishes,
+            ))
+            .await;
+        match rows {
+            Ok(rows) => Ok(Horizons { committed: rows.into_iter().map(|row| (row.version, row.before_ns)).collect() }),
+            Err(error) if super::retired::is_unknown_table(&error) => Ok(Horizons::default()),
+            Err(error) => Err(error),
+        }
+    }
+
     /// The latest visible location of `capture_id` at watermark `watermark_opt` (default: now); `None` when the
     /// catalog does not know it or its latest row there is a deletion.
     pub async fn get(
@@ -572,17 +668,20 @@ impl CatalogReader {
             None => committed.first(),
         };
         let Some(latest) = latest else { return Ok(None) };
-        let mut rows: Vec<CaptureLocation> = self
-            .client
-            .fetch_all(&format!(
-                "SELECT {LOCATION_COLUMNS} FROM {by_version} WHERE catalog = {catalog} AND version = {version} AND \
-                 publish_id = {publish_id} AND capture_id = {id_text} LIMIT 1",
-                by_version = self.tables.by_version,
-                version = latest.version,
-                publish_id = sql_string_literal(&latest.publish_id),
-            ))
-            .await?;
-        Ok(rows.pop())
+        let row_sql = format!(
+            "SELECT {LOCATION_COLUMNS} FROM {by_version} WHERE catalog = {catalog} AND version = {version} AND \
+             publish_id = {publish_id} AND capture_id = {id_text} LIMIT 1",
+            by_version = self.tables.by_version,
+            version = latest.version,
+            publish_id = sql_string_literal(&latest.publish_id),
+        );
+        let (rows, horizons) = tokio::join!(
+            self.client.fetch_all::<CaptureLocation>(&row_sql),
+            self.horizons(watermark_opt.unwrap_or(u64::MAX))
+        );
+        let watermark = watermark_opt.unwrap_or(u64::MAX);
+        let horizons = horizons?;
+        Ok(rows?.pop().filter(|row| !horizons.hides_at(row, watermark)))
     }
 
     /// The newest committed location of each of `ids`: [`CatalogReader::newest_rows`] less the deletions. Ids the
@@ -597,11 +696,14 @@ impl CatalogReader {
     /// the versions `by_id` holds for them, their rows in `by_version`, kept where (version, publish_id) is
     /// committed. Primary-key reads throughout, whatever the catalog's history. Ids the catalog does not know are
     /// absent from the answer.
+    /// A capture captured before a committed retention horizon is absent too, whatever its newest row.
     pub async fn newest_rows(&self, ids: &[Uuid]) -> Result<HashMap<Uuid, CaptureLocation>, CatalogError> {
-        self.newest_rows_at(ids, u64::MAX).await
+        let (mut newest, horizons) = tokio::try_join!(self.newest_rows_at(ids, u64::MAX), self.horizons(u64::MAX))?;
+        newest.retain(|_, row| !horizons.hides_at(row, u64::MAX));
+        Ok(newest)
     }
 
-    /// [`CatalogReader::newest_rows`] as a reader pinned at `watermark` sees them.
+    /// The newest committed row of each of `ids` as a reader pinned at `watermark` sees them, horizons not applied.
     async fn newest_rows_at(
         &self,
         ids: &[Uuid],
@@ -658,8 +760,10 @@ impl CatalogReader {
         };
         let limit = query.limit.clamp(1, 100_000);
         let empty = Page { captures: Vec::new(), next_cursor: None, watermark, window_ns: 0 };
-        let Some((first_ns, last_ns)) = self.time_bounds(query.stream.as_deref()).await? else { return Ok(empty) };
-        let mut start = first_ns.max(query.since_ns.unwrap_or(0));
+        let (bounds, horizons) = tokio::join!(self.time_bounds(query.stream.as_deref()), self.horizons(watermark));
+        let Some((first_ns, last_ns)) = bounds? else { return Ok(empty) };
+        // Nothing captured before the horizon is listed: the windows start there.
+        let mut start = first_ns.max(query.since_ns.unwrap_or(0)).max(horizons?.before_at(watermark));
         if let Some(cursor) = &cursor {
             start = start.max(cursor.captured_at_ns);
         }
@@ -778,6 +882,7 @@ impl CatalogReader {
         labels: &BTreeMap<String, String>,
     ) -> Result<Vec<CaptureLocation>, CatalogError> {
         let mut newest: HashMap<Uuid, CaptureLocation> = HashMap::new();
+        let mut horizons_opt: Option<Horizons> = None;
         // In slices of ids: a statement must stay under the server's max_query_size (256 KiB).
         for slice in candidates.chunks(SUPERSEDED_IDS_PER_QUERY) {
             let written: HashMap<String, u64> =
@@ -789,15 +894,21 @@ impl CatalogReader {
                 .collect();
             if !suspects.is_empty() {
                 newest.extend(self.newest_rows_at(&suspects, watermark).await?);
+                if horizons_opt.is_none() {
+                    horizons_opt = Some(self.horizons(watermark).await?);
+                }
             }
         }
+        let horizons = horizons_opt.unwrap_or_default();
         Ok(candidates
             .into_iter()
             .filter_map(|capture| {
                 let Some(newer) = Uuid::parse_str(&capture.capture_id).ok().and_then(|id| newest.remove(&id)) else {
                     return Some(capture);
                 };
+                // A newer row captured before a horizon is gone, and the capture with it.
                 let moved = !newer.is_deletion()
+                    && !horizons.hides_at(&newer, watermark)
                     && newer.stream == capture.stream
                     && newer.captured_at_ns == capture.captured_at_ns
                     && labels.iter().all(|(key, value)| newer.labels_map().get(key) == Some(value));
@@ -876,7 +987,7 @@ impl CatalogReader {
             asked = asked.saturating_mul(8).min(limit);
         };
         let Some(last) = publishes.last() else {
-            return Ok(TailPage { captures: Vec::new(), from, next: from });
+            return Ok(TailPage { captures: Vec::new(), horizons: Vec::new(), from, next: from });
         };
         // The version where the counts reach the page (an estimate: the first version may be partly read, and an id
         // a producer re-posted into the same pack is counted twice by its publish and listed once).
@@ -904,12 +1015,17 @@ impl CatalogReader {
             publishes = self.tables.publishes,
             catalog = self.catalog_literal(),
         );
-        let captures: Vec<CaptureLocation> = self.client.fetch_all(&sql).await?;
+        let (captures, horizons) =
+            tokio::try_join!(self.client.fetch_all::<CaptureLocation>(&sql), self.horizons(upto))?;
+        let mut captures = captures;
         let next = match captures.last() {
             Some(last) if captures.len() as u64 == limit => TailPosition::after(last),
             _ => TailPosition::after_version(upto),
         };
-        Ok(TailPage { captures, from, next })
+        captures.retain(|capture| !horizons.hides_in_log(capture));
+        // A horizon holds no capture, so no position is inside one: those up to `next` are on this page.
+        let horizons = horizons.published_in(from.version, next.version).collect();
+        Ok(TailPage { captures, horizons, from, next })
     }
 
     /// The captures published at exactly `version`, in (captured_at_ns, capture_id) order.
@@ -930,7 +1046,10 @@ impl CatalogReader {
             publishes = self.tables.publishes,
             catalog = self.catalog_literal(),
         );
-        self.client.fetch_all(&sql).await
+        let (mut captures, horizons) =
+            tokio::try_join!(self.client.fetch_all::<CaptureLocation>(&sql), self.horizons(through))?;
+        captures.retain(|capture| !horizons.hides_in_log(capture));
+        Ok(captures)
     }
 
     /// Every committed pack, in version order.
@@ -992,6 +1111,57 @@ impl CatalogReader {
                     })
                     .collect()
             })
+    }
+
+    /// Committed packs with ids from `from_id` on whose every capture was captured before `before_ns` (a retention
+    /// horizon: no capture of theirs is visible any more), at most `limit`, in id order, less the packs a compaction
+    /// retired; and the lowest id from `from_id` on of a pack (committed or not) holding a capture at or after it,
+    /// where the next look must start (such a pack may fall wholly below a later horizon).
+    pub async fn packs_below(
+        &self,
+        before_ns: u64,
+        from_id: &str,
+        limit: u64,
+    ) -> Result<(Vec<PackBrief>, Option<String>), CatalogError> {
+        #[derive(clickhouse::Row, serde::Deserialize)]
+        struct Lowest {
+            pack_id_v: String,
+            rows: u64,
+        }
+        let catalog = self.catalog_literal();
+        let from = sql_string_literal(from_id);
+        let range = format!("catalog = {catalog} AND pack_id >= {from}");
+        let below_sql = format!(
+            "SELECT pack_id, any(object_key) AS object_key_v, any(bytes) AS bytes_v, any(records) AS records_v, \
+             any(first_captured_at_ns) AS first_v FROM {packs} WHERE {range} AND last_captured_at_ns < {before_ns} \
+             AND (version, publish_id) IN (SELECT version, publish_id FROM {publishes} WHERE catalog = {catalog} AND \
+             version IN (SELECT version FROM {packs} WHERE {range} AND last_captured_at_ns < {before_ns})) AND \
+             pack_id NOT IN (SELECT pack_id FROM {retired} WHERE catalog = {catalog} AND pack_id >= {from}) \
+             GROUP BY pack_id ORDER BY pack_id LIMIT {limit}",
+            packs = self.tables.packs,
+            publishes = self.tables.publishes,
+            retired = self.tables.retired_packs,
+        );
+        let lowest_sql = format!(
+            "SELECT min(pack_id) AS pack_id_v, count() AS rows FROM {packs} WHERE {range} AND \
+             last_captured_at_ns >= {before_ns}",
+            packs = self.tables.packs,
+        );
+        let (below, lowest) = tokio::try_join!(
+            self.client.fetch_all::<PackBriefRow>(&below_sql),
+            self.client.fetch_all::<Lowest>(&lowest_sql)
+        )?;
+        let briefs = below
+            .into_iter()
+            .map(|row| PackBrief {
+                pack_id: row.pack_id,
+                object_key: row.object_key_v,
+                bytes: row.bytes_v,
+                records: row.records_v,
+                first_captured_at_ns: row.first_v,
+            })
+            .collect();
+        Ok((briefs, lowest.into_iter().find(|row| row.rows > 0).map(|row| row.pack_id_v)))
     }
 
     /// Which of `versions` are committed publishes of no pack (deletions and compactions' moves).
@@ -1160,6 +1330,7 @@ mod tests {
         let from = TailPosition { version: 4, after_id: Some(Uuid::from_u128(3)) };
         let page = TailPage {
             captures: vec![row(5, 4), row(6, 1), row(6, 2), row(7, 1)],
+            horizons: vec![(5, 100), (8, 200)],
             from,
             next: TailPosition::after_version(7),
         };
@@ -1177,6 +1348,43 @@ mod tests {
         for bad in ["", "x", "1:", "1:2", "-1", "1:2:3"] {
             assert!(TailPosition::parse(bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn horizons_hide_by_the_reader_s_watermark_and_in_the_log_by_the_row_s_version() {
+        let row = |version: u64, captured_at_ns: u64| CaptureLocation {
+            capture_id: Uuid::from_u128(1).to_string(),
+            stream: "s".into(),
+            captured_at_ns,
+            pack_id: "p".into(),
+            object_key: String::new(),
+            record_offset: 0,
+            record_len: 0,
+            payload_offset: 0,
+            payload_len: 0,
+            crc32c: 0,
+            label_keys: Vec::new(),
+            label_values: Vec::new(),
+            content_type: String::new(),
+            version,
+        };
+        let horizons = Horizons::for_test(vec![(5, 100), (9, 300)]);
+        assert_eq!((horizons.before_at(4), horizons.before_at(5), horizons.before_at(u64::MAX)), (0, 100, 300));
+        assert!(!horizons.hides_at(&row(1, 50), 4), "a reader pinned below the horizon still sees it");
+        assert!(horizons.hides_at(&row(1, 50), 5) && !horizons.hides_at(&row(1, 100), 5));
+        assert!(!horizons.hides_in_log(&row(3, 50)), "published before the horizon: in the log at its version");
+        assert!(horizons.hides_in_log(&row(6, 50)), "published after it, captured before it: gone as it comes");
+        assert!(!horizons.hides_in_log(&row(6, 150)) && horizons.hides_in_log(&row(10, 150)));
+        assert_eq!(horizons.published_in(5, 9).collect::<Vec<_>>(), vec![(9, 300)]);
+        let page = TailPage {
+            captures: vec![row(4, 200), row(7, 400)],
+            horizons: vec![(5, 100), (9, 300)],
+            from: TailPosition::after_version(3),
+            next: TailPosition::after_version(9),
+        };
+        let versions: Vec<u64> = page.entries().iter().map(|entry| entry["version"].as_u64().unwrap()).collect();
+        assert_eq!(versions, vec![4, 5, 7, 9], "entries in version order");
+        assert_eq!(page.entries()[1]["expired_before_ns"], 100);
     }
 
     #[test]

@@ -18,6 +18,7 @@
 //! | `intents` | MergeTree, monthly partitions | packs about to be uploaded, and marks: what a start reconciles |
 //! | `intent_marks` | AggregatingMergeTree | the newest mark per catalog: where a start's read of `intents` begins |
 //! | `retired_packs` | MergeTree | packs a compaction replaced, and when their objects were removed (see [`super::retired`]) |
+//! | `horizons` | MergeTree | retention horizons: everything captured before one is gone from its version on (see [`super::query`]) |
 //! | `lease` | MergeTree | the publisher lease; plain MergeTree so merges never change what a decision reads |
 //! | `schema` | MergeTree | the schema version stamp |
 //!
@@ -29,6 +30,14 @@
 //!
 //! With `catalog.cluster` set, every statement gets `ON CLUSTER <cluster>` and the engines become their Replicated
 //! forms with the conventional `{shard}`/`{replica}` macros.
+//!
+//! Partitions: `captures`, `by_version` and `by_id` are partitioned by catalog and UTC month of `captured_at_ns`
+//! ([`PARTITION_BY`]; a time past 2099 counts as December 2099), so that a retention horizon removes a whole month
+//! of one catalog with `DROP PARTITION`, which costs the same at any size, instead of mutations that rewrite data
+//! (see [`super::purge`]). The catalog is part of the key because the tables are shared: a month of one catalog
+//! can go while another keeps it. ClickHouse cannot partition a table that exists, so catalogs created by an older
+//! capstore keep their unpartitioned tables ([`partitioned`]); they get no horizons, and retention removes their
+//! rows one capture at a time as before.
 //!
 //! Versioning: [`SCHEMA_VERSION`] is written once into `schema`. A catalog stamped with a newer version than this build
 //! knows is refused (an older capstore must not write into tables it does not understand); an older stamp is upgraded
@@ -42,12 +51,21 @@
 //! keeps schema 3 capstores out (one already running is not stopped by it: upgrade every daemon and reader of the
 //! tables before deleting). 4 -> 5 adds `retired_packs` (created at every start, like every table) and, in
 //! `by_version` and `by_id`, *moves*: a compaction's rows giving a capture its new place (see
-//! [`super::query`]), which a schema 4 reader would take for a re-post; the first compaction stamps 5.
+//! [`super::query`]), which a schema 4 reader would take for a re-post; the first compaction stamps 5. 5 -> 6 adds
+//! `horizons` and the `captured_at_ns` of `by_id` (added in place to an older `by_id`, where the rows written
+//! before have 0: only the partitions of a new catalog use it); the first horizon stamps 6, since a schema 5
+//! reader would show what a horizon hides.
 
 use super::client::{sql_string_literal, CatalogClient, CatalogError, ErrorKind};
 use crate::config::CatalogConfig;
 
-pub const SCHEMA_VERSION: u32 = 5;
+pub const SCHEMA_VERSION: u32 = 6;
+
+/// How `captures`, `by_version` and `by_id` are partitioned: by catalog and the UTC month (`YYYYMM`) of
+/// `captured_at_ns`, any time past 2099 in December 2099 (so that every time maps to a month in order: a partition
+/// below a month boundary holds only rows captured before it).
+pub const PARTITION_BY: &str =
+    "(catalog, toYYYYMM(toDateTime(least(intDiv(captured_at_ns, 1000000000), 4102444799), 'UTC')))";
 
 /// Fully qualified table names of one catalog configuration, plus the DDL flavour.
 #[derive(Debug, Clone)]
@@ -63,6 +81,7 @@ pub struct Tables {
     pub intents: String,
     pub intent_marks: String,
     pub retired_packs: String,
+    pub horizons: String,
     pub lease: String,
     pub schema: String,
     cluster: Option<String>,
@@ -89,6 +108,7 @@ impl Tables {
             intents: table("intents"),
             intent_marks: table("intent_marks"),
             retired_packs: table("retired_packs"),
+            horizons: table("horizons"),
             lease: table("lease"),
             schema: table("schema"),
             cluster: cluster.map(str::to_string),
@@ -144,21 +164,22 @@ impl Tables {
             format!("CREATE DATABASE IF NOT EXISTS {}{on_cluster}", self.database),
             format!(
                 "CREATE TABLE IF NOT EXISTS {}{on_cluster} ({CAPTURE_COLUMNS_DDL}) ENGINE = {} \
-                 ORDER BY (catalog, stream, captured_at_ns, capture_id)",
+                 PARTITION BY {PARTITION_BY} ORDER BY (catalog, stream, captured_at_ns, capture_id)",
                 self.captures,
                 self.engine(&self.captures, "ReplacingMergeTree", "version")
             ),
             format!(
                 "CREATE TABLE IF NOT EXISTS {}{on_cluster} ({CAPTURE_COLUMNS_DDL}) ENGINE = {} \
-                 ORDER BY (catalog, version, publish_id, capture_id)",
+                 PARTITION BY {PARTITION_BY} ORDER BY (catalog, version, publish_id, capture_id)",
                 self.by_version,
                 self.engine(&self.by_version, "ReplacingMergeTree", "")
             ),
             view(&self.by_version, &format!("SELECT {CAPTURE_COLUMNS} FROM {}", self.captures)),
             format!(
                 "CREATE TABLE IF NOT EXISTS {}{on_cluster} (\
-                 catalog String, capture_id FixedString(16), version UInt64, publish_id FixedString(16)\
-                 ) ENGINE = {} ORDER BY (catalog, capture_id, version, publish_id) \
+                 catalog String, capture_id FixedString(16), version UInt64, publish_id FixedString(16), \
+                 captured_at_ns UInt64\
+                 ) ENGINE = {} PARTITION BY {PARTITION_BY} ORDER BY (catalog, capture_id, version, publish_id) \
                  SETTINGS index_granularity = {BY_ID_INDEX_GRANULARITY}",
                 self.by_id,
                 self.engine(&self.by_id, "ReplacingMergeTree", "")
@@ -228,6 +249,13 @@ impl Tables {
                  ) ENGINE = {} ORDER BY (catalog, version, pack_id)",
                 self.retired_packs,
                 self.engine(&self.retired_packs, "MergeTree", "")
+            ),
+            format!(
+                "CREATE TABLE IF NOT EXISTS {}{on_cluster} (\
+                 catalog String, before_ns UInt64, version UInt64, publish_id String, written_at_ms UInt64\
+                 ) ENGINE = {} ORDER BY (catalog, version, publish_id)",
+                self.horizons,
+                self.engine(&self.horizons, "MergeTree", "")
             ),
             format!(
                 "CREATE TABLE IF NOT EXISTS {}{on_cluster} (\
@@ -312,15 +340,15 @@ const CAPTURE_COLUMNS_DDL: &str = "catalog String, stream String, captured_at_ns
      version UInt64, publish_id String";
 const CAPTURE_COLUMNS: &str = "catalog, stream, captured_at_ns, capture_id, pack_id, object_key, record_offset, \
      record_len, payload_offset, payload_len, crc32c, label_keys, label_values, content_type, version, publish_id";
-const BY_ID_COLUMNS: &str = "catalog, capture_id, version, publish_id";
+const BY_ID_COLUMNS: &str = "catalog, capture_id, version, publish_id, captured_at_ns";
 /// Rows per `by_id` index mark: its reads are lookups of ids scattered over the whole table (a page's ids, one id of a
 /// `get`), each costing a granule; at the default 8,192 rows, a page of 100 ids read 2.8 M rows (119 ms at 10 M
 /// captures), at 256 it reads 92 k (29 ms). Its rows are 36 bytes, so the finer index stays small.
 const BY_ID_INDEX_GRANULARITY: u32 = 256;
 /// `by_id` keeps the ids as their 16 bytes: a third of the text's size on disk, and this table is all ids. (Every id
 /// capstore writes is a UUID's text, so the conversion cannot fail.)
-const BY_ID_SELECT: &str =
-    "catalog, UUIDStringToNum(capture_id) AS capture_id, version, UUIDStringToNum(publish_id) AS publish_id";
+const BY_ID_SELECT: &str = "catalog, UUIDStringToNum(capture_id) AS capture_id, version, \
+     UUIDStringToNum(publish_id) AS publish_id, captured_at_ns";
 
 /// How long one backfill statement of an upgrade may run: it copies every row of the catalog tables on the server.
 const BACKFILL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3600);
@@ -489,7 +517,7 @@ pub async fn probe_grants(client: &CatalogClient, tables: &Tables) -> Result<Gra
 pub const STAMPED_AT_START: u32 = 3;
 
 /// For a read-only connection, which creates and upgrades nothing: the catalog must be stamped with a schema version
-/// this build reads as its own (3 to 5).
+/// this build reads as its own (3 to 6).
 pub async fn check_schema(client: &CatalogClient, tables: &Tables) -> Result<(), SchemaError> {
     let found = stamped_version(client, tables).await?;
     match found {
@@ -536,16 +564,69 @@ pub async fn ensure_schema(client: &CatalogClient, tables: &Tables) -> Result<u3
             client.execute_with_timeout(&statement, BACKFILL_TIMEOUT).await?;
         }
     }
+    add_by_id_time(client, tables).await?;
     if found < STAMPED_AT_START {
         stamp(client, tables, STAMPED_AT_START).await?;
     }
     Ok(found.max(STAMPED_AT_START))
 }
 
+/// Give a `by_id` created before schema 6 its `captured_at_ns` column (0 in the rows written before), so that every
+/// capstore writes the same rows into it. ClickHouse 18.16 has no `ADD COLUMN IF NOT EXISTS`: the column is looked
+/// up first. A replicated table passes the change on to its replicas itself.
+async fn add_by_id_time(client: &CatalogClient, tables: &Tables) -> Result<(), CatalogError> {
+    #[derive(clickhouse::Row, serde::Deserialize)]
+    struct Count {
+        columns: u64,
+    }
+    let (database, table) = tables.by_id.split_once('.').unwrap_or_default();
+    let found: Vec<Count> = client
+        .fetch_all(&format!(
+            "SELECT count() AS columns FROM system.columns WHERE database = {} AND table = {} AND \
+             name = 'captured_at_ns'",
+            sql_string_literal(database),
+            sql_string_literal(table)
+        ))
+        .await?;
+    if found.first().is_some_and(|row| row.columns > 0) {
+        return Ok(());
+    }
+    tracing::info!(table = %tables.by_id, "adding captured_at_ns to the id index");
+    match client.execute(&format!("ALTER TABLE {} ADD COLUMN captured_at_ns UInt64", tables.by_id)).await {
+        // Another capstore starting at the same time added it first.
+        Err(error) if error.to_string().contains("already exists") => Ok(()),
+        other => other,
+    }
+}
+
+/// Whether the catalog's `captures`, `by_version` and `by_id` are partitioned by [`PARTITION_BY`] (created by a
+/// capstore of schema 6 or newer): only then can a retention horizon drop whole months of them.
+pub async fn partitioned(client: &CatalogClient, tables: &Tables) -> Result<bool, CatalogError> {
+    #[derive(clickhouse::Row, serde::Deserialize)]
+    struct Count {
+        tables: u64,
+    }
+    let names: Vec<String> = [&tables.captures, &tables.by_version, &tables.by_id]
+        .iter()
+        .map(|table| sql_string_literal(table.rsplit('.').next().unwrap_or_default()))
+        .collect();
+    let rows: Vec<Count> = client
+        .fetch_all(&format!(
+            "SELECT count() AS tables FROM system.tables WHERE database = {} AND name IN ({}) AND \
+             partition_key LIKE '%captured_at_ns%'",
+            sql_string_literal(&tables.database),
+            names.join(", ")
+        ))
+        .await?;
+    Ok(rows.first().is_some_and(|row| row.tables == 3))
+}
+
 /// The schema a deletion needs stamped before its rows are written (see the module doc).
 pub const STAMPED_BY_DELETION: u32 = 4;
 /// The schema a compaction needs stamped before its rows are written (see the module doc).
 pub const STAMPED_BY_COMPACTION: u32 = 5;
+/// The schema a retention horizon needs stamped before it is written (see the module doc).
+pub const STAMPED_BY_HORIZON: u32 = 6;
 
 /// Stamp `version` unless it (or a newer one) is stamped already: before the first rows that a capstore of an older
 /// schema would misread are written, so that from then on such a capstore refuses the catalog. Idempotent.
@@ -586,9 +667,15 @@ mod tests {
         let tables = Tables::new("capstore", "cs", None);
         let ddl = tables.ddl().join("\n");
         assert!(ddl.contains("CREATE TABLE IF NOT EXISTS capstore.cs_captures ("));
-        assert!(
-            ddl.contains("ENGINE = ReplacingMergeTree(version) ORDER BY (catalog, stream, captured_at_ns, capture_id)")
-        );
+        assert!(ddl.contains(&format!(
+            "ENGINE = ReplacingMergeTree(version) PARTITION BY {PARTITION_BY} \
+             ORDER BY (catalog, stream, captured_at_ns, capture_id)"
+        )));
+        for table in [&tables.captures, &tables.by_version, &tables.by_id] {
+            let create =
+                tables.ddl().into_iter().find(|statement| created_object(statement) == table.as_str()).unwrap();
+            assert!(create.contains(&format!("PARTITION BY {PARTITION_BY}")), "{create}");
+        }
         assert!(
             ddl.contains("capstore.cs_lease (")
                 && ddl.contains("ENGINE = MergeTree() ORDER BY (catalog, term, lease_id)")

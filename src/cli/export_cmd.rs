@@ -164,7 +164,7 @@ async fn export_to_dir(reader: &Reader, selection: Selection, dir: &Path, args: 
     let mut this_run = 0u64;
     let (mut missing, mut unreadable) = (0u64, 0u64);
     let mut last_sync = std::time::Instant::now();
-    while let Some(ExportPage { captures, resume }) = export.next_page().await? {
+    while let Some(ExportPage { captures, horizons, resume }) = export.next_page().await? {
         let mut lines = String::new();
         let mut page_written = 0;
         for (id, found) in captures {
@@ -196,6 +196,14 @@ async fn export_to_dir(reader: &Reader, selection: Selection, dir: &Path, args: 
         }
         manifest.write_all(lines.as_bytes())?;
         manifest.flush()?;
+        for (version, before_ns) in horizons {
+            // A retention horizon in the range: the directory holds what the range ends with, as for a deletion.
+            remove_captured_before(dir, &manifest_path, before_ns)?;
+            let line = format!("{}\n", capstore::catalog::query::horizon_entry(version, before_ns));
+            manifest.write_all(line.as_bytes())?;
+            manifest.flush()?;
+            lines.push_str(&line);
+        }
         state.manifest_bytes += lines.len() as u64;
         state.exported += page_written;
         this_run += page_written;
@@ -225,6 +233,29 @@ async fn export_to_dir(reader: &Reader, selection: Selection, dir: &Path, args: 
         if complete { "; complete" } else { "; stopped early: --resume continues" }
     );
     Ok(if missing + unreadable > 0 { exit_code::FATAL } else { exit_code::CLEAN })
+}
+
+/// Remove the files of the captures the manifest names with a `captured_at_ns` before `before_ns`: a retention
+/// horizon of the range. (A file the manifest names as deleted later is gone already.)
+fn remove_captured_before(dir: &Path, manifest_path: &Path, before_ns: u64) -> anyhow::Result<()> {
+    use std::io::BufRead;
+    let manifest =
+        std::fs::File::open(manifest_path).with_context(|| format!("cannot read {}", manifest_path.display()))?;
+    for line in std::io::BufReader::new(manifest).lines() {
+        let line: serde_json::Value = serde_json::from_str(&line?).unwrap_or_default();
+        let (Some(id), Some(at)) = (line["capture_id"].as_str(), line["captured_at_ns"].as_u64()) else { continue };
+        if at >= before_ns || uuid::Uuid::parse_str(id).is_err() {
+            continue;
+        }
+        let path = dir.join(id);
+        match std::fs::remove_file(&path) {
+            Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
+                return Err(anyhow::Error::new(error).context(format!("cannot remove {}", path.display())))
+            }
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 /// Replace the state atomically (temp file, fsync, rename): a crash leaves the old state or the new one.

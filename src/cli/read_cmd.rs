@@ -211,8 +211,8 @@ pub fn tail(config: &Config, args: TailArgs) -> anyhow::Result<i32> {
             let page = reader.catalog().tail_page(position, end_opt, TAIL_CAPTURES_PER_READ).await?;
             // Buffered: stdout is line-buffered, and a catching-up tail prints millions of lines.
             let mut out = std::io::BufWriter::with_capacity(1 << 16, std::io::stdout().lock());
-            for capture in &page.captures {
-                writeln!(out, "{}", capture.tail_entry())?;
+            for entry in page.entries() {
+                writeln!(out, "{entry}")?;
             }
             out.flush()?;
             match (page.caught_up(), end_opt) {

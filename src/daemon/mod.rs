@@ -273,13 +273,19 @@ impl Running {
         if let Some(http) = &self.http {
             http.state().set_deleter(deleter.clone());
         }
-        let retention = Retention::from_config(&config, deleter).map(|retention| {
+        // Whether a retention horizon can drop whole months (tables created by schema 6 or newer); unknown counts as
+        // no, which only means per-capture retention.
+        let partitioned = crate::catalog::schema::partitioned(&client, &tables).await.unwrap_or_else(|error| {
+            tracing::warn!(%error, "cannot tell whether the catalog tables are partitioned; retention goes capture by capture");
+            false
+        });
+        let retention = Retention::from_config(&config, deleter, partitioned).map(|retention| {
             let stopping = shutdown_rx.clone();
             let lease = lease.clone();
             tokio::spawn(crate::pipeline::run_passes(retention, lease, stopping))
         });
         let retired = RetiredPacks::new(client.clone(), tables.clone(), &config.catalog_name);
-        let purge = RowPurge::new(client.clone(), tables.clone(), &config.catalog_name);
+        let purge = RowPurge::new(client.clone(), tables.clone(), &config.catalog_name).partitioned(partitioned);
         let compaction = Compactor::for_pipeline(&pipeline, catalog_reader.clone(), retired, purge).map(|compactor| {
             let stopping = shutdown_rx.clone();
             let lease = lease.clone();

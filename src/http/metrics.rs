@@ -136,6 +136,11 @@ impl MetricsSample {
                 "deleted captures whose catalog rows were removed",
                 pipeline(|p| p.captures_purged),
             ),
+            (
+                "capstore_partitions_dropped",
+                "partitions of months below the retention horizon dropped from the catalog tables",
+                pipeline(|p| p.months_dropped),
+            ),
             ("capstore_packs_quarantined", "packs moved to quarantine", pipeline(|p| p.packs_quarantined)),
             ("capstore_upload_failures", "pack uploads that failed (each is retried)", pipeline(|p| p.upload_failures)),
             (

@@ -95,7 +95,8 @@ pub(super) async fn tail(
         match page_opt {
             Some((page, watermark)) if !page.caught_up() || done => return Ok(answer(&page, watermark)),
             None if done => {
-                let page = TailPage { captures: Vec::new(), from: params.after, next: params.after };
+                let page =
+                    TailPage { captures: Vec::new(), horizons: Vec::new(), from: params.after, next: params.after };
                 return Ok(answer(&page, last_watermark.unwrap_or_default()));
             }
             _ => {}
@@ -114,8 +115,7 @@ fn entry_bytes(capture: &crate::catalog::query::CaptureLocation) -> usize {
 }
 
 fn answer(page: &TailPage, watermark: u64) -> Response {
-    let captures: Vec<serde_json::Value> = page.captures.iter().map(|capture| capture.tail_entry()).collect();
-    Json(serde_json::json!({ "captures": captures, "next": page.next.to_string(), "watermark": watermark }))
+    Json(serde_json::json!({ "captures": page.entries(), "next": page.next.to_string(), "watermark": watermark }))
         .into_response()
 }
 

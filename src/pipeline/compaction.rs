@@ -4,7 +4,11 @@
 //! A pass (every `lifecycle.compaction_interval`, only while this process may publish):
 //! 1. Finishes the jobs a crash left in the spool's `compaction/` directory (see below).
 //! 2. Plans jobs. *Erasure*: every pack holding any version of a capture deleted since the last look is rewritten,
-//!    whatever its size or age. *Merging*: committed packs smaller than
+//!    whatever its size or age. *Expiry*: every pack whose captures all lie below the retention horizon (see
+//!    [`crate::pipeline::retention`]) is retired (none of its captures is visible, so nothing is copied); a pack
+//!    that straddles the horizon keeps its object until a later horizon passes it whole (a few seconds of captures
+//!    for a pack the spool sealed, a day for a merged one), so that no pack is rewritten at every step of the
+//!    horizon. *Merging*: committed packs smaller than
 //!    `compaction_small_pack_bytes` created more than `compaction_min_age` ago are grouped by the UTC day of their
 //!    first capture. While the day is open (it may still get packs), packs of one size tier (a factor of 4 apart)
 //!    are merged once 4 of them are there, so each byte is rewritten about once per tier rather than once per
@@ -19,7 +23,8 @@
 //!    retires its sources.
 //! 4. Removes the objects of retired packs whose switch-over is older than `lifecycle.read_grace` (see
 //!    [`crate::catalog::retired`]).
-//! 5. With `lifecycle.purge`, removes the catalog rows of deleted captures whose bytes are erased (every deletion
+//! 5. With `lifecycle.purge`, drops the months wholly below a retention horizon whose publish is older than
+//!    `read_grace` from the tables (partitioned tables only), and removes the catalog rows of deleted captures whose bytes are erased (every deletion
 //!    up to the oldest one a pending erasure comes from) and whose deletion is older than `read_grace`, in batches
 //!    of mutations, none while an earlier one is still running (see [`crate::catalog::purge`]). The rows go only
 //!    after the erasure, because they are how erasure finds the packs a deleted capture was in.
@@ -103,6 +108,8 @@ pub struct CompactionPass {
     pub objects_removed: u64,
     /// Deleted captures whose catalog rows removal was started for.
     pub captures_purged: u64,
+    /// Partitions of months below the retention horizon dropped.
+    pub months_dropped: u64,
     /// The pass stopped at `compaction_pass_bytes`: more is due.
     pub more_due: bool,
 }
@@ -129,6 +136,10 @@ struct Progress {
     removed_through: u64,
     /// The rows of every capture deleted at or below this version are removed (or being removed).
     purged_through: u64,
+    /// Every pack with an id below this lies wholly below the retention horizon and was planned for, or holds a
+    /// capture at or after it (absent in the progress of an older build).
+    #[serde(default)]
+    horizon_packs_from: String,
 }
 
 impl Progress {
@@ -266,7 +277,7 @@ impl Compactor {
         // Removals first: a job that keeps failing must not hold back the removal of what earlier jobs replaced.
         self.remove_due_objects(&mut pass).await?;
         self.finish_staged_jobs(&mut pass).await?;
-        let (jobs, mut small_packs_next) = self.plan().await?;
+        let (jobs, mut small_packs_next, mut horizon_packs_next) = self.plan().await?;
         let mut budget = self.pass_bytes;
         let (mut all_planned, mut ran_one) = (true, false);
         for job in jobs {
@@ -295,12 +306,14 @@ impl Compactor {
                     }
                 }
             } else if let Some(first) = job.sources.iter().map(|source| &source.pack_id).min() {
-                // Changed under the copy: planned again from the catalog by the next pass.
+                // Changed under the copy (or failed): planned again from the catalog by the next pass.
                 small_packs_next = small_packs_next.min(first.clone());
+                horizon_packs_next = horizon_packs_next.min(first.clone());
             }
         }
         if all_planned {
             self.progress.small_packs_from = small_packs_next;
+            self.progress.horizon_packs_from = horizon_packs_next;
         }
         // A purge that fails (a statement refused, the catalog away) is tried again by the next pass.
         if let Err(error) = self.purge_rows(&mut pass, stopping).await {
@@ -314,14 +327,16 @@ impl Compactor {
                 bytes_rewritten = pass.bytes_rewritten,
                 objects_removed = pass.objects_removed,
                 captures_purged = pass.captures_purged,
+                months_dropped = pass.months_dropped,
                 "compaction pass"
             );
         }
         Ok(pass)
     }
 
-    /// The jobs due now, erasures first, and the pack id the next pass reads small packs from.
-    async fn plan(&mut self) -> anyhow::Result<(Vec<Job>, String)> {
+    /// The jobs due now (expiries, erasures, merges), and the pack ids the next pass reads small packs and packs
+    /// below the horizon from.
+    async fn plan(&mut self) -> anyhow::Result<(Vec<Job>, String, String)> {
         // Packs named by deletions since the last look.
         loop {
             let (deleted, through) =
@@ -346,6 +361,10 @@ impl Compactor {
             self.progress.to_erase.remove(&retired);
         }
 
+        let (mut jobs, horizon_packs_next) = self.plan_expiry().await?;
+        let expiring: std::collections::HashSet<String> =
+            jobs.iter().flat_map(|job| job.sources.iter().map(|source| source.pack_id.clone())).collect();
+
         let until = uuid_v7_text_floor(crate::util::now_ns().saturating_sub(self.min_age.as_nanos() as u64));
         let mut small = Vec::new();
         let mut from = self.progress.small_packs_from.clone();
@@ -354,7 +373,7 @@ impl Compactor {
             let Some(last) = page.last() else { break };
             from = format!("{}\u{0}", last.pack_id);
             let full = page.len() as u64 == SMALL_PACKS_PER_READ;
-            small.extend(page);
+            small.extend(page.into_iter().filter(|pack| !expiring.contains(&pack.pack_id)));
             if !full {
                 break;
             }
@@ -362,9 +381,9 @@ impl Compactor {
         // Erasures: one job per pack (its size is whatever it is). A small pack named by a deletion is merged
         // instead, which erases as well.
         let small_ids: std::collections::HashSet<&str> = small.iter().map(|pack| pack.pack_id.as_str()).collect();
-        let mut jobs = Vec::new();
         for (pack_id, (key, _)) in &self.progress.to_erase {
-            if !small_ids.contains(pack_id.to_string().as_str()) {
+            let pack_id_text = pack_id.to_string();
+            if !small_ids.contains(pack_id_text.as_str()) && !expiring.contains(&pack_id_text) {
                 let brief = PackBrief {
                     pack_id: pack_id.to_string(),
                     object_key: key.clone(),
@@ -410,6 +429,52 @@ impl Compactor {
                     }
                 }
             }
+        }
+        Ok((jobs, next_from, horizon_packs_next))
+    }
+
+    /// The packs wholly below the catalog's retention horizon, not retired yet, as jobs that retire them (up to
+    /// [`SOURCES_PER_JOB`] packs and [`RECORDS_PER_JOB`] captures each: a job reads each source's index and checks
+    /// each capture, but copies nothing), and where the next look starts. Reads the packs from
+    /// `horizon_packs_from` on; the next look starts at the lowest pack still holding a capture at or after the
+    /// horizon. (A pack published long after it was made, with an id below that mark already, is left to the
+    /// merging of small packs, which copies none of its hidden captures either.)
+    async fn plan_expiry(&self) -> anyhow::Result<(Vec<Job>, String)> {
+        let horizon = self.catalog.horizons(u64::MAX).await?.before_at(u64::MAX);
+        if horizon == 0 {
+            return Ok((Vec::new(), self.progress.horizon_packs_from.clone()));
+        }
+        let mut below = Vec::new();
+        let mut from = self.progress.horizon_packs_from.clone();
+        let next_from = loop {
+            let (page, lowest_above) = self.catalog.packs_below(horizon, &from, SMALL_PACKS_PER_READ).await?;
+            let full = page.len() as u64 == SMALL_PACKS_PER_READ;
+            let past_page = page.last().map(|last| format!("{}\u{0}", last.pack_id));
+            below.extend(page);
+            match (full, past_page) {
+                (true, Some(past)) => from = past,
+                // Everything from `from` on is read: the next look starts at the lowest pack not below yet (or
+                // past the last one planned here).
+                (_, past) => break lowest_above.into_iter().chain(past).min().unwrap_or(from),
+            }
+        };
+        let mut jobs = Vec::new();
+        let (mut sources, mut records) = (Vec::new(), 0);
+        for mut pack in below {
+            if !sources.is_empty() && (sources.len() >= SOURCES_PER_JOB || records + pack.records > RECORDS_PER_JOB) {
+                jobs.push(Job { sources: std::mem::take(&mut sources) });
+                records = 0;
+            }
+            records += pack.records;
+            // Nothing is copied: the pass's byte budget is not charged.
+            pack.bytes = 0;
+            sources.push(pack);
+        }
+        if !sources.is_empty() {
+            jobs.push(Job { sources });
+        }
+        if !jobs.is_empty() {
+            tracing::info!(jobs = jobs.len(), horizon, "packs below the retention horizon to retire");
         }
         Ok((jobs, next_from))
     }
@@ -512,7 +577,8 @@ impl Compactor {
                 tracing::info!(version, packs = relocation.sources.len(), "retired packs left with no capture");
                 self.count_switch(&relocation, pass);
             }
-            return Ok((source_bytes, !matches!(outcome, RelocationOutcome::Changed { .. })));
+            // Only their indexes were read: nothing is charged to the pass's byte budget.
+            return Ok((0, !matches!(outcome, RelocationOutcome::Changed { .. })));
         }
 
         let new_pack_id = Uuid::now_v7();
@@ -674,6 +740,15 @@ impl Compactor {
         stopping: &tokio::sync::watch::Receiver<bool>,
     ) -> anyhow::Result<()> {
         let Some(purge) = self.purge.clone() else { return Ok(()) };
+        if purge.drops_months() {
+            let (_, month) = purge.due_horizon(self.read_grace).await?;
+            if month > 0 {
+                let dropped =
+                    purge.drop_months_before(month, || crate::failpoint::hit("during_partition_drop")).await?;
+                pass.months_dropped += dropped;
+                self.counters.months_dropped.fetch_add(dropped, Ordering::Relaxed);
+            }
+        }
         // Erased: every deletion up to the oldest one a pack still to rewrite comes from (a rewrite that keeps
         // failing, logged each pass, holds back the rows of later deletions too).
         let erased_through = self

@@ -114,6 +114,31 @@ impl Deleter {
         Ok(DeletionAnswer { report, pending, dry_run })
     }
 
+    /// Publish a retention horizon at `before_ns` ([`Publisher::publish_horizon`]) unless the catalog's is there
+    /// already; retried like a deletion while the lease does not allow a publish, and run on a task of its own for
+    /// the same reason. Returns the version, if published.
+    pub async fn expire_before(self: &Arc<Self>, before_ns: u64) -> Result<Option<u64>, PublishError> {
+        let deleter = self.clone();
+        tokio::spawn(async move {
+            let started = std::time::Instant::now();
+            loop {
+                match deleter.publisher.publish_horizon(before_ns).await {
+                    Err(PublishError::NoLease | PublishError::NotCommitted) if started.elapsed() < LEASE_WAIT => {
+                        tokio::time::sleep(LEASE_POLL).await;
+                    }
+                    Ok(Some(version)) => {
+                        deleter.counters.publishes.fetch_add(1, Ordering::Relaxed);
+                        tracing::info!(version, before_ns, "retention horizon published");
+                        return Ok(Some(version));
+                    }
+                    other => return other,
+                }
+            }
+        })
+        .await
+        .unwrap_or_else(|panic| std::panic::resume_unwind(panic.into_panic()))
+    }
+
     /// The ids this spool holds in a pack the catalog has not published (in the order given, each once). A pack
     /// published a moment ago may still be in the spool: one replay-guard lookup of those packs tells.
     async fn pending(&self, ids: &[Uuid]) -> Result<Vec<Uuid>, PublishError> {
