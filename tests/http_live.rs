@@ -1850,3 +1850,101 @@ async fn a_retention_horizon_hides_what_is_older_at_once_and_drops_its_months_af
         String::from_utf8_lossy(&verify.stderr)
     );
 }
+
+#[tokio::test]
+async fn a_horizon_killed_before_or_after_its_commit_or_between_its_drops_ends_like_a_clean_run() {
+    let mut daemon = HttpDaemon::start(&[
+        ("CAPSTORE_LIFECYCLE_RETENTION_INTERVAL", "1s".into()),
+        ("CAPSTORE_LIFECYCLE_COMPACTION_INTERVAL", "1s".into()),
+        ("CAPSTORE_LIFECYCLE_COMPACTION_MIN_AGE", "1h".into()),
+        ("CAPSTORE_LIFECYCLE_READ_GRACE", "1s".into()),
+    ])
+    .await;
+    let client = reqwest::Client::new();
+    daemon.get_ok(&client, "/v1/tail").await;
+    let server = common::clickhouse::shared_server();
+    let config = daemon.env.config();
+    let (database, catalog_name) = (config.catalog.database.clone(), config.catalog_name.clone());
+    let now_ns = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    let mut old = Vec::new();
+    for (index, days) in [150u64, 120].into_iter().enumerate() {
+        let at = now_ns - days * DAY_NS;
+        let url = daemon.url(&format!("/v1/captures?stream=crash/h&captured_at_ns={at}&wait=published"));
+        let response = client.post(url).body(payload(100, index as u8)).send().await.unwrap();
+        assert_eq!(response.status(), StatusCode::CREATED);
+        old.push(json(response).await["capture_id"].as_str().unwrap().parse::<uuid::Uuid>().unwrap());
+    }
+    let kept = post_batch_published(&daemon, &client, "crash/h", 3, 40).await;
+    let catalog = capstore::catalog::connect_reader(&config).await.unwrap();
+    let config_file = daemon._dir.path().join("retention.toml");
+    std::fs::write(&config_file, "[[retention]]\nstreams = \"*\"\nkeep = \"60d\"\n").unwrap();
+    let config_path = config_file.to_str().unwrap();
+
+    // Killed with the horizon's row written and no publishes row: nothing is hidden, no version is taken.
+    let versions_before = catalog.watermark().await.unwrap();
+    daemon.daemon.signal(nix::sys::signal::Signal::SIGTERM);
+    daemon
+        .restart(&[("CAPSTORE_CONFIG", config_path), ("CAPSTORE_FAILPOINTS", "after_horizon_row_before_commit")])
+        .await;
+    died_at(&mut daemon, "after_horizon_row_before_commit").await;
+    assert_eq!(
+        catalog.horizons(u64::MAX).await.unwrap().before_at(u64::MAX),
+        0,
+        "an uncommitted horizon hides nothing"
+    );
+    assert!(catalog.get(old[0], None).await.unwrap().is_some());
+    assert_eq!(catalog.watermark().await.unwrap(), versions_before);
+    // Published again after the restart, and killed right after its commit, before anything else.
+    daemon.restart(&[("CAPSTORE_FAILPOINTS", "after_horizon_commit")]).await;
+    died_at(&mut daemon, "after_horizon_commit").await;
+    let horizons = catalog.horizons(u64::MAX).await.unwrap();
+    assert!(horizons.before_at(u64::MAX) > now_ns - 61 * DAY_NS, "committed: {horizons:?}");
+    for id in &old {
+        assert!(catalog.get(*id, None).await.unwrap().is_none(), "{id} is below the committed horizon");
+    }
+    // Killed after the first partition of the months below it was dropped: the restart drops the rest.
+    daemon.restart(&[("CAPSTORE_FAILPOINTS", "during_partition_drop")]).await;
+    died_at(&mut daemon, "during_partition_drop").await;
+    let horizon_month = month_of(server, horizons.before_at(u64::MAX));
+    let below = |table: &str| {
+        months_of(server, &database, table, &catalog_name).into_iter().filter(|month| *month < horizon_month).count()
+    };
+    assert!(
+        ["cs_captures", "cs_by_version", "cs_by_id"].iter().map(|table| below(table)).sum::<usize>() > 0,
+        "the kill came before the last drop"
+    );
+    daemon.restart(&[("CAPSTORE_FAILPOINTS", "")]).await;
+    let horizon_month = month_of(server, horizons.before_at(u64::MAX));
+    wait_until_async(&daemon, Duration::from_secs(60), "the months below the horizon dropped", || async {
+        ["cs_captures", "cs_by_version", "cs_by_id"]
+            .iter()
+            .all(|table| months_of(server, &database, table, &catalog_name).iter().all(|month| *month >= horizon_month))
+    })
+    .await;
+
+    // Like a clean run: one horizon in the log, gapless versions, the kept captures byte-identical.
+    let tail = json(daemon.get_ok(&client, "/v1/tail?after=0&limit=1000").await).await;
+    let horizon_entries: Vec<&Value> =
+        tail["captures"].as_array().unwrap().iter().filter(|entry| entry["expired_before_ns"].is_u64()).collect();
+    assert_eq!(horizon_entries.len(), 1, "{tail}");
+    assert_eq!(horizon_entries[0]["version"].as_u64(), Some(versions_before + 1), "no version lost or taken twice");
+    let counts = server
+        .query(&format!(
+            "SELECT count(), uniqExact(version), max(version) FROM {} WHERE catalog = '{catalog_name}' FORMAT TSV",
+            capstore::catalog::Tables::from_config(&config.catalog).publishes
+        ))
+        .unwrap();
+    let counts: Vec<u64> = counts.split_whitespace().map(|n| n.parse().unwrap()).collect();
+    assert!(counts[0] == counts[1] && counts[1] == counts[2], "gapless versions: {counts:?}");
+    assert_bytes_identical(&daemon, &client, &kept).await;
+}
+
+/// Wait until the daemon has died at `failpoint` (SIGKILLed by it), and check that it was there.
+async fn died_at(daemon: &mut HttpDaemon, failpoint: &str) {
+    let started = Instant::now();
+    while daemon.daemon.exited().is_none() {
+        assert!(started.elapsed() < Duration::from_secs(30), "the daemon never reached {failpoint}:\n{}", daemon.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(daemon.log().contains(&format!("failpoint {failpoint} reached")), "{}", daemon.log());
+}
