@@ -167,7 +167,7 @@ struct Count {
     value: u64,
 }
 
-async fn count(client: &CatalogClient, sql: &str) -> anyhow::Result<u64> {
+pub(super) async fn count(client: &CatalogClient, sql: &str) -> anyhow::Result<u64> {
     // (A scalar subquery is Nullable on current servers.)
     let rows: Vec<Count> = client.fetch_all(&format!("SELECT toUInt64(ifNull(({sql}), 0)) AS value")).await?;
     Ok(rows.first().map_or(0, |row| row.value))

@@ -6,6 +6,12 @@
 //! `catalog-scale`'s (the purge changes it). The deletion goes through the [`Publisher`] (fenced publishes of 10,000
 //! tombstones), the removal through [`RowPurge`] as the compactor runs it, with no grace. The baseline is
 //! `ALTER TABLE ... DELETE` of the same rows of `captures` by (stream, time range), on a copy of the table.
+//!
+//! Then retention by horizon on the same catalog: a horizon at 2024-01-01 (the catalog's first two of three months,
+//! about 78% of its captures) published through the [`Publisher`], the first page of a stream after it, and the
+//! months below it dropped through [`RowPurge`], beside ClickHouse deleting the same rows of a copy of `captures` by
+//! their time range with a mutation (what removing them row by row costs at best), and beside the per-capture
+//! deletion those captures would take, at the rate measured above.
 
 use std::time::{Duration, Instant};
 
@@ -18,7 +24,7 @@ use capstore::catalog::query::{CatalogReader, ListQuery};
 use capstore::catalog::{CatalogClient, Tables};
 use capstore::config::Config;
 
-use super::catalog_scale::{load, ScaleRow, CATALOG};
+use super::catalog_scale::{count, load, ScaleRow, CATALOG};
 
 pub struct PurgeScaleOptions {
     pub config: Config,
@@ -28,6 +34,8 @@ pub struct PurgeScaleOptions {
 }
 
 const STREAM: &str = "sensor/7";
+/// Where the retention horizon goes: 2024-01-01 UTC, the first two of the synthetic catalog's three months below it.
+const HORIZON_NS: u64 = 1_704_067_200_000_000_000;
 /// How long a mutation may take before the bench gives up on it.
 const MUTATION_TIMEOUT: Duration = Duration::from_secs(3600);
 
@@ -84,6 +92,7 @@ pub async fn purge_scale(options: &PurgeScaleOptions) -> anyhow::Result<Vec<Scal
 
         let keeper = LeaseKeeper::for_catalog(&client, &tables, &config, Uuid::new_v4());
         let (_shutdown_tx, mut shutdown_rx) = tokio::sync::watch::channel(false);
+
         let lease = keeper.start(config.start_wait(), &mut shutdown_rx).await?;
         let publisher = Publisher::new(client.clone(), tables.clone(), CATALOG, lease.handle().clone());
         let started = Instant::now();
@@ -147,6 +156,77 @@ pub async fn purge_scale(options: &PurgeScaleOptions) -> anyhow::Result<Vec<Scal
         row("row removal: all three tables' mutations done, ms".to_string(), all_done_ms, None);
         let (after_purge, pages) = first_live_page(&reader).await?;
         row(format!("first 100 live, after the row removal ({pages} pages)"), after_purge, Some(ideal_page));
+
+        // Retention by horizon.
+        let below =
+            count(&client, &format!("SELECT count() FROM {} WHERE captured_at_ns < {HORIZON_NS}", tables.captures))
+                .await?;
+        client.execute(&format!("DROP TABLE IF EXISTS {copy}")).await?;
+        client.execute(&format!("CREATE TABLE {copy} AS {}", tables.captures)).await?;
+        client
+            .execute_with_timeout(&format!("INSERT INTO {copy} SELECT * FROM {}", tables.captures), MUTATION_TIMEOUT)
+            .await?;
+        let keeper = LeaseKeeper::for_catalog(&client, &tables, &config, Uuid::new_v4());
+        let lease = keeper.start(config.start_wait(), &mut shutdown_rx).await?;
+        let publisher = Publisher::new(client.clone(), tables.clone(), CATALOG, lease.handle().clone());
+        let started = Instant::now();
+        loop {
+            match publisher.publish_horizon(HORIZON_NS).await {
+                Err(PublishError::NotCommitted | PublishError::NoLease) => {
+                    tokio::time::sleep(Duration::from_millis(50)).await
+                }
+                other => {
+                    anyhow::ensure!(other?.is_some(), "the horizon was published");
+                    break;
+                }
+            }
+        }
+        row(format!("horizon over {below} captures: published, ms"), started.elapsed().as_secs_f64() * 1000.0, None);
+        lease.stop().await;
+        let ideal_after = time(|| async {
+            client
+                .execute(&format!(
+                    "SELECT * FROM {} WHERE catalog = '{CATALOG}' AND stream = '{STREAM}' AND captured_at_ns >= \
+                     {HORIZON_NS} ORDER BY captured_at_ns, capture_id LIMIT 100 FORMAT Null",
+                    tables.captures
+                ))
+                .await
+                .map_err(Into::into)
+        })
+        .await?;
+        let (after_horizon, pages) = first_live_page(&reader).await?;
+        row(format!("first 100 live, after the horizon ({pages} pages)"), after_horizon, Some(ideal_after));
+        let purge = RowPurge::new(client.clone(), tables.clone(), CATALOG).partitioned(true);
+        let started = Instant::now();
+        let (_, month) = purge.due_horizon(Duration::ZERO).await?;
+        let dropped = purge.drop_months_before(month, || {}).await?;
+        let drop_ms = started.elapsed().as_secs_f64() * 1000.0;
+        let left =
+            count(&client, &format!("SELECT count() FROM {} WHERE captured_at_ns < {HORIZON_NS}", tables.captures))
+                .await?;
+        anyhow::ensure!(dropped > 0 && left == 0, "{dropped} partitions dropped, {left} rows left below the horizon");
+        let started = Instant::now();
+        client
+            .execute(&format!(
+                "ALTER TABLE {copy} DELETE WHERE catalog = '{CATALOG}' AND captured_at_ns < {HORIZON_NS}"
+            ))
+            .await?;
+        let mutation_ms = mutations_done(&client, &tables, &[&copy], started).await?[0];
+        client.execute(&format!("DROP TABLE IF EXISTS {copy}")).await?;
+        row(
+            format!("the {below} captures below it dropped ({dropped} partitions, 3 tables), ms (vs: one mutation of captures by time range)"),
+            drop_ms,
+            Some(mutation_ms),
+        );
+        row(
+            format!(
+                "per-capture deletion of those {below}, ms (extrapolated from the {deleted} above; no row removal)"
+            ),
+            deleting_ms / deleted as f64 * below as f64,
+            None,
+        );
+        let (after_drop, pages) = first_live_page(&reader).await?;
+        row(format!("first 100 live, after the drop ({pages} pages)"), after_drop, Some(ideal_after));
         admin.execute(&format!("DROP DATABASE IF EXISTS {}", config.catalog.database)).await?;
     }
     Ok(results)
