@@ -428,6 +428,24 @@ impl Horizons {
         row.captured_at_ns < self.before_at(watermark)
     }
 
+    /// `row` as a reader pinned at `watermark` sees it: unchanged, or, captured before a horizon at or below the
+    /// watermark, a deletion at the first such horizon's version, or at its own if published later (so that every
+    /// read treats it as it treats a deleted capture: not found, and not looked for in the spool either).
+    pub fn applied(&self, row: CaptureLocation, watermark: u64) -> CaptureLocation {
+        let hidden_at = self
+            .committed
+            .iter()
+            .find(|(version, before)| *version <= watermark && row.captured_at_ns < *before)
+            .map(|(version, _)| *version);
+        match hidden_at {
+            // (A late arrival published after the horizon is gone from its own version on.)
+            Some(version) if !row.is_deletion() => {
+                CaptureLocation { pack_id: DELETED_PACK_ID.to_string(), version: version.max(row.version), ..row }
+            }
+            _ => row,
+        }
+    }
+
     /// Whether `row`, an entry of the log, is left out of it: captured before a horizon published before it.
     pub fn hides_in_log(&self, row: &CaptureLocation) -> bool {
         row.captured_at_ns < self.before_at(row.version.saturating_sub(1))
@@ -681,7 +699,7 @@ impl CatalogReader {
         );
         let watermark = watermark_opt.unwrap_or(u64::MAX);
         let horizons = horizons?;
-        Ok(rows?.pop().filter(|row| !horizons.hides_at(row, watermark)))
+        Ok(rows?.pop().map(|row| horizons.applied(row, watermark)))
     }
 
     /// The newest committed location of each of `ids`: [`CatalogReader::newest_rows`] less the deletions. Ids the
@@ -696,11 +714,11 @@ impl CatalogReader {
     /// the versions `by_id` holds for them, their rows in `by_version`, kept where (version, publish_id) is
     /// committed. Primary-key reads throughout, whatever the catalog's history. Ids the catalog does not know are
     /// absent from the answer.
-    /// A capture captured before a committed retention horizon is absent too, whatever its newest row.
+    /// A capture whose newest row was captured before a committed retention horizon is a deletion at that
+    /// horizon's version ([`Horizons::applied`]).
     pub async fn newest_rows(&self, ids: &[Uuid]) -> Result<HashMap<Uuid, CaptureLocation>, CatalogError> {
-        let (mut newest, horizons) = tokio::try_join!(self.newest_rows_at(ids, u64::MAX), self.horizons(u64::MAX))?;
-        newest.retain(|_, row| !horizons.hides_at(row, u64::MAX));
-        Ok(newest)
+        let (newest, horizons) = tokio::try_join!(self.newest_rows_at(ids, u64::MAX), self.horizons(u64::MAX))?;
+        Ok(newest.into_iter().map(|(id, row)| (id, horizons.applied(row, u64::MAX))).collect())
     }
 
     /// The newest committed row of each of `ids` as a reader pinned at `watermark` sees them, horizons not applied.
@@ -1376,6 +1394,10 @@ mod tests {
         assert!(horizons.hides_in_log(&row(6, 50)), "published after it, captured before it: gone as it comes");
         assert!(!horizons.hides_in_log(&row(6, 150)) && horizons.hides_in_log(&row(10, 150)));
         assert_eq!(horizons.published_in(5, 9).collect::<Vec<_>>(), vec![(9, 300)]);
+        let hidden = horizons.applied(row(1, 150), u64::MAX);
+        assert!(hidden.is_deletion() && hidden.version == 9, "a deletion at the horizon that hides it: {hidden:?}");
+        assert_eq!(horizons.applied(row(1, 150), 8), row(1, 150), "not at a watermark below that horizon");
+        assert_eq!(horizons.applied(row(12, 350), u64::MAX), row(12, 350));
         let page = TailPage {
             captures: vec![row(4, 200), row(7, 400)],
             horizons: vec![(5, 100), (9, 300)],
