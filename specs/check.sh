@@ -65,7 +65,7 @@ lease_safety.pml|LOST_LITERAL|exhaustive|holds|-
 "
 fi
 
-limit="${CHECK_TIMEOUT:-90}"
+limit="${CHECK_TIMEOUT:-300}"
 fail=0
 printf '%-17s %-22s %-10s %-8s %-8s %10s %7s  %s\n' model variant mode expected got states seconds property
 while IFS='|' read -r model variant mode expected prop; do
