@@ -150,6 +150,18 @@ struct PackBriefRow {
     first_v: u64,
 }
 
+impl From<PackBriefRow> for PackBrief {
+    fn from(row: PackBriefRow) -> PackBrief {
+        PackBrief {
+            pack_id: row.pack_id,
+            object_key: row.object_key_v,
+            bytes: row.bytes_v,
+            records: row.records_v,
+            first_captured_at_ns: row.first_v,
+        }
+    }
+}
+
 #[derive(clickhouse::Row, serde::Deserialize)]
 struct IdRow {
     capture_id: String,
@@ -1118,17 +1130,7 @@ impl CatalogReader {
                 from = sql_string_literal(from_id),
             ))
             .await
-            .map(|rows: Vec<PackBriefRow>| {
-                rows.into_iter()
-                    .map(|row| PackBrief {
-                        pack_id: row.pack_id,
-                        object_key: row.object_key_v,
-                        bytes: row.bytes_v,
-                        records: row.records_v,
-                        first_captured_at_ns: row.first_v,
-                    })
-                    .collect()
-            })
+            .map(|rows: Vec<PackBriefRow>| rows.into_iter().map(PackBrief::from).collect())
     }
 
     /// Committed packs with ids from `from_id` on whose every capture was captured before `before_ns` (a retention
@@ -1169,16 +1171,7 @@ impl CatalogReader {
             self.client.fetch_all::<PackBriefRow>(&below_sql),
             self.client.fetch_all::<Lowest>(&lowest_sql)
         )?;
-        let briefs = below
-            .into_iter()
-            .map(|row| PackBrief {
-                pack_id: row.pack_id,
-                object_key: row.object_key_v,
-                bytes: row.bytes_v,
-                records: row.records_v,
-                first_captured_at_ns: row.first_v,
-            })
-            .collect();
+        let briefs = below.into_iter().map(PackBrief::from).collect();
         Ok((briefs, lowest.into_iter().find(|row| row.rows > 0).map(|row| row.pack_id_v)))
     }
 
@@ -1327,9 +1320,9 @@ mod tests {
         assert_eq!(page.cut_to_bytes(1).captures.len(), 1, "one capture at least");
     }
 
-    #[test]
-    fn a_tail_page_cut_short_goes_on_after_its_last_capture() {
-        let row = |version: u64, id: u128| CaptureLocation {
+    /// A row of the log: capture `id` at `version`, 10 bytes, stream `s`, captured at 0.
+    fn tail_row(version: u64, id: u128) -> CaptureLocation {
+        CaptureLocation {
             capture_id: Uuid::from_u128(id).to_string(),
             stream: "s".into(),
             captured_at_ns: 0,
@@ -1344,7 +1337,12 @@ mod tests {
             label_values: Vec::new(),
             content_type: String::new(),
             version,
-        };
+        }
+    }
+
+    #[test]
+    fn a_tail_page_cut_short_goes_on_after_its_last_capture() {
+        let row = tail_row;
         let from = TailPosition { version: 4, after_id: Some(Uuid::from_u128(3)) };
         let page = TailPage {
             captures: vec![row(5, 4), row(6, 1), row(6, 2), row(7, 1)],
@@ -1371,20 +1369,9 @@ mod tests {
     #[test]
     fn horizons_hide_by_the_reader_s_watermark_and_in_the_log_by_the_row_s_version() {
         let row = |version: u64, captured_at_ns: u64| CaptureLocation {
-            capture_id: Uuid::from_u128(1).to_string(),
-            stream: "s".into(),
             captured_at_ns,
             pack_id: "p".into(),
-            object_key: String::new(),
-            record_offset: 0,
-            record_len: 0,
-            payload_offset: 0,
-            payload_len: 0,
-            crc32c: 0,
-            label_keys: Vec::new(),
-            label_values: Vec::new(),
-            content_type: String::new(),
-            version,
+            ..tail_row(version, 1)
         };
         let horizons = Horizons::for_test(vec![(5, 100), (9, 300)]);
         assert_eq!((horizons.before_at(4), horizons.before_at(5), horizons.before_at(u64::MAX)), (0, 100, 300));
