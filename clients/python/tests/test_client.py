@@ -211,7 +211,27 @@ def test_errors_carry_the_status_and_the_field(client: capstore.Client, stream: 
 def test_connections_are_reused(client: capstore.Client, stream: str) -> None:
     for index in range(20):
         client.get(client.put(stream, payload(10, index)).capture_id)
-    connections = client._pool.num_connections
+    connections = client._pool.opened
     assert connections == 1, f"{connections} connections for 40 sequential requests"
     assert client.ready()
     assert "lease_state" in client.status()
+
+
+def test_threads_share_one_client(client: capstore.Client, stream: str) -> None:
+    failures: List[BaseException] = []
+
+    def work(seed: int) -> None:
+        try:
+            for index in range(10):
+                body = payload(2000, seed * 10 + index)
+                assert client.get(client.put(stream, body).capture_id).payload == body
+        except BaseException as error:  # reported below
+            failures.append(error)
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures, failures
+    assert client._pool.opened <= 4, "a connection per thread at most"

@@ -7,9 +7,12 @@
 b'...'
 """
 
-from ._client import Client
-from ._types import Capture, CaptureInfo, DeletionResult, Export, PutReceipt, TailEntry
-from .errors import (
+# (Before the imports: the client names itself with it.)
+__version__ = "0.1.0"
+
+from ._client import Client  # noqa: E402
+from ._types import Capture, CaptureInfo, DeletionResult, Export, PutReceipt, TailEntry  # noqa: E402
+from .errors import (  # noqa: E402
     BadRequest,
     CapstoreError,
     ConnectionFailed,
@@ -39,4 +42,3 @@ __all__ = [
     "Unavailable",
     "Unreadable",
 ]
-__version__ = "0.1.0"

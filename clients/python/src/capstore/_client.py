@@ -1,9 +1,8 @@
-"""The client: one keep-alive connection pool to one daemon, and a method per API endpoint."""
+"""The client: a method per API endpoint, over one pool of kept-alive connections to one daemon (``_http``)."""
 
 from __future__ import annotations
 
 import datetime as _dt
-import io
 import json
 import os
 import tarfile
@@ -12,8 +11,8 @@ import uuid
 from typing import IO, Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit
 
-import urllib3
-
+from . import __version__
+from ._http import Body, Pool, Response, position
 from ._types import Capture, CaptureInfo, DeletionResult, Export, ExportState, PutReceipt, TailEntry
 from .errors import CapstoreError, ConnectionFailed, NotFound, Unavailable, Unreadable, error_for
 
@@ -27,15 +26,19 @@ CaptureId = Union[str, uuid.UUID]
 GET_MANY_BATCH = 500
 #: Ids per deletion request: the most one publish of the daemon takes.
 DELETE_BATCH = 10_000
+_JSON_BODY = {"Content-Type": "application/json"}
 
 
 class Client:
     """A client of one capstore daemon (``capstore run``'s ``http.listen``, ``http://127.0.0.1:9464`` by default).
 
-    Connections are kept alive and reused; a client is safe to share between threads. `token` is the content of the
-    daemon's ``http.token_file`` when it has one. `retries` is how often an answer of 503 with ``Retry-After`` (a
-    full spool, a busy daemon: the request was not carried out) is retried, after the pause the daemon asks for;
-    nothing else is retried, since a request whose answer was lost may have been carried out.
+    Connections are kept alive and reused (up to `max_connections` idle ones); a client is safe to share between
+    threads. `token` is the content of the daemon's ``http.token_file`` when it has one. `retries` is how often an
+    answer of 503 with ``Retry-After`` (a full spool, a busy daemon: the request was not carried out) is retried,
+    after the pause the daemon asks for. Nothing else is retried, since a request whose answer was lost may have been
+    carried out, with one exception: a read or a put that went out on a kept-alive connection just as the daemon
+    closed it (no byte of an answer came) is sent once more on a new connection; a put carries its capture id, so
+    this cannot store it twice.
     """
 
     def __init__(
@@ -51,15 +54,27 @@ class Client:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"url = {url!r}: expected http://host:port")
-        self._path_prefix = parts.path.rstrip("/")
-        self._headers: Dict[str, str] = {}
+        default_port = 443 if parts.scheme == "https" else 80
+        port = parts.port or default_port
+        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+        self._path_prefix = quote(parts.path.rstrip("/"), safe="/%")
+        headers = {
+            "Host": host if port == default_port else f"{host}:{port}",
+            "User-Agent": f"capstore-python/{__version__}",
+        }
         if token is not None:
-            self._headers["Authorization"] = f"Bearer {token.strip()}"
+            if any(character in token.strip() for character in "\r\n\0"):
+                raise ValueError("token: a line break or NUL would end the header it goes in")
+            headers["Authorization"] = f"Bearer {token.strip()}"
         self._retries = retries
-        self._timeout = urllib3.Timeout(connect=connect_timeout, read=timeout)
-        # One pool for the one daemon (not a PoolManager: no per-request URL parsing and pool lookup).
-        self._pool = urllib3.connection_from_url(
-            f"{parts.scheme}://{parts.netloc}", maxsize=max_connections, block=False, retries=False, timeout=self._timeout
+        self._pool = Pool(
+            parts.scheme,
+            parts.hostname,
+            port,
+            headers=headers,
+            connect_timeout=connect_timeout,
+            read_timeout=timeout,
+            max_idle=max_connections,
         )
 
     def close(self) -> None:
@@ -109,16 +124,15 @@ class Client:
             if wait_timeout is not None:
                 query.append(("timeout_ms", str(int(wait_timeout * 1000))))
         opened: Optional[IO[bytes]] = None
-        body: Union[bytes, IO[bytes]]
+        body: Body
         if isinstance(payload, (str, os.PathLike)):
             opened = open(payload, "rb")
             body = opened
-        elif isinstance(payload, (bytearray, memoryview)):
-            body = bytes(payload)
         else:
             body = payload
         try:
-            response = self._request("POST", "/v1/captures", query, body=body)
+            # Retry-safe: a put sent twice (once unanswered) stores its capture id once.
+            response = self._request("POST", "/v1/captures", query, body=body, retry_safe=True)
             answer = _json(response.data)
         finally:
             if opened is not None:
@@ -172,8 +186,8 @@ class Client:
 
     def _multi_get(self, ids: List[str], missing_ok: bool) -> Iterator[Capture]:
         body = json.dumps({"ids": ids}).encode()
-        response = self._request("POST", "/v1/captures/multi-get", body=body, stream=True,
-                                 headers={"Content-Type": "application/json"})
+        response = self._request("POST", "/v1/captures/multi-get", body=body, stream=True, retry_safe=True,
+                                 headers=_JSON_BODY)
         files: Dict[str, bytes] = {}
         manifest: List[Dict[str, Any]] = []
         with _TarReader(response) as entries:
@@ -322,8 +336,7 @@ class Client:
         ids = [str(capture_id) for capture_id in capture_ids]
         for start in range(0, len(ids), DELETE_BATCH):
             body = json.dumps({"ids": ids[start:start + DELETE_BATCH], "dry_run": dry_run}).encode()
-            answer = _json(self._request("POST", "/v1/captures/delete", body=body,
-                                         headers={"Content-Type": "application/json"}).data)
+            answer = _json(self._request("POST", "/v1/captures/delete", body=body, headers=_JSON_BODY).data)
             result.deleted.extend(answer["deleted"])
             result.already_deleted.extend(answer["already_deleted"])
             result.not_found.extend(answer["not_found"])
@@ -353,61 +366,45 @@ class Client:
         path: str,
         query: Sequence[Tuple[str, str]] = (),
         *,
-        body: Optional[Union[bytes, IO[bytes]]] = None,
+        body: Optional[Body] = None,
         headers: Optional[Mapping[str, str]] = None,
         stream: bool = False,
+        retry_safe: bool = False,
         extra_read_timeout: float = 0.0,
-    ) -> urllib3.BaseHTTPResponse:
-        url = self._path_prefix + path + ("?" + urlencode(query, quote_via=quote) if query else "")
-        all_headers = dict(self._headers)
-        all_headers.update(headers or {})
-        start: Optional[int] = None
-        if body is not None and not isinstance(body, bytes):
-            start = body.tell() if body.seekable() else None
-            size = _remaining(body)
-            if size is not None:
-                all_headers["Content-Length"] = str(size)
+    ) -> Response:
+        """The answer to one request when it is a success (a failure is raised as its :class:`CapstoreError`), its
+        body read already unless `stream`. A `retry_safe` request (a read, a put: it carries its capture id; every
+        GET is one) is sent again when a kept-alive connection turns out closed before any answer (see ``_http``)."""
+        target = self._path_prefix + path + ("?" + urlencode(query, quote_via=quote) if query else "")
+        timeout = None if not extra_read_timeout else (self._pool.read_timeout or 0.0) + extra_read_timeout
+        file = body if body is not None and not isinstance(body, (bytes, bytearray, memoryview)) else None
+        start = position(file) if file is not None else None
         attempt = 0
         while True:
-            try:
-                response = self._pool.urlopen(
-                    method,
-                    url,
-                    body=body,
-                    headers=all_headers,
-                    preload_content=not stream,
-                    redirect=False,
-                    retries=False,
-                    timeout=self._timeout_for(extra_read_timeout),
-                )
-            except urllib3.exceptions.HTTPError as error:
-                raise ConnectionFailed(f"{method} {path}: {error}") from error
+            response = self._pool.request(
+                method, target, body=body, headers=headers, retry_safe=retry_safe or method == "GET", timeout=timeout
+            )
             if response.status < 300:
+                if not stream:
+                    response.data  # read now: the connection goes back to the pool
                 return response
             retry_after = _retry_after(response)
             failure = _error(response, retry_after)
-            rewindable = start is not None or body is None or isinstance(body, bytes)
+            rewindable = file is None or start is not None
             if isinstance(failure, Unavailable) and retry_after is not None and attempt < self._retries and rewindable:
                 attempt += 1
                 time.sleep(min(retry_after, 10.0))
-                if start is not None and body is not None and not isinstance(body, bytes):
-                    body.seek(start)
+                if file is not None and start is not None:
+                    file.seek(start)
                 continue
             raise failure
-
-
-    def _timeout_for(self, extra_read: float) -> urllib3.Timeout:
-        if not extra_read:
-            return self._timeout
-        read = self._timeout.read_timeout
-        return urllib3.Timeout(connect=self._timeout.connect_timeout, read=(read or 0.0) + extra_read)
 
 
 class _TarReader:
     """The regular files of a streamed tar answer, as (name, bytes), one at a time; closing it early drops the
     connection (the rest of the answer is not read)."""
 
-    def __init__(self, response: urllib3.BaseHTTPResponse) -> None:
+    def __init__(self, response: Response) -> None:
         self._response = response
         self._finished = False
 
@@ -419,7 +416,7 @@ class _TarReader:
                         continue
                     extracted = archive.extractfile(member)
                     yield member.name, extracted.read() if extracted else b""
-        except (tarfile.TarError, urllib3.exceptions.HTTPError, OSError) as error:
+        except (tarfile.TarError, OSError) as error:
             raise ConnectionFailed(f"the answer broke off: {error}") from error
         self._finished = True
 
@@ -427,10 +424,9 @@ class _TarReader:
         if self._finished:
             # The archive's end may leave the chunked body's last bytes unread: read them, so the connection can
             # serve the next request.
-            self._response.drain_conn()
+            self._response.release()
         else:
             self._response.close()
-        self._response.release_conn()
 
     def __enter__(self) -> "_TarReader":
         return self
@@ -490,14 +486,7 @@ def _time_ns(value: Time, name: str) -> Union[int, str]:
     raise TypeError(f"{name}: nanoseconds, a datetime or an RFC 3339 string, not {type(value).__name__}")
 
 
-def _remaining(file: IO[bytes]) -> Optional[int]:
-    try:
-        return os.fstat(file.fileno()).st_size - file.tell()
-    except (OSError, AttributeError, io.UnsupportedOperation):
-        return None
-
-
-def _retry_after(response: urllib3.BaseHTTPResponse) -> Optional[float]:
+def _retry_after(response: Response) -> Optional[float]:
     value = response.headers.get("retry-after")
     try:
         return float(value) if value is not None else None
@@ -505,7 +494,7 @@ def _retry_after(response: urllib3.BaseHTTPResponse) -> Optional[float]:
         return None
 
 
-def _error(response: urllib3.BaseHTTPResponse, retry_after: Optional[float]) -> CapstoreError:
+def _error(response: Response, retry_after: Optional[float]) -> CapstoreError:
     data = response.data
     message, field = data.decode("utf-8", "replace").strip(), None
     try:
