@@ -28,6 +28,13 @@ impl HttpDaemon {
 
     /// [`HttpDaemon::start`] on the ClickHouse `server`.
     async fn start_on(server: &ClickHouseServer, extra_env: &[(&str, String)]) -> HttpDaemon {
+        let (dir, port, env) = HttpDaemon::environment(server, extra_env);
+        HttpDaemon::launch(dir, port, env).await
+    }
+
+    /// The directory, HTTP port and environment [`HttpDaemon::start_on`] starts a daemon with (for a test that
+    /// prepares its catalog first).
+    fn environment(server: &ClickHouseServer, extra_env: &[(&str, String)]) -> (tempfile::TempDir, u16, DaemonEnv) {
         let dir = tempfile::tempdir().unwrap();
         let port = common::free_port(false);
         let env = DaemonEnv::live_on(server, "http", dir.path())
@@ -35,6 +42,11 @@ impl HttpDaemon {
             .set("CAPSTORE_HTTP_LISTEN", format!("127.0.0.1:{port}"))
             .set("CAPSTORE_SHUTDOWN_GRACE", "5s");
         let env = extra_env.iter().fold(env, |env, (key, value)| env.set(key, value.clone()));
+        (dir, port, env)
+    }
+
+    /// Start `capstore run` with `env`, its files in `dir`, serving HTTP on `port`; returns once /healthz answers.
+    async fn launch(dir: tempfile::TempDir, port: u16, env: DaemonEnv) -> HttpDaemon {
         let daemon = env.start(dir.path().join("daemon.log"));
         let mut daemon = HttpDaemon { daemon, base: format!("http://127.0.0.1:{port}"), env, _dir: dir };
         daemon.wait_for_http(&reqwest::Client::new()).await;
@@ -1947,4 +1959,154 @@ async fn died_at(daemon: &mut HttpDaemon, failpoint: &str) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(daemon.log().contains(&format!("failpoint {failpoint} reached")), "{}", daemon.log());
+}
+
+/// The tables of a catalog as the capstore before schema 6 created them: not partitioned, `by_id` without
+/// `captured_at_ns` (its view not writing it), no `horizons`, stamped 5.
+fn create_schema_5_tables(server: &ClickHouseServer, tables: &capstore::catalog::Tables) {
+    use capstore::catalog::schema::PARTITION_BY;
+    for statement in tables.ddl() {
+        if statement.contains(&format!(" IF NOT EXISTS {} ", tables.horizons)) {
+            continue;
+        }
+        let statement = statement
+            .replace(&format!("PARTITION BY {PARTITION_BY} "), "")
+            .replace("publish_id FixedString(16), captured_at_ns UInt64", "publish_id FixedString(16)")
+            .replace("AS publish_id, captured_at_ns FROM", "AS publish_id FROM");
+        server.query(&statement).unwrap_or_else(|error| panic!("{statement}: {error}"));
+    }
+    server
+        .query(&format!("INSERT INTO {} (component, version, written_at_ms) VALUES ('catalog', 5, 0)", tables.schema))
+        .unwrap();
+}
+
+/// Each of `tables` (names in `database`) is partitioned by catalog and month.
+fn all_partitioned(server: &ClickHouseServer, database: &str, tables: &[&str]) -> bool {
+    let names: Vec<String> = tables.iter().map(|table| format!("'{table}'")).collect();
+    let found = server
+        .query(&format!(
+            "SELECT count() FROM system.tables WHERE database = '{database}' AND name IN ({}) AND \
+             partition_key LIKE '%captured_at_ns%' FORMAT TSV",
+            names.join(", ")
+        ))
+        .unwrap();
+    found.trim() == tables.len().to_string()
+}
+
+for_each_version!(repartition_moves_an_older_catalog_onto_month_partitions_and_every_read_answers_the_same);
+async fn repartition_moves_an_older_catalog_onto_month_partitions_and_every_read_answers_the_same(
+    server: &'static ClickHouseServer,
+) {
+    let (dir, port, env) = HttpDaemon::environment(
+        server,
+        &[
+            ("CAPSTORE_LIFECYCLE_RETENTION_INTERVAL", "1s".into()),
+            ("CAPSTORE_LIFECYCLE_COMPACTION_INTERVAL", "1s".into()),
+            ("CAPSTORE_LIFECYCLE_COMPACTION_MIN_AGE", "1h".into()),
+            ("CAPSTORE_LIFECYCLE_READ_GRACE", "1s".into()),
+        ],
+    );
+    let config = env.config();
+    let tables = capstore::catalog::Tables::from_config(&config.catalog);
+    let (database, catalog_name) = (tables.database.clone(), config.catalog_name.clone());
+    server.query(&format!("CREATE DATABASE {database}")).unwrap();
+    create_schema_5_tables(server, &tables);
+    let mut daemon = HttpDaemon::launch(dir, port, env).await;
+    let client = reqwest::Client::new();
+    daemon.get_ok(&client, "/v1/tail").await;
+    let big_three = ["cs_captures", "cs_by_version", "cs_by_id"];
+    assert!(!all_partitioned(server, &database, &big_three[..1]), "an older catalog's tables are not partitioned");
+    let now_ns = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    let mut posted = Vec::new();
+    for (index, days) in [150u64, 120, 1].into_iter().enumerate() {
+        let at = now_ns - days * DAY_NS;
+        let url = daemon.url(&format!("/v1/captures?stream=old/r&captured_at_ns={at}&wait=published"));
+        let body = payload(200, index as u8);
+        let response = client.post(url).body(body.clone()).send().await.unwrap();
+        assert_eq!(response.status(), StatusCode::CREATED, "{}", daemon.log());
+        posted.push((json(response).await["capture_id"].as_str().unwrap().to_string(), at, body));
+    }
+    posted.extend(post_batch_published(&daemon, &client, "old/r", 3, 60).await);
+    let deleted = posted.pop().unwrap();
+    let answer = client.delete(daemon.url(&format!("/v1/captures/{}", deleted.0))).send().await.unwrap();
+    assert_eq!(answer.status(), StatusCode::OK);
+    let before = listing_and_log(&daemon, &client).await;
+
+    // Refused while the daemon holds its lease; nothing touched.
+    let refused = daemon.env.command().arg("repartition").output().unwrap();
+    assert_eq!(refused.status.code(), Some(3), "{}", String::from_utf8_lossy(&refused.stderr));
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("live lease"));
+    daemon.daemon.signal(nix::sys::signal::Signal::SIGTERM);
+    let started = Instant::now();
+    while daemon.daemon.exited().is_none() {
+        assert!(started.elapsed() < Duration::from_secs(30), "{}", daemon.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let moved = daemon.env.command().arg("repartition").output().unwrap();
+    assert!(moved.status.success(), "{}", String::from_utf8_lossy(&moved.stderr));
+    let report: Value = serde_json::from_slice(&moved.stdout).unwrap();
+    assert_eq!(report["copied"].as_array().unwrap().len(), 3, "{report}");
+    assert!(all_partitioned(server, &database, &big_three));
+    let kept = server
+        .query(&format!(
+            "SELECT count() FROM system.tables WHERE database = '{database}' AND name LIKE '%_unpartitioned' FORMAT TSV"
+        ))
+        .unwrap();
+    assert_eq!(kept.trim(), "3", "the old tables are kept");
+    let timeless =
+        server.query(&format!("SELECT count() FROM {} WHERE captured_at_ns = 0 FORMAT TSV", tables.by_id)).unwrap();
+    assert_eq!(timeless.trim(), "0", "every row of by_id has its capture's time");
+    let again = daemon.env.command().arg("repartition").output().unwrap();
+    assert!(again.status.success() && String::from_utf8_lossy(&again.stdout).contains("already"));
+
+    // A run stopped half way keeps daemons and readers out, naming the command.
+    server
+        .query(&format!(
+            "INSERT INTO {} (component, version, written_at_ms) VALUES ('repartition', 1, 4000000000000)",
+            tables.schema
+        ))
+        .unwrap();
+    let ls = daemon.env.command().args(["ls", "--stream", "old/r"]).output().unwrap();
+    assert!(!ls.status.success() && String::from_utf8_lossy(&ls.stderr).contains("capstore repartition"));
+    server
+        .query(&format!(
+            "INSERT INTO {} (component, version, written_at_ms) VALUES ('repartition', 2, 4000000000001)",
+            tables.schema
+        ))
+        .unwrap();
+
+    // Every read answers the same on the new tables, and a retention horizon drops whole months of them.
+    daemon.restart(&[]).await;
+    assert_eq!(listing_and_log(&daemon, &client).await, before);
+    assert_bytes_identical(&daemon, &client, &posted).await;
+    let config_file = daemon._dir.path().join("retention.toml");
+    std::fs::write(&config_file, "[[retention]]\nstreams = \"*\"\nkeep = \"60d\"\n").unwrap();
+    daemon.daemon.signal(nix::sys::signal::Signal::SIGTERM);
+    daemon.restart(&[("CAPSTORE_CONFIG", config_file.to_str().unwrap())]).await;
+    let horizon_month = month_of(server, now_ns - 60 * DAY_NS);
+    wait_until_async(&daemon, Duration::from_secs(60), "the months below the horizon dropped", || async {
+        big_three
+            .iter()
+            .all(|table| months_of(server, &database, table, &catalog_name).iter().all(|month| *month >= horizon_month))
+    })
+    .await;
+    assert_bytes_identical(&daemon, &client, &posted[2..]).await;
+}
+
+/// Stream `old/r`'s listing (what each capture is, not where its bytes are: a compaction may move them) and the
+/// whole log, as JSON.
+async fn listing_and_log(daemon: &HttpDaemon, client: &reqwest::Client) -> (Vec<Value>, Value) {
+    let listing = json(daemon.get_ok(client, "/v1/captures?stream=old/r&limit=100").await).await;
+    let tail = json(daemon.get_ok(client, "/v1/tail?after=0&limit=1000").await).await;
+    let what: Vec<Value> = listing["captures"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|capture| {
+            let keep =
+                ["capture_id", "stream", "captured_at_ns", "payload_len", "crc32c", "label_keys", "label_values"];
+            keep.iter().map(|key| (key.to_string(), capture[*key].clone())).collect::<serde_json::Map<_, _>>().into()
+        })
+        .collect();
+    (what, tail["captures"].clone())
 }

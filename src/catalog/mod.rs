@@ -11,6 +11,7 @@
 //! - [`fleet`]: listings across the catalogs of a fleet of daemons sharing the tables.
 //! - [`retired`]: the packs a compaction replaced, and the removal of their objects after the reader grace period.
 //! - [`purge`]: the removal of deleted captures' rows from the tables, once readers are done with them.
+//! - [`repartition`]: moving tables created before schema 6 onto tables partitioned by month (an offline step).
 
 pub mod client;
 pub mod fleet;
@@ -19,6 +20,7 @@ pub mod lease;
 pub mod publish;
 pub mod purge;
 pub mod query;
+pub mod repartition;
 pub mod retired;
 pub mod schema;
 

@@ -213,6 +213,8 @@ pub struct Publisher {
     /// `(tenure, version)` of this publisher's last commit: within one tenure of the lease nobody else publishes, so
     /// the next version follows from it without reading the watermark (see [`Publisher::next_version`]).
     last_commit: Mutex<Option<(u64, u64)>>,
+    /// Whether `by_id` has `captured_at_ns` ([`super::schema::by_id_has_time`]), asked once.
+    by_id_time: tokio::sync::OnceCell<bool>,
 }
 
 impl Publisher {
@@ -225,6 +227,7 @@ impl Publisher {
             unresolved: Mutex::new(None),
             turn: tokio::sync::Mutex::new(()),
             stamped: std::sync::atomic::AtomicU32::new(0),
+            by_id_time: tokio::sync::OnceCell::new(),
             last_commit: Mutex::new(None),
         }
     }
@@ -631,10 +634,13 @@ impl Publisher {
     /// replica than the insert). Either may be left an orphan by a failure before the commit, which no read sees.
     async fn insert_index_rows(&self, rows: &[CaptureRow], version: u64, publish_id: &str) -> Result<(), CatalogError> {
         self.client.insert_rows(&self.tables.by_version, rows).await?;
+        let by_id_time =
+            *self.by_id_time.get_or_try_init(|| super::schema::by_id_has_time(&self.client, &self.tables)).await?;
+        let time = if by_id_time { ", captured_at_ns" } else { "" };
         self.client
             .execute_consistent(&format!(
-                "INSERT INTO {by_id} (catalog, capture_id, version, publish_id, captured_at_ns) SELECT catalog, \
-                 UUIDStringToNum(capture_id), version, UUIDStringToNum(publish_id), captured_at_ns FROM {by_version} \
+                "INSERT INTO {by_id} (catalog, capture_id, version, publish_id{time}) SELECT catalog, \
+                 UUIDStringToNum(capture_id), version, UUIDStringToNum(publish_id){time} FROM {by_version} \
                  WHERE catalog = {catalog} AND version = {version} AND publish_id = {publish_id}",
                 by_id = self.tables.by_id,
                 by_version = self.tables.by_version,

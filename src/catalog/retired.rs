@@ -25,6 +25,7 @@ use super::schema::Tables;
 /// ClickHouse's UNKNOWN_TABLE: tables created by a capstore older than `retired_packs` (read-only tools reading
 /// them know that nothing was retired).
 const UNKNOWN_TABLE_CODE: u32 = 60;
+const UNKNOWN_DATABASE_CODE: u32 = 81;
 
 /// A row of `retired_packs`.
 #[derive(clickhouse::Row, serde::Serialize)]
@@ -37,9 +38,9 @@ pub(super) struct RetiredPackRow {
     pub removed_at_ms: u64,
 }
 
-/// The table a statement names does not exist.
+/// The table a statement names does not exist (nor, perhaps, its database).
 pub(super) fn is_unknown_table(error: &CatalogError) -> bool {
-    error.server_code == Some(UNKNOWN_TABLE_CODE)
+    matches!(error.server_code, Some(UNKNOWN_TABLE_CODE | UNKNOWN_DATABASE_CODE))
 }
 
 /// A retired pack whose grace period is over and whose object is still to be removed.

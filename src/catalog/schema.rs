@@ -52,9 +52,9 @@
 //! tables before deleting). 4 -> 5 adds `retired_packs` (created at every start, like every table) and, in
 //! `by_version` and `by_id`, *moves*: a compaction's rows giving a capture its new place (see
 //! [`super::query`]), which a schema 4 reader would take for a re-post; the first compaction stamps 5. 5 -> 6 adds
-//! `horizons` and the `captured_at_ns` of `by_id` (added in place to an older `by_id`, where the rows written
-//! before have 0: only the partitions of a new catalog use it); the first horizon stamps 6, since a schema 5
-//! reader would show what a horizon hides.
+//! `horizons` and, in a new catalog, the `captured_at_ns` of `by_id` and the partitions (an older catalog keeps its
+//! tables until `capstore repartition` moves them, see [`super::repartition`]); the first horizon stamps 6, since a
+//! schema 5 reader would show what a horizon hides.
 
 use super::client::{sql_string_literal, CatalogClient, CatalogError, ErrorKind};
 use crate::config::CatalogConfig;
@@ -153,6 +153,14 @@ impl Tables {
 
     /// Every DDL statement, in order (each `IF NOT EXISTS`: a start runs them all).
     pub fn ddl(&self) -> Vec<String> {
+        self.ddl_for(true)
+    }
+
+    /// [`Tables::ddl`], its view into `by_id` writing `captured_at_ns` only with `by_id_time` (a `by_id` created
+    /// before schema 6 lacks it, and current servers check a view's query against its target even when the view
+    /// exists already).
+    fn ddl_for(&self, by_id_time: bool) -> Vec<String> {
+        let by_id_select = if by_id_time { BY_ID_SELECT } else { BY_ID_SELECT_WITHOUT_TIME };
         let on_cluster = self.on_cluster();
         let view = |target: &str, select: &str| {
             format!(
@@ -184,7 +192,7 @@ impl Tables {
                 self.by_id,
                 self.engine(&self.by_id, "ReplacingMergeTree", "")
             ),
-            view(&self.by_id, &format!("SELECT {BY_ID_SELECT} FROM {}", self.captures)),
+            view(&self.by_id, &format!("SELECT {by_id_select} FROM {}", self.captures)),
             format!(
                 "CREATE TABLE IF NOT EXISTS {}{on_cluster} (\
                  catalog String, stream String, first_at AggregateFunction(min, UInt64), \
@@ -349,6 +357,9 @@ const BY_ID_INDEX_GRANULARITY: u32 = 256;
 /// capstore writes is a UUID's text, so the conversion cannot fail.)
 const BY_ID_SELECT: &str = "catalog, UUIDStringToNum(capture_id) AS capture_id, version, \
      UUIDStringToNum(publish_id) AS publish_id, captured_at_ns";
+/// [`BY_ID_SELECT`] of a `by_id` created before schema 6.
+const BY_ID_SELECT_WITHOUT_TIME: &str = "catalog, UUIDStringToNum(capture_id) AS capture_id, version, \
+     UUIDStringToNum(publish_id) AS publish_id";
 
 /// How long one backfill statement of an upgrade may run: it copies every row of the catalog tables on the server.
 const BACKFILL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3600);
@@ -367,6 +378,44 @@ pub enum SchemaError {
          daemon (capstore run) once, which upgrades it (or wait for the upgrade under way to finish)"
     )]
     NotUpgraded { database: String, found: u32 },
+    #[error(
+        "the catalog tables in {database} are being repartitioned (or a run of `capstore repartition` stopped half \
+         way): wait for it, or run it again"
+    )]
+    Repartitioning { database: String },
+}
+
+/// The component of `capstore repartition`'s mark in `schema` (see [`super::repartition`]): its newest row is version
+/// 1 while a run is under way, 2 once it is done.
+pub const REPARTITION_COMPONENT: &str = "repartition";
+
+/// Whether a run of `capstore repartition` is under way, or stopped half way (its mark in `schema`).
+pub async fn repartition_under_way(client: &CatalogClient, tables: &Tables) -> Result<bool, CatalogError> {
+    #[derive(clickhouse::Row, serde::Deserialize)]
+    struct Mark {
+        version: u32,
+    }
+    let rows: Result<Vec<Mark>, CatalogError> = client
+        .fetch_all(&format!(
+            "SELECT argMax(version, (written_at_ms, version)) AS version FROM {} WHERE component = {}",
+            tables.schema,
+            sql_string_literal(REPARTITION_COMPONENT)
+        ))
+        .await;
+    match rows {
+        Ok(rows) => Ok(rows.first().is_some_and(|row| row.version == 1)),
+        // No tables yet: nothing to repartition.
+        Err(error) if super::retired::is_unknown_table(&error) => Ok(false),
+        Err(error) => Err(error),
+    }
+}
+
+/// [`repartition_under_way`] as the refusal a start or a reader gives.
+async fn refuse_while_repartitioning(client: &CatalogClient, tables: &Tables) -> Result<(), SchemaError> {
+    if repartition_under_way(client, tables).await? {
+        return Err(SchemaError::Repartitioning { database: tables.database.clone() });
+    }
+    Ok(())
 }
 
 #[derive(clickhouse::Row, serde::Deserialize)]
@@ -410,7 +459,7 @@ pub async fn objects_present(client: &CatalogClient, tables: &Tables) -> Result<
 }
 
 /// The name a statement of [`Tables::ddl`] creates: the word after `IF NOT EXISTS`.
-fn created_object(statement: &str) -> &str {
+pub(super) fn created_object(statement: &str) -> &str {
     let after = statement.split_once(" IF NOT EXISTS ").map_or("", |(_, rest)| rest);
     after.split_whitespace().next().unwrap_or_default()
 }
@@ -519,6 +568,7 @@ pub const STAMPED_AT_START: u32 = 3;
 /// For a read-only connection, which creates and upgrades nothing: the catalog must be stamped with a schema version
 /// this build reads as its own (3 to 6).
 pub async fn check_schema(client: &CatalogClient, tables: &Tables) -> Result<(), SchemaError> {
+    refuse_while_repartitioning(client, tables).await?;
     let found = stamped_version(client, tables).await?;
     match found {
         STAMPED_AT_START..=SCHEMA_VERSION => Ok(()),
@@ -534,8 +584,11 @@ pub async fn check_schema(client: &CatalogClient, tables: &Tables) -> Result<(),
 /// replica is down. When anything is missing, every statement is run (each `IF NOT EXISTS`, `ON CLUSTER` on a
 /// cluster), so that every replica gets what it lacks.
 pub async fn ensure_schema(client: &CatalogClient, tables: &Tables) -> Result<u32, SchemaError> {
+    // Before any DDL: a repartition swaps tables, and one created here in between would stand in its way.
+    refuse_while_repartitioning(client, tables).await?;
     let present = present_objects(client, tables).await?;
-    let ddl = tables.ddl();
+    let by_id_time = !present.contains(&tables.by_id) || by_id_has_time(client, tables).await?;
+    let ddl = tables.ddl_for(by_id_time);
     if !ddl.iter().all(|statement| present.contains(created_object(statement))) {
         for statement in &ddl {
             client.execute(statement).await?;
@@ -564,17 +617,16 @@ pub async fn ensure_schema(client: &CatalogClient, tables: &Tables) -> Result<u3
             client.execute_with_timeout(&statement, BACKFILL_TIMEOUT).await?;
         }
     }
-    add_by_id_time(client, tables).await?;
     if found < STAMPED_AT_START {
         stamp(client, tables, STAMPED_AT_START).await?;
     }
     Ok(found.max(STAMPED_AT_START))
 }
 
-/// Give a `by_id` created before schema 6 its `captured_at_ns` column (0 in the rows written before), so that every
-/// capstore writes the same rows into it. ClickHouse 18.16 has no `ADD COLUMN IF NOT EXISTS`: the column is looked
-/// up first. A replicated table passes the change on to its replicas itself.
-async fn add_by_id_time(client: &CatalogClient, tables: &Tables) -> Result<(), CatalogError> {
+/// Whether `by_id` has its `captured_at_ns` column (created by schema 6 or newer, or repartitioned). An older one is
+/// left as it is: adding the column in place breaks its view on 18.16 (which pushes the view's old columns only and
+/// refuses a block without the new one), and only partitioned tables need it.
+pub async fn by_id_has_time(client: &CatalogClient, tables: &Tables) -> Result<bool, CatalogError> {
     #[derive(clickhouse::Row, serde::Deserialize)]
     struct Count {
         columns: u64,
@@ -588,15 +640,7 @@ async fn add_by_id_time(client: &CatalogClient, tables: &Tables) -> Result<(), C
             sql_string_literal(table)
         ))
         .await?;
-    if found.first().is_some_and(|row| row.columns > 0) {
-        return Ok(());
-    }
-    tracing::info!(table = %tables.by_id, "adding captured_at_ns to the id index");
-    match client.execute(&format!("ALTER TABLE {} ADD COLUMN captured_at_ns UInt64", tables.by_id)).await {
-        // Another capstore starting at the same time added it first.
-        Err(error) if error.to_string().contains("already exists") => Ok(()),
-        other => other,
-    }
+    Ok(found.first().is_some_and(|row| row.columns > 0))
 }
 
 /// Whether the catalog's `captures`, `by_version` and `by_id` are partitioned by [`PARTITION_BY`] (created by a
@@ -653,7 +697,9 @@ impl SchemaError {
     pub fn kind(&self) -> ErrorKind {
         match self {
             SchemaError::Catalog(error) => error.kind,
-            SchemaError::TooNew { .. } | SchemaError::NotUpgraded { .. } => ErrorKind::DefinitelyFailed,
+            SchemaError::TooNew { .. } | SchemaError::NotUpgraded { .. } | SchemaError::Repartitioning { .. } => {
+                ErrorKind::DefinitelyFailed
+            }
         }
     }
 }

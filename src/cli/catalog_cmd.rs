@@ -91,6 +91,41 @@ pub fn lease(config: &Config, command: LeaseCommand) -> anyhow::Result<i32> {
     })
 }
 
+/// `capstore repartition`: see [`capstore::catalog::repartition`]. Exit 3 while a daemon holds a lease.
+pub fn repartition(config: &Config) -> anyhow::Result<i32> {
+    use capstore::catalog::repartition::{repartition, RepartitionError};
+    crate::cli::runtime()?.block_on(async {
+        let client = capstore::catalog::CatalogClient::connect(&config.catalog).await?;
+        let tables = capstore::catalog::Tables::from_config(&config.catalog);
+        let bar = super::progress(None, "repartition");
+        let result = repartition(&client, &tables, &|step| bar.set_message(step.to_string())).await;
+        bar.finish_and_clear();
+        match result {
+            Ok(report) if report.already => {
+                println!("the tables in {} are partitioned by month already", tables.database);
+                Ok(exit_code::CLEAN)
+            }
+            Ok(report) => {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+                eprintln!(
+                    "capstore repartition: done; the old tables are kept as {} (drop them once satisfied)",
+                    report.kept_as.join(", ")
+                );
+                Ok(exit_code::CLEAN)
+            }
+            Err(error @ (RepartitionError::LeaseLive(_) | RepartitionError::ClaimedMeanwhile(_))) => {
+                eprintln!("capstore repartition: {error}");
+                Ok(exit_code::CATALOG_HELD)
+            }
+            Err(error @ RepartitionError::Replicated) => {
+                eprintln!("capstore repartition: {error}");
+                Ok(exit_code::CONFIG_OR_USAGE)
+            }
+            Err(error) => Err(error.into()),
+        }
+    })
+}
+
 pub fn gc(config: &Config) -> anyhow::Result<i32> {
     let runtime = crate::cli::runtime()?;
     runtime.block_on(async {

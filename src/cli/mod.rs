@@ -71,6 +71,9 @@ enum Command {
     Lease(catalog_cmd::LeaseCommand),
     /// Remove orphan catalog rows below the watermark and lease rows below the head term.
     Gc,
+    /// Move tables created before schema 6 onto tables partitioned by month, so that retention horizons drop whole
+    /// months (run while every daemon of the tables is stopped; the old tables are kept as *_unpartitioned).
+    Repartition,
     /// Benchmarks with same-run baselines.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -106,6 +109,7 @@ pub fn main() -> i32 {
         Command::Verify { json } => catalog_cmd::verify(&config, json),
         Command::Lease(command) => catalog_cmd::lease(&config, command),
         Command::Gc => catalog_cmd::gc(&config),
+        Command::Repartition => catalog_cmd::repartition(&config),
         Command::Bench(command) => bench::run(&config, cli.config.as_deref(), command),
         Command::Debug(command) => debug::run(&config, command),
     };
