@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use common::daemon::DaemonEnv;
 
 const INSTALL_HINT: &str = "python3 -m venv ~/.cache/capstore-python-venv && ~/.cache/capstore-python-venv/bin/pip \
-     install pytest numpy mypy urllib3 setuptools (or run .ci/run, which does it)";
+     install pytest numpy mypy setuptools (or run .ci/run, which does it)";
 
 /// The Python of the test venv: `CAPSTORE_PYTHON`, or the venv `.ci/run` makes.
 fn python() -> PathBuf {
@@ -22,7 +22,7 @@ fn python() -> PathBuf {
         INSTALL_HINT,
     );
     let check = Command::new(&python)
-        .args(["-c", "import pytest, numpy, mypy, urllib3, setuptools"])
+        .args(["-c", "import pytest, numpy, mypy, setuptools"])
         .output()
         .unwrap_or_else(|error| panic!("cannot run {}: {error}; {INSTALL_HINT}", python.display()));
     assert!(

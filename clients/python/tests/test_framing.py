@@ -82,3 +82,40 @@ def test_an_answer_cut_short_is_a_connection_failure() -> None:
 def test_client_ids_are_uuid7() -> None:
     first, second = uuid7(), uuid7()
     assert first.version == 7 and first.variant == uuid.RFC_4122 and first != second
+
+
+class JsonAnswer:
+    """What ``Client.tail`` needs of an answer: its body."""
+
+    def __init__(self, body: Dict[str, Any]) -> None:
+        self.data = json.dumps(body).encode()
+
+
+def test_tail_yields_a_retention_horizon_as_an_entry_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    capture_id = str(uuid.uuid4())
+    pages = iter([
+        JsonAnswer({"captures": [dict(line(capture_id, b"xy"), version=3),
+                                 {"version": 4, "expired_before_ns": 1_700_000_000_000_000_000}],
+                    "next": "4", "watermark": 4}),
+        JsonAnswer({"captures": [], "next": "4", "watermark": 4}),
+    ])
+    client = Client("http://127.0.0.1:9")
+    monkeypatch.setattr(client, "_request", lambda *args, **kwargs: next(pages))
+    entries = list(client.tail())
+    assert [(entry.version, entry.capture_id) for entry in entries] == [(3, capture_id), (4, "")]
+    assert entries[0].expired_before_ns is None and entries[1].expired_before_ns == 1_700_000_000_000_000_000
+    assert entries[1].after == "4", "going on after a horizon starts after its version"
+
+
+def test_a_version_range_export_reports_the_newest_horizon_it_met(monkeypatch: pytest.MonkeyPatch) -> None:
+    kept = str(uuid.uuid4())
+    answer = tar_answer([
+        (kept, b"payload"),
+        ("manifest/000001.jsonl", manifest([line(kept, b"payload"), {"version": 5, "expired_before_ns": 10},
+                                            {"version": 6, "expired_before_ns": 20}])),
+    ])
+    client = Client("http://127.0.0.1:9")
+    monkeypatch.setattr(client, "_request", lambda *args, **kwargs: answer)
+    export = client.export(after_version=0)
+    assert [capture.capture_id for capture in export] == [kept]
+    assert export.expired_before_ns == 20 and export.complete

@@ -286,6 +286,8 @@ class Client:
                 resume = next((line["resume"] for line in lines if "resume" in line), None)
                 state.unreadable += [line["capture_id"] for line in lines if "error" in line]
                 state.deleted += [line["capture_id"] for line in lines if line.get("deleted")]
+                for horizon in (line for line in lines if "expired_before_ns" in line):
+                    state.expired_before_ns = max(state.expired_before_ns or 0, horizon["expired_before_ns"])
                 captures = [_capture(line, files[line["capture_id"]]) for line in lines if "size" in line]
                 files.clear()
                 # The page counts as handed out once its last capture is: the token moves on before that one.
@@ -310,6 +312,13 @@ class Client:
                 query.append(("wait_ms", str(int(wait * 1000))))
             page = _json(self._request("GET", "/v1/tail", query, extra_read_timeout=wait if follow else 0.0).data)
             for row in page["captures"]:
+                if "expired_before_ns" in row:
+                    # A retention horizon: a publish of no capture, so the position after it is its version.
+                    yield TailEntry(
+                        version=row["version"], capture_id="", stream="", captured_at_ns=0, size=0, labels={},
+                        content_type=None, after=str(row["version"]), expired_before_ns=row["expired_before_ns"],
+                    )
+                    continue
                 yield TailEntry(
                     version=row["version"],
                     capture_id=row["capture_id"],

@@ -51,7 +51,9 @@ class Capture:
 @dataclass(frozen=True)
 class TailEntry:
     """One capture of the log of publishes, in version order, or the deletion of one (`deleted`: from this version
-    on it is gone, until it is posted again; `size` is 0 and `labels` empty then).
+    on it is gone, until it is posted again; `size` is 0 and `labels` empty then), or a retention horizon
+    (`expired_before_ns` set: from this version on every capture captured before that time is gone; `capture_id`
+    and `stream` are empty then).
 
     `after` is the position right after this entry: give it to :meth:`Client.tail` as `after` to go on from here.
     """
@@ -65,6 +67,7 @@ class TailEntry:
     content_type: Optional[str]
     after: str
     deleted: bool = False
+    expired_before_ns: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,12 @@ class Export(Iterator[Capture]):
         """Ids a version-range export met deletions of (manifest lines ``"deleted": true``), in order."""
         return self._state.deleted
 
+    @property
+    def expired_before_ns(self) -> Optional[int]:
+        """The newest retention horizon a version-range export met (manifest lines ``expired_before_ns``): from its
+        version on, every capture captured before this time is gone; ``None`` when it met none."""
+        return self._state.expired_before_ns
+
     def __iter__(self) -> "Export":
         return self
 
@@ -136,3 +145,4 @@ class ExportState:
     close: Callable[[], None] = lambda: None
     unreadable: List[str] = field(default_factory=list)
     deleted: List[str] = field(default_factory=list)
+    expired_before_ns: Optional[int] = None
