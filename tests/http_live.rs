@@ -2118,3 +2118,35 @@ async fn listing_and_log(daemon: &HttpDaemon, client: &reqwest::Client) -> (Vec<
         .collect();
     (what, tail["captures"].clone())
 }
+
+for_each_version!(a_publish_spanning_more_months_than_a_server_takes_in_one_insert_by_default_is_published);
+async fn a_publish_spanning_more_months_than_a_server_takes_in_one_insert_by_default_is_published(
+    server: &'static ClickHouseServer,
+) {
+    // 26.x refuses an insert into more than 100 partitions unless told otherwise; captures' times are the producer's.
+    let daemon = HttpDaemon::start_on(server, &[("CAPSTORE_SPOOL_PACK_MAX_AGE", "2s".into())]).await;
+    let client = reqwest::Client::new();
+    daemon.get_ok(&client, "/v1/tail").await;
+    let first_ns: u64 = 1_000_000_000 * 1_000_000_000;
+    let posts = (0..130u64).map(|month| {
+        let at = first_ns + month * 31 * DAY_NS;
+        let url = daemon.url(&format!("/v1/captures?stream=backfill/b&captured_at_ns={at}&wait=published"));
+        let client = client.clone();
+        async move {
+            let response = client.post(url).body(format!("month {month}")).send().await.unwrap();
+            (response.status(), json(response).await)
+        }
+    });
+    let answers = futures::future::join_all(posts).await;
+    for (status, answer) in &answers {
+        assert_eq!(*status, StatusCode::CREATED, "{answer}\n{}", daemon.log());
+    }
+    let versions: std::collections::BTreeSet<u64> =
+        answers.iter().map(|(_, answer)| answer["version"].as_u64().unwrap()).collect();
+    assert!(versions.len() < 10, "a few publishes hold them all: {versions:?}");
+    let listed = listed_places(&daemon, &client, "backfill/b").await;
+    assert_eq!(listed.len(), 130);
+    let months =
+        months_of(server, &daemon.env.config().catalog.database, "cs_captures", &daemon.env.config().catalog_name);
+    assert!(months.len() >= 120, "{} months", months.len());
+}

@@ -435,11 +435,17 @@ impl CatalogClient {
         // Settings for every server, chosen from the one that answered.
         let present = server_settings_present(
             &clients[current],
-            &["async_insert", "wait_for_async_insert", "insert_quorum_parallel"],
+            &["async_insert", "wait_for_async_insert", "insert_quorum_parallel", "max_partitions_per_insert_block"],
             request_timeout,
         )
         .await?;
         let mut settings: Vec<(&'static str, String)> = Vec::new();
+        // A publish's rows span as many months (partitions) as its captures' times do, which producers choose (a
+        // backfill, a bad clock): a server's limit (100 by default where it has one) would refuse that pack on
+        // every attempt, and with it every upload after it.
+        if present.contains("max_partitions_per_insert_block") {
+            settings.push(("max_partitions_per_insert_block", "0".to_string()));
+        }
         let (insert_quorum, shard) = match &config.cluster {
             Some(cluster) => {
                 let shard = local_shard(&clients[current], cluster, request_timeout).await?.ok_or_else(|| {
