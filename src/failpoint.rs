@@ -8,7 +8,8 @@
 //! compaction's `after_compacted_upload`, `after_switch_commit`, `during_object_deletion` and `during_row_purge`
 //! (the first of a batch's three row-removal statements sent, the others not); retention's
 //! `after_horizon_row_before_commit`, `after_horizon_commit` and `during_partition_drop` (the first partition of a
-//! pass dropped, the others not).
+//! pass dropped, the others not); `capstore repartition`'s `repartition_after_a_rename` (one table swapped, the
+//! others not).
 //!
 //! Stall points never return instead (the watchdog tests wedge a part with them): `stall_before_fsync` (blocks the
 //! spool's syncer thread before an append's fsync), `stall_upload` (an upload that never answers, as a black-holed

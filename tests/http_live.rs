@@ -1817,25 +1817,73 @@ async fn a_retention_horizon_hides_what_is_older_at_once_and_drops_its_months_af
     let pinned_ids: Vec<&str> =
         second_page["captures"].as_array().unwrap().iter().map(|c| c["capture_id"].as_str().unwrap()).collect();
     assert!(pinned_ids.contains(&old[1].0.as_str()) && pinned_ids.contains(&old[2].0.as_str()), "{second_page}");
-    // A late arrival below the horizon is gone as it comes: accepted, never read, not in the log.
+    // A late arrival below the horizon is gone as it comes: accepted, never read, a deletion in the log.
     let late = post("new/stream", now_ns - 150 * DAY_NS + 7, 13).await;
     let answer = client.get(daemon.url(&format!("/v1/captures/{}", late.0))).send().await.unwrap();
     assert_eq!(answer.status(), StatusCode::NOT_FOUND);
     let tail = json(daemon.get_ok(&client, "/v1/tail?after=0&limit=1000").await).await;
     let entries = tail["captures"].as_array().unwrap();
     let horizon_version = horizon["version"].as_u64().unwrap();
-    assert!(!entries.iter().any(|entry| entry["capture_id"] == late.0.as_str()), "{tail}");
+    let late_entries: Vec<&Value> = entries.iter().filter(|entry| entry["capture_id"] == late.0.as_str()).collect();
+    assert!(
+        late_entries.len() == 1
+            && late_entries[0]["deleted"] == true
+            && late_entries[0]["version"].as_u64() > Some(horizon_version),
+        "{tail}"
+    );
     assert!(
         entries
             .iter()
             .any(|entry| entry["capture_id"] == old[0].0.as_str() && entry["version"].as_u64() < Some(horizon_version)),
         "the log keeps what was published before the horizon"
     );
-    assert_eq!(entries.iter().filter(|entry| entry["expired_before_ns"].is_u64()).count(), 1, "{tail}");
-    assert!(
-        old_months.is_subset(&months_of(server, &database, "cs_captures", &catalog)),
-        "nothing dropped within the grace"
-    );
+    // (One horizon per hour of progress: a run across the hour may see a second, further on.)
+    let horizons: Vec<u64> = entries.iter().filter_map(|entry| entry["expired_before_ns"].as_u64()).collect();
+    assert!(horizons.first() == Some(&before_ns) && horizons.windows(2).all(|pair| pair[0] < pair[1]), "{tail}");
+    let cli_tail = daemon.env.command().args(["tail", "--after", "0"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&cli_tail.stdout).contains(&format!("\"expired_before_ns\":{before_ns}")));
+    // Multi-get answers "not found" for what the horizon hides, and the kept capture in full.
+    let asked: Vec<&str> = vec![old[0].0.as_str(), just_below.0.as_str(), kept[0].0.as_str()];
+    let response = client
+        .post(daemon.url("/v1/captures/multi-get"))
+        .body(serde_json::json!({ "ids": asked }).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let tar_bytes = response.bytes().await.unwrap();
+    let mut manifest = String::new();
+    let mut files = Vec::new();
+    for entry in tar::Archive::new(&tar_bytes[..]).entries().unwrap() {
+        let mut entry = entry.unwrap();
+        let name = entry.path().unwrap().display().to_string();
+        if name == "manifest.jsonl" {
+            std::io::Read::read_to_string(&mut entry, &mut manifest).unwrap();
+        } else {
+            files.push(name);
+        }
+    }
+    assert_eq!(files, vec![kept[0].0.clone()], "{manifest}");
+    assert_eq!(manifest.matches("not found").count(), 2, "{manifest}");
+    // A directory export of the whole log ends with what the horizon keeps: the files below it removed.
+    let out = daemon._dir.path().join("export");
+    let export = daemon.env.command().args(["export", "--after-version", "0", "--out"]).arg(&out).output().unwrap();
+    assert!(export.status.success(), "{}", String::from_utf8_lossy(&export.stderr));
+    let mut exported: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().to_string())
+        .filter(|name| uuid::Uuid::parse_str(name).is_ok())
+        .collect();
+    exported.sort();
+    let mut kept_ids: Vec<String> = kept.iter().map(|(id, _, _)| id.clone()).collect();
+    kept_ids.sort();
+    assert_eq!(exported, kept_ids);
+    for table in ["cs_captures", "cs_by_version", "cs_by_id"] {
+        assert!(
+            old_months.is_subset(&months_of(server, &database, table, &catalog)),
+            "nothing dropped within the grace"
+        );
+    }
 
     // After the grace: the months below the horizon are dropped from every table, the old packs retired and their
     // objects removed; what the horizon keeps is untouched.
@@ -1942,11 +1990,13 @@ async fn a_horizon_killed_before_or_after_its_commit_or_between_its_drops_ends_l
     })
     .await;
 
-    // Like a clean run: one horizon in the log, gapless versions, the kept captures byte-identical.
+    // Like a clean run: each horizon once in the log (one per hour of progress: a run across the hour may see a
+    // second, further on), gapless versions, the kept captures byte-identical.
     let tail = json(daemon.get_ok(&client, "/v1/tail?after=0&limit=1000").await).await;
     let horizon_entries: Vec<&Value> =
         tail["captures"].as_array().unwrap().iter().filter(|entry| entry["expired_before_ns"].is_u64()).collect();
-    assert_eq!(horizon_entries.len(), 1, "{tail}");
+    let befores: Vec<u64> = horizon_entries.iter().map(|entry| entry["expired_before_ns"].as_u64().unwrap()).collect();
+    assert!(!befores.is_empty() && befores.windows(2).all(|pair| pair[0] < pair[1]), "{tail}");
     assert_eq!(horizon_entries[0]["version"].as_u64(), Some(versions_before + 1), "no version lost or taken twice");
     let counts = server
         .query(&format!(
@@ -1979,7 +2029,10 @@ fn create_schema_5_tables(server: &ClickHouseServer, tables: &capstore::catalog:
         }
         let statement = statement
             .replace(&format!("PARTITION BY {PARTITION_BY} "), "")
-            .replace("publish_id FixedString(16), captured_at_ns UInt64", "publish_id FixedString(16)")
+            .replace(
+                &format!("publish_id FixedString(16), captured_at_ns UInt64 DEFAULT {}", u64::MAX),
+                "publish_id FixedString(16)",
+            )
             .replace("AS publish_id, captured_at_ns FROM", "AS publish_id FROM");
         server.query(&statement).unwrap_or_else(|error| panic!("{statement}: {error}"));
     }
@@ -2050,10 +2103,35 @@ async fn repartition_moves_an_older_catalog_onto_month_partitions_and_every_read
         assert!(started.elapsed() < Duration::from_secs(30), "{}", daemon.log());
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    // A run killed after its first swap: readers and daemon starts are kept out, naming the command.
+    let killed = daemon
+        .env
+        .command()
+        .arg("repartition")
+        .env("CAPSTORE_FAILPOINTS", "repartition_after_a_rename")
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&killed.stderr).contains("failpoint repartition_after_a_rename reached"));
+    assert!(all_partitioned(server, &database, &big_three[..1]) && !all_partitioned(server, &database, &big_three));
+    let ls = daemon.env.command().args(["ls", "--stream", "old/r"]).output().unwrap();
+    assert!(!ls.status.success() && String::from_utf8_lossy(&ls.stderr).contains("capstore repartition"));
+    // A daemon started meanwhile takes captures into its spool and publishes nothing until the run is finished.
+    daemon.restart(&[]).await;
+    let waiting =
+        client.post(daemon.url("/v1/captures?stream=old/r")).body("posted during the run").send().await.unwrap();
+    assert_eq!(waiting.status(), StatusCode::CREATED);
+    let waiting_id = json(waiting).await["capture_id"].as_str().unwrap().to_string();
+    wait_until_async(&daemon, Duration::from_secs(30), "the start refused", || async {
+        daemon.log().contains("being repartitioned")
+    })
+    .await;
+    assert!(!daemon.log().contains("lease held"), "{}", daemon.log());
+
+    // Run again, it finishes what the first began; the waiting daemon then starts and publishes into the new tables.
     let moved = daemon.env.command().arg("repartition").output().unwrap();
     assert!(moved.status.success(), "{}", String::from_utf8_lossy(&moved.stderr));
     let report: Value = serde_json::from_slice(&moved.stdout).unwrap();
-    assert_eq!(report["copied"].as_array().unwrap().len(), 3, "{report}");
+    assert_eq!(report["kept_as"].as_array().unwrap().len(), 2, "the other two swapped now: {report}");
     assert!(all_partitioned(server, &database, &big_three));
     let kept = server
         .query(&format!(
@@ -2066,26 +2144,21 @@ async fn repartition_moves_an_older_catalog_onto_month_partitions_and_every_read
     assert_eq!(timeless.trim(), "0", "every row of by_id has its capture's time");
     let again = daemon.env.command().arg("repartition").output().unwrap();
     assert!(again.status.success() && String::from_utf8_lossy(&again.stdout).contains("already"));
+    wait_until_async(&daemon, Duration::from_secs(90), "the capture posted during the run published", || async {
+        client.get(daemon.url(&format!("/v1/captures/{waiting_id}"))).send().await.unwrap().status() == StatusCode::OK
+    })
+    .await;
 
-    // A run stopped half way keeps daemons and readers out, naming the command.
-    server
-        .query(&format!(
-            "INSERT INTO {} (component, version, written_at_ms) VALUES ('repartition', 1, 4000000000000)",
-            tables.schema
-        ))
-        .unwrap();
-    let ls = daemon.env.command().args(["ls", "--stream", "old/r"]).output().unwrap();
-    assert!(!ls.status.success() && String::from_utf8_lossy(&ls.stderr).contains("capstore repartition"));
-    server
-        .query(&format!(
-            "INSERT INTO {} (component, version, written_at_ms) VALUES ('repartition', 2, 4000000000001)",
-            tables.schema
-        ))
-        .unwrap();
-
-    // Every read answers the same on the new tables, and a retention horizon drops whole months of them.
-    daemon.restart(&[]).await;
-    assert_eq!(listing_and_log(&daemon, &client).await, before);
+    // Every read answers the same on the new tables (but for the capture posted since), and a retention horizon drops
+    // whole months of them.
+    let (listing, log) = listing_and_log(&daemon, &client).await;
+    let without = |entries: Vec<Value>| -> Vec<Value> {
+        entries.into_iter().filter(|entry| entry["capture_id"] != waiting_id.as_str()).collect()
+    };
+    assert_eq!(
+        (without(listing), without(log.as_array().unwrap().clone())),
+        (before.0.clone(), before.1.as_array().unwrap().clone())
+    );
     assert_bytes_identical(&daemon, &client, &posted).await;
     let config_file = daemon._dir.path().join("retention.toml");
     std::fs::write(&config_file, "[[retention]]\nstreams = \"*\"\nkeep = \"60d\"\n").unwrap();
@@ -2149,4 +2222,50 @@ async fn a_publish_spanning_more_months_than_a_server_takes_in_one_insert_by_def
     let months =
         months_of(server, &daemon.env.config().catalog.database, "cs_captures", &daemon.env.config().catalog_name);
     assert!(months.len() >= 120, "{} months", months.len());
+}
+
+#[tokio::test]
+async fn a_capture_posted_again_with_an_expired_time_stays_gone_when_its_months_are_dropped() {
+    let mut daemon = HttpDaemon::start(&[
+        ("CAPSTORE_LIFECYCLE_RETENTION_INTERVAL", "1s".into()),
+        ("CAPSTORE_LIFECYCLE_COMPACTION_INTERVAL", "1s".into()),
+        ("CAPSTORE_LIFECYCLE_COMPACTION_MIN_AGE", "1h".into()),
+        ("CAPSTORE_LIFECYCLE_READ_GRACE", "1s".into()),
+    ])
+    .await;
+    let client = reqwest::Client::new();
+    daemon.get_ok(&client, "/v1/tail").await;
+    let server = common::clickhouse::shared_server();
+    let config = daemon.env.config();
+    let (database, catalog_name) = (config.catalog.database.clone(), config.catalog_name.clone());
+    let now_ns = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    let id = uuid::Uuid::now_v7().to_string();
+    // Posted first with a recent time, then again (same id) with a time the horizon will pass.
+    for (days, body) in [(1u64, "recent"), (150, "posted again, earlier")] {
+        let at = now_ns - days * DAY_NS;
+        let url = daemon.url(&format!("/v1/captures?stream=again/a&id={id}&captured_at_ns={at}&wait=published"));
+        let response = client.post(url).body(body).send().await.unwrap();
+        assert_eq!(response.status(), StatusCode::CREATED, "{}", daemon.log());
+    }
+    let other = post_batch_published(&daemon, &client, "again/a", 1, 3).await;
+    let config_file = daemon._dir.path().join("retention.toml");
+    std::fs::write(&config_file, "[[retention]]\nstreams = \"*\"\nkeep = \"60d\"\n").unwrap();
+    daemon.daemon.signal(nix::sys::signal::Signal::SIGTERM);
+    daemon.restart(&[("CAPSTORE_CONFIG", config_file.to_str().unwrap())]).await;
+    let horizon_month = month_of(server, now_ns - 60 * DAY_NS);
+    wait_until_async(&daemon, Duration::from_secs(90), "the months below the horizon dropped", || async {
+        ["cs_captures", "cs_by_version", "cs_by_id"]
+            .iter()
+            .all(|table| months_of(server, &database, table, &catalog_name).iter().all(|month| *month >= horizon_month))
+    })
+    .await;
+    // Its newest version is gone with its month, and its older one, in a month that stays, went before: not back.
+    let answer = client.get(daemon.url(&format!("/v1/captures/{id}"))).send().await.unwrap();
+    assert_eq!(answer.status(), StatusCode::NOT_FOUND, "{}", daemon.log());
+    let listed: Vec<String> = listed_places(&daemon, &client, "again/a").await.into_iter().map(|(id, _)| id).collect();
+    assert_eq!(listed, vec![other[0].0.clone()]);
+    assert!(daemon
+        .log()
+        .contains("removing the older rows of captures whose newest row is below the retention horizon"));
+    assert_bytes_identical(&daemon, &client, &other).await;
 }

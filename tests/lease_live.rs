@@ -1638,3 +1638,28 @@ async fn a_publisher_guesses_its_next_version_within_a_tenure_and_a_wrong_guess_
     shutdown_tx.send(true).unwrap();
     keeper_task.await.unwrap();
 }
+
+for_each_version!(no_lease_is_claimed_while_the_tables_are_being_repartitioned);
+async fn no_lease_is_claimed_while_the_tables_are_being_repartitioned(server: &'static ClickHouseServer) {
+    let catalog = catalog(server, false).await;
+    let store = catalog.store(&catalog.config.catalog_name);
+    let mark = |version: u32| {
+        server
+            .query(&format!(
+                "INSERT INTO {} (component, version, written_at_ms) VALUES ('repartition', {version}, 0)",
+                catalog.tables.schema
+            ))
+            .unwrap();
+    };
+    // A run under way (odd): a daemon that passed its start check just before cannot claim.
+    mark(1);
+    let outcome = store.claim("during", &identity("early")).await.unwrap();
+    assert!(!matches!(outcome, ClaimOutcome::Held { .. }), "claimed during a repartition: {outcome:?}");
+    assert_eq!(store.read_head().await.unwrap().term, 0, "no lease row was written");
+    let refused = capstore::catalog::schema::ensure_schema(&catalog.client, &catalog.tables).await.unwrap_err();
+    assert!(refused.to_string().contains("capstore repartition"), "{refused}");
+    // Done (even): claims go through again.
+    mark(2);
+    let outcome = store.claim("after", &identity("late")).await.unwrap();
+    assert!(matches!(outcome, ClaimOutcome::Held { term: 1, .. }), "{outcome:?}");
+}

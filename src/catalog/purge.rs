@@ -112,6 +112,23 @@ pub struct RowPurge {
     partitioned: bool,
 }
 
+/// Bytes of a grouping past which [`RowPurge::superseded_across`] spills to disk (reads are capped at
+/// `catalog.read_max_memory`, 1 GiB by default).
+const SPILL_BYTES: u64 = 256 << 20;
+
+/// The first nanosecond of the UTC month `YYYYMM`.
+fn month_start_ns(month: u32) -> u64 {
+    // Days from 1970-01-01 to the first of the month (the proleptic Gregorian calendar, as ClickHouse counts).
+    let (year, month) = (i64::from(month / 100), i64::from(month % 100));
+    let (year, month) = if month <= 2 { (year - 1, month + 9) } else { (year, month - 3) };
+    let era = year.div_euclid(400);
+    let year_of_era = year - era * 400;
+    let day_of_year = (153 * month + 2) / 5;
+    let day_of_era = year_of_era * 365 + year_of_era / 4 - year_of_era / 100 + day_of_year;
+    let days = era * 146_097 + day_of_era - 719_468;
+    u64::try_from(days).unwrap_or(0) * 86_400 * 1_000_000_000
+}
+
 /// The catalog and month of a partition as `system.parts` writes it: `('edge-7',202611)` (catalog names are
 /// letters, digits, `.`, `_` and `-`: nothing to unescape).
 fn parse_partition(text: &str) -> Option<(&str, u32)> {
@@ -159,10 +176,10 @@ impl RowPurge {
         Ok(rows.first().filter(|row| row.before_ns > 0).map_or((0, 0), |row| (row.before_ns, row.month)))
     }
 
-    /// Drop every partition of this catalog's months before `month` (`YYYYMM`, the month of a due horizon: the
-    /// months before it lie wholly below the horizon) from `captures`, `by_version` and `by_id`. Returns how many
-    /// were dropped. `between` runs after the first drop (a failpoint's place).
-    pub async fn drop_months_before(&self, month: u32, between: impl Fn()) -> Result<u64, CatalogError> {
+    /// This catalog's partitions (table name, month) of months before `month` (`YYYYMM`, the month of a due horizon:
+    /// the months before it lie wholly below the horizon) in `captures`, `by_version` and `by_id`, from
+    /// `system.parts`.
+    pub async fn months_before(&self, month: u32) -> Result<Vec<(String, u32)>, CatalogError> {
         let names: Vec<String> = [&self.tables.captures, &self.tables.by_version, &self.tables.by_id]
             .iter()
             .map(|table| sql_string_literal(table.rsplit('.').next().unwrap_or_default()))
@@ -176,21 +193,66 @@ impl RowPurge {
                 names.join(", ")
             ))
             .await?;
+        Ok(parts
+            .iter()
+            .filter_map(|part| {
+                let (catalog, part_month) = parse_partition(&part.partition)?;
+                (catalog == self.catalog && part_month < month).then(|| (part.table.clone(), part_month))
+            })
+            .collect())
+    }
+
+    /// The captures whose newest committed row lies in a month before `month` while an older row of theirs lies in
+    /// it or after (a capture posted again with an earlier time, in another month), each with that newest row's
+    /// version: dropping the months before `month` would leave the older row as the newest, and bring the capture
+    /// back. Their rows below the newest are removed first ([`RowPurge::remove`]). One pass over the catalog's
+    /// `by_id` grouped by id (spilling to disk past 256 MiB), whose few candidates are checked against their
+    /// committed rows.
+    pub async fn superseded_across(&self, month: u32) -> Result<Vec<(String, u64)>, CatalogError> {
+        #[derive(clickhouse::Row, serde::Deserialize)]
+        struct Candidate {
+            capture_id: String,
+        }
+        let cut_ns = month_start_ns(month);
+        let candidates: Vec<Candidate> = self
+            .client
+            .fetch_all(&format!(
+                "SELECT id_v AS capture_id FROM (SELECT UUIDNumToString(capture_id) AS id_v, \
+                 min(captured_at_ns) AS first_v, max(captured_at_ns) AS last_v, \
+                 argMax(captured_at_ns, version) AS newest_v FROM {by_id} WHERE catalog = {catalog} \
+                 GROUP BY capture_id) WHERE first_v < {cut_ns} AND last_v >= {cut_ns} AND newest_v < {cut_ns} \
+                 SETTINGS max_bytes_before_external_group_by = {SPILL_BYTES}",
+                by_id = self.tables.by_id,
+                catalog = sql_string_literal(&self.catalog),
+            ))
+            .await?;
+        let ids: Vec<uuid::Uuid> =
+            candidates.iter().filter_map(|candidate| uuid::Uuid::parse_str(&candidate.capture_id).ok()).collect();
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let reader = super::query::CatalogReader::new(self.client.clone(), self.tables.clone(), &self.catalog);
+        let newest = reader.newest_committed_rows(&ids).await?;
+        Ok(newest
+            .into_values()
+            .filter(|row| row.captured_at_ns < cut_ns)
+            .map(|row| (row.capture_id, row.version))
+            .collect())
+    }
+
+    /// Drop `partitions` ([`RowPurge::months_before`]). Returns how many were dropped. `between` runs after the first
+    /// drop (a failpoint's place).
+    pub async fn drop_partitions(&self, partitions: &[(String, u32)], between: impl Fn()) -> Result<u64, CatalogError> {
         let mut dropped = 0;
-        for part in parts {
-            let Some((catalog, part_month)) = parse_partition(&part.partition) else { continue };
-            if catalog != self.catalog || part_month >= month {
-                continue;
-            }
+        for (table, month) in partitions {
             self.client
                 .execute(&format!(
-                    "ALTER TABLE {}.{} DROP PARTITION ({}, {part_month})",
+                    "ALTER TABLE {}.{table} DROP PARTITION ({}, {month})",
                     self.tables.database,
-                    part.table,
-                    sql_string_literal(catalog)
+                    sql_string_literal(&self.catalog)
                 ))
                 .await?;
-            tracing::info!(table = %part.table, month = part_month, "dropped a month below the retention horizon");
+            tracing::info!(%table, month, "dropped a month below the retention horizon");
             if dropped == 0 {
                 between();
             }
@@ -322,6 +384,16 @@ impl RowPurge {
 #[cfg(test)]
 mod tests {
     use super::parse_partition;
+
+    #[test]
+    fn a_month_starts_at_its_first_utc_midnight() {
+        use super::month_start_ns;
+        let second = 1_000_000_000;
+        assert_eq!(month_start_ns(197001), 0);
+        assert_eq!(month_start_ns(202401), 1_704_067_200 * second);
+        assert_eq!(month_start_ns(202403), 1_709_251_200 * second, "after a leap February");
+        assert_eq!(month_start_ns(210001), 4_102_444_800 * second);
+    }
 
     #[test]
     fn partitions_of_system_parts_are_read_as_catalog_and_month() {

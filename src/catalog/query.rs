@@ -16,8 +16,8 @@
 //! A *retention horizon* (see [`super::publish::Publisher::publish_horizon`]) is a publish of its own that removes
 //! every capture captured before its time at once: a reader pinned at or above its version sees none of them (a
 //! listing starts at the horizon, `get` and multi-get answer "not found"), a reader pinned below it still does, and
-//! `tail` shows it as an entry of its own (`expired_before_ns`) at its version and leaves out any capture captured
-//! before it that is published after it (a producer's late arrival, gone as it comes). Once no reader may be pinned
+//! `tail` shows it as an entry of its own (`expired_before_ns`) at its version, and a capture captured before it
+//! that is published after it (a producer's late arrival, gone as it comes) as a deletion at its own version. Once no reader may be pinned
 //! below it, the months below it are dropped from the tables (see [`super::purge`]). Horizons are few (one per
 //! retention step), so a read fetches the committed ones with one primary-key read of `horizons`.
 //!
@@ -458,9 +458,19 @@ impl Horizons {
         }
     }
 
-    /// Whether `row`, an entry of the log, is left out of it: captured before a horizon published before it.
+    /// Whether `row`, an entry of the log, is gone as it comes: captured before a horizon published before it.
     pub fn hides_in_log(&self, row: &CaptureLocation) -> bool {
         row.captured_at_ns < self.before_at(row.version.saturating_sub(1))
+    }
+
+    /// `row` as an entry of the log: itself, or, gone as it comes ([`Horizons::hides_in_log`]), a deletion at its
+    /// own version (a consumer that had an earlier version of the capture learns it is gone; one that had none has
+    /// nothing to remove).
+    pub fn in_log(&self, row: CaptureLocation) -> CaptureLocation {
+        if self.hides_in_log(&row) && !row.is_deletion() {
+            return CaptureLocation { pack_id: DELETED_PACK_ID.to_string(), ..row };
+        }
+        row
     }
 
     /// The horizons published after `after` up to `through`, as entries of the log: (version, before_ns).
@@ -638,6 +648,19 @@ impl CatalogReader {
         )
     }
 
+    /// The server's clock, in nanoseconds since the epoch (milliseconds apart where the server has them, whole
+    /// seconds on 18.16): the clock a retention horizon is reckoned by, shared by every daemon of the tables and
+    /// the one the lease trusts already.
+    pub async fn server_now_ns(&self) -> Result<u64, CatalogError> {
+        #[derive(clickhouse::Row, serde::Deserialize)]
+        struct Now {
+            ms: u64,
+        }
+        let rows: Vec<Now> =
+            self.client.fetch_all(&format!("SELECT {} AS ms", super::lease::server_now_ms_expr(&self.client))).await?;
+        Ok(rows.first().map_or(0, |row| row.ms.saturating_mul(1_000_000)))
+    }
+
     /// The committed retention horizons at versions up to `through` (one primary-key read of the few rows of
     /// `horizons`; none in tables older than schema 6).
     pub async fn horizons(&self, through: u64) -> Result<Horizons, CatalogError> {
@@ -731,6 +754,14 @@ impl CatalogReader {
     pub async fn newest_rows(&self, ids: &[Uuid]) -> Result<HashMap<Uuid, CaptureLocation>, CatalogError> {
         let (newest, horizons) = tokio::try_join!(self.newest_rows_at(ids, u64::MAX), self.horizons(u64::MAX))?;
         Ok(newest.into_iter().map(|(id, row)| (id, horizons.applied(row, u64::MAX))).collect())
+    }
+
+    /// [`CatalogReader::newest_rows`] with no horizon applied: the rows as committed.
+    pub(crate) async fn newest_committed_rows(
+        &self,
+        ids: &[Uuid],
+    ) -> Result<HashMap<Uuid, CaptureLocation>, CatalogError> {
+        self.newest_rows_at(ids, u64::MAX).await
     }
 
     /// The newest committed row of each of `ids` as a reader pinned at `watermark` sees them, horizons not applied.
@@ -1047,12 +1078,11 @@ impl CatalogReader {
         );
         let (captures, horizons) =
             tokio::try_join!(self.client.fetch_all::<CaptureLocation>(&sql), self.horizons(upto))?;
-        let mut captures = captures;
         let next = match captures.last() {
             Some(last) if captures.len() as u64 == limit => TailPosition::after(last),
             _ => TailPosition::after_version(upto),
         };
-        captures.retain(|capture| !horizons.hides_in_log(capture));
+        let captures = captures.into_iter().map(|capture| horizons.in_log(capture)).collect();
         // A horizon holds no capture, so no position is inside one: those up to `next` are on this page.
         let horizons = horizons.published_in(from.version, next.version).collect();
         Ok(TailPage { captures, horizons, from, next })
@@ -1076,10 +1106,9 @@ impl CatalogReader {
             publishes = self.tables.publishes,
             catalog = self.catalog_literal(),
         );
-        let (mut captures, horizons) =
+        let (captures, horizons) =
             tokio::try_join!(self.client.fetch_all::<CaptureLocation>(&sql), self.horizons(through))?;
-        captures.retain(|capture| !horizons.hides_in_log(capture));
-        Ok(captures)
+        Ok(captures.into_iter().map(|capture| horizons.in_log(capture)).collect())
     }
 
     /// Every committed pack, in version order.
@@ -1378,6 +1407,8 @@ mod tests {
         assert!(!horizons.hides_at(&row(1, 50), 4), "a reader pinned below the horizon still sees it");
         assert!(horizons.hides_at(&row(1, 50), 5) && !horizons.hides_at(&row(1, 100), 5));
         assert!(!horizons.hides_in_log(&row(3, 50)), "published before the horizon: in the log at its version");
+        assert!(horizons.in_log(row(6, 50)).is_deletion(), "gone as it comes: a deletion at its own version");
+        assert_eq!(horizons.in_log(row(6, 50)).version, 6);
         assert!(horizons.hides_in_log(&row(6, 50)), "published after it, captured before it: gone as it comes");
         assert!(!horizons.hides_in_log(&row(6, 150)) && horizons.hides_in_log(&row(10, 150)));
         assert_eq!(horizons.published_in(5, 9).collect::<Vec<_>>(), vec![(9, 300)]);

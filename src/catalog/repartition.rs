@@ -8,15 +8,16 @@
 //! written from `by_version` (every row of `by_id` is a row of `by_version` by id), which gives each row its
 //! `captured_at_ns`. States, each found again by a run that follows a crash:
 //! - *unpartitioned*: the tables as an older capstore created them.
-//! - *marked*: the mark is written; copies `<table>_partitioned` may exist, whole or in part: a run writes them
-//!   again from the start.
+//! - *marked*: the mark is odd (a counter in `schema`, moved on by each start and end of a run), the catalog is
+//!   stamped 6 (a capstore older than that is refused), and no lease can be claimed (the claim's statement requires
+//!   an even mark); copies `<table>_partitioned` may exist, whole or in part: a run drops and writes them again.
 //! - *copied*: every copy is whole and no lease was claimed or renewed since the mark (every catalog's head term is
 //!   what it was before; else the run stops, drops its copies and closes the mark: a daemon that started in
 //!   between may have written to the old tables). Then the views on
 //!   `captures` are dropped and each table is renamed to `<table>_unpartitioned` and its copy to its name, one
 //!   statement per table; a table whose name holds a partitioned table already is done.
-//! - *done*: the views are created again on the new tables and the mark is closed. The old tables stay, for the
-//!   operator to drop once satisfied.
+//! - *done*: the views are created again on the new tables (the view into `by_id` made again if a capstore older
+//!   than schema 6 made its own meanwhile) and the mark is closed. The old tables stay, for the operator to drop.
 //!
 //! Tables of a cluster (`catalog.cluster`) are refused: a replicated table keeps the ZooKeeper path of the name it
 //! was created with, so a renamed one would collide with the next replica that creates the name.
@@ -26,7 +27,8 @@ use std::time::Duration;
 use super::client::{sql_string_literal, CatalogClient, CatalogError};
 use super::lease::server_now_ms_expr;
 use super::schema::{
-    created_object, ensure_schema, partitioned, repartition_under_way, SchemaError, Tables, REPARTITION_COMPONENT,
+    by_id_view_writes_time, create_missing, created_object, ensure_schema, partitioned, repartition_under_way,
+    stamp_at_least, SchemaError, Tables, CAPTURE_COLUMNS, REPARTITION_COMPONENT, STAMPED_BY_HORIZON,
 };
 
 /// How long one copy statement may run: it copies a whole table on the server (about 4 s per million rows here).
@@ -91,7 +93,9 @@ pub async fn repartition(
     if let Some(catalog) = live_leases(client, tables).await?.into_iter().next() {
         return Err(RepartitionError::LeaseLive(catalog));
     }
-    mark(client, tables, 1).await?;
+    set_mark(client, tables, true).await?;
+    // From here on a capstore of schema 5 (which would write `by_id` rows with no time) is kept out.
+    stamp_at_least(client, tables, STAMPED_BY_HORIZON).await?;
     let mut report = RepartitionReport::default();
     let names = [&tables.captures, &tables.by_version, &tables.by_id];
     // Copies, `by_version` before `by_id` (which is written from it).
@@ -111,7 +115,7 @@ pub async fn repartition(
         for table in names {
             client.execute(&format!("DROP TABLE IF EXISTS {table}_partitioned")).await?;
         }
-        mark(client, tables, 2).await?;
+        set_mark(client, tables, false).await?;
         return Err(RepartitionError::ClaimedMeanwhile(catalog.clone()));
     }
     progress("swapping the tables");
@@ -124,11 +128,17 @@ pub async fn repartition(
         }
         let kept = format!("{table}_unpartitioned");
         client.execute(&format!("RENAME TABLE {table} TO {kept}, {table}_partitioned TO {table}")).await?;
+        crate::failpoint::hit("repartition_after_a_rename");
         report.kept_as.push(kept);
     }
-    // Closed before the views are made again, which a start (refused until then) would do as well.
-    mark(client, tables, 2).await?;
-    ensure_schema(client, tables).await?;
+    create_missing(client, tables).await?;
+    if !by_id_view_writes_time(client, tables).await? {
+        // Made meanwhile by a capstore older than this (it creates what it finds missing before it reads the
+        // stamp): made again, while nothing writes.
+        client.execute(&format!("DROP TABLE IF EXISTS {}_view", tables.by_id)).await?;
+        create_missing(client, tables).await?;
+    }
+    set_mark(client, tables, false).await?;
     progress("done");
     Ok(report)
 }
@@ -152,7 +162,7 @@ fn copy_statement(tables: &Tables, table: &str, copy: &str) -> String {
             tables.by_version
         )
     } else {
-        format!("INSERT INTO {copy} SELECT * FROM {table}")
+        format!("INSERT INTO {copy} ({CAPTURE_COLUMNS}) SELECT {CAPTURE_COLUMNS} FROM {table}")
     }
 }
 
@@ -171,13 +181,20 @@ async fn is_partitioned(client: &CatalogClient, table: &str) -> Result<bool, Cat
     .map(|tables| tables > 0)
 }
 
-/// Write the mark at `version` (1: under way, 2: done).
-async fn mark(client: &CatalogClient, tables: &Tables, version: u32) -> Result<(), CatalogError> {
+/// Move the mark (a counter, odd while a run is under way) on to the next number that says `under_way`, unless it
+/// says so already (a run that follows a crash goes on under the same number).
+async fn set_mark(client: &CatalogClient, tables: &Tables, under_way: bool) -> Result<(), CatalogError> {
+    let component = sql_string_literal(REPARTITION_COMPONENT);
+    let newest =
+        count(client, &format!("SELECT max(version) FROM {} WHERE component = {component}", tables.schema)).await?;
+    if (newest % 2 == 1) == under_way {
+        return Ok(());
+    }
     client
         .execute(&format!(
-            "INSERT INTO {} (component, version, written_at_ms) SELECT {}, {version}, {}",
+            "INSERT INTO {} (component, version, written_at_ms) SELECT {component}, {}, {}",
             tables.schema,
-            sql_string_literal(REPARTITION_COMPONENT),
+            newest + 1,
             server_now_ms_expr(client)
         ))
         .await

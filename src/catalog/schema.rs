@@ -186,7 +186,7 @@ impl Tables {
             format!(
                 "CREATE TABLE IF NOT EXISTS {}{on_cluster} (\
                  catalog String, capture_id FixedString(16), version UInt64, publish_id FixedString(16), \
-                 captured_at_ns UInt64\
+                 captured_at_ns UInt64 DEFAULT {BY_ID_TIME_UNKNOWN}\
                  ) ENGINE = {} PARTITION BY {PARTITION_BY} ORDER BY (catalog, capture_id, version, publish_id) \
                  SETTINGS index_granularity = {BY_ID_INDEX_GRANULARITY}",
                 self.by_id,
@@ -346,7 +346,8 @@ const CAPTURE_COLUMNS_DDL: &str = "catalog String, stream String, captured_at_ns
      payload_offset UInt64, payload_len UInt64, crc32c UInt32, \
      label_keys Array(String), label_values Array(String), content_type String, \
      version UInt64, publish_id String";
-const CAPTURE_COLUMNS: &str = "catalog, stream, captured_at_ns, capture_id, pack_id, object_key, record_offset, \
+pub(super) const CAPTURE_COLUMNS: &str =
+    "catalog, stream, captured_at_ns, capture_id, pack_id, object_key, record_offset, \
      record_len, payload_offset, payload_len, crc32c, label_keys, label_values, content_type, version, publish_id";
 const BY_ID_COLUMNS: &str = "catalog, capture_id, version, publish_id, captured_at_ns";
 /// Rows per `by_id` index mark: its reads are lookups of ids scattered over the whole table (a page's ids, one id of a
@@ -357,6 +358,9 @@ const BY_ID_INDEX_GRANULARITY: u32 = 256;
 /// capstore writes is a UUID's text, so the conversion cannot fail.)
 const BY_ID_SELECT: &str = "catalog, UUIDStringToNum(capture_id) AS capture_id, version, \
      UUIDStringToNum(publish_id) AS publish_id, captured_at_ns";
+/// What `by_id.captured_at_ns` holds in a row written without it (by a capstore older than schema 6): the top
+/// month, which no horizon drops, so that such a row outlives the rows it indexes rather than the other way round.
+const BY_ID_TIME_UNKNOWN: u64 = u64::MAX;
 /// [`BY_ID_SELECT`] of a `by_id` created before schema 6.
 const BY_ID_SELECT_WITHOUT_TIME: &str = "catalog, UUIDStringToNum(capture_id) AS capture_id, version, \
      UUIDStringToNum(publish_id) AS publish_id";
@@ -385,8 +389,8 @@ pub enum SchemaError {
     Repartitioning { database: String },
 }
 
-/// The component of `capstore repartition`'s mark in `schema` (see [`super::repartition`]): its newest row is version
-/// 1 while a run is under way, 2 once it is done.
+/// The component of `capstore repartition`'s mark in `schema` (see [`super::repartition`]): a counter, odd while a run
+/// is under way (a run writes the next odd number when it starts and the next even one when it is done).
 pub const REPARTITION_COMPONENT: &str = "repartition";
 
 /// Whether a run of `capstore repartition` is under way, or stopped half way (its mark in `schema`).
@@ -397,13 +401,13 @@ pub async fn repartition_under_way(client: &CatalogClient, tables: &Tables) -> R
     }
     let rows: Result<Vec<Mark>, CatalogError> = client
         .fetch_all(&format!(
-            "SELECT argMax(version, (written_at_ms, version)) AS version FROM {} WHERE component = {}",
+            "SELECT max(version) AS version FROM {} WHERE component = {}",
             tables.schema,
             sql_string_literal(REPARTITION_COMPONENT)
         ))
         .await;
     match rows {
-        Ok(rows) => Ok(rows.first().is_some_and(|row| row.version == 1)),
+        Ok(rows) => Ok(rows.first().is_some_and(|row| row.version % 2 == 1)),
         // No tables yet: nothing to repartition.
         Err(error) if super::retired::is_unknown_table(&error) => Ok(false),
         Err(error) => Err(error),
@@ -586,14 +590,7 @@ pub async fn check_schema(client: &CatalogClient, tables: &Tables) -> Result<(),
 pub async fn ensure_schema(client: &CatalogClient, tables: &Tables) -> Result<u32, SchemaError> {
     // Before any DDL: a repartition swaps tables, and one created here in between would stand in its way.
     refuse_while_repartitioning(client, tables).await?;
-    let present = present_objects(client, tables).await?;
-    let by_id_time = !present.contains(&tables.by_id) || by_id_has_time(client, tables).await?;
-    let ddl = tables.ddl_for(by_id_time);
-    if !ddl.iter().all(|statement| present.contains(created_object(statement))) {
-        for statement in &ddl {
-            client.execute(statement).await?;
-        }
-    }
+    create_missing(client, tables).await?;
     let found = stamped_version(client, tables).await?;
     if found > SCHEMA_VERSION {
         return Err(SchemaError::TooNew { database: tables.database.clone(), found });
@@ -620,7 +617,46 @@ pub async fn ensure_schema(client: &CatalogClient, tables: &Tables) -> Result<u3
     if found < STAMPED_AT_START {
         stamp(client, tables, STAMPED_AT_START).await?;
     }
+    if found < STAMPED_BY_HORIZON && partitioned(client, tables).await? {
+        // Partitioned tables are dropped month by month, and a capstore of schema 5 would write `by_id` rows with no
+        // time (and no idea of horizons): from the first start on, it is kept out.
+        stamp(client, tables, STAMPED_BY_HORIZON).await?;
+        return Ok(STAMPED_BY_HORIZON);
+    }
     Ok(found.max(STAMPED_AT_START))
+}
+
+/// Create the catalog's tables and views that the connected server lacks (see [`ensure_schema`]); a `by_id` created
+/// before schema 6 keeps its view as it was ([`Tables::ddl_for`]).
+pub(super) async fn create_missing(client: &CatalogClient, tables: &Tables) -> Result<(), CatalogError> {
+    let present = present_objects(client, tables).await?;
+    let by_id_time = !present.contains(&tables.by_id) || by_id_has_time(client, tables).await?;
+    let ddl = tables.ddl_for(by_id_time);
+    if !ddl.iter().all(|statement| present.contains(created_object(statement))) {
+        for statement in &ddl {
+            client.execute(statement).await?;
+        }
+    }
+    Ok(())
+}
+
+/// Whether the view into `by_id` writes `captured_at_ns`: one made by a capstore older than schema 6 (say, one that
+/// started on the tables while they were repartitioned) does not, and its rows go to `by_id`'s top partition.
+pub(super) async fn by_id_view_writes_time(client: &CatalogClient, tables: &Tables) -> Result<bool, CatalogError> {
+    #[derive(clickhouse::Row, serde::Deserialize)]
+    struct Count {
+        views: u64,
+    }
+    let (database, table) = tables.by_id.split_once('.').unwrap_or_default();
+    let found: Vec<Count> = client
+        .fetch_all(&format!(
+            "SELECT count() AS views FROM system.tables WHERE database = {} AND name = {} AND \
+             create_table_query LIKE '%captured_at_ns%'",
+            sql_string_literal(database),
+            sql_string_literal(&format!("{table}_view"))
+        ))
+        .await?;
+    Ok(found.first().is_some_and(|row| row.views > 0))
 }
 
 /// Whether `by_id` has its `captured_at_ns` column (created by schema 6 or newer, or repartitioned). An older one is

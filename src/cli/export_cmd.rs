@@ -235,19 +235,29 @@ async fn export_to_dir(reader: &Reader, selection: Selection, dir: &Path, args: 
     Ok(if missing + unreadable > 0 { exit_code::FATAL } else { exit_code::CLEAN })
 }
 
-/// Remove the files of the captures the manifest names with a `captured_at_ns` before `before_ns`: a retention
-/// horizon of the range. (A file the manifest names as deleted later is gone already.)
+/// Remove the files of the captures whose last manifest line (the version the directory holds) has a
+/// `captured_at_ns` before `before_ns`: a retention horizon of the range. (A capture posted again later in the range
+/// with a later time keeps its file; one deleted later has none.)
 fn remove_captured_before(dir: &Path, manifest_path: &Path, before_ns: u64) -> anyhow::Result<()> {
     use std::io::BufRead;
     let manifest =
         std::fs::File::open(manifest_path).with_context(|| format!("cannot read {}", manifest_path.display()))?;
+    // Each id's time as the directory holds it now: `None` once deleted.
+    let mut held: std::collections::HashMap<uuid::Uuid, Option<u64>> = std::collections::HashMap::new();
     for line in std::io::BufReader::new(manifest).lines() {
         let line: serde_json::Value = serde_json::from_str(&line?).unwrap_or_default();
-        let (Some(id), Some(at)) = (line["capture_id"].as_str(), line["captured_at_ns"].as_u64()) else { continue };
-        if at >= before_ns || uuid::Uuid::parse_str(id).is_err() {
+        let Some(id) = line["capture_id"].as_str().and_then(|id| uuid::Uuid::parse_str(id).ok()) else { continue };
+        if line["deleted"] == true {
+            held.insert(id, None);
+        } else if let Some(at) = line["captured_at_ns"].as_u64().filter(|_| line.get("error").is_none()) {
+            held.insert(id, Some(at));
+        }
+    }
+    for (id, at) in held {
+        if at.is_none_or(|at| at >= before_ns) {
             continue;
         }
-        let path = dir.join(id);
+        let path = dir.join(id.to_string());
         match std::fs::remove_file(&path) {
             Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
                 return Err(anyhow::Error::new(error).context(format!("cannot remove {}", path.display())))

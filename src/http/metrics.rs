@@ -139,7 +139,7 @@ impl MetricsSample {
             (
                 "capstore_partitions_dropped",
                 "partitions of months below the retention horizon dropped from the catalog tables",
-                pipeline(|p| p.months_dropped),
+                pipeline(|p| p.partitions_dropped),
             ),
             ("capstore_packs_quarantined", "packs moved to quarantine", pipeline(|p| p.packs_quarantined)),
             ("capstore_upload_failures", "pack uploads that failed (each is retried)", pipeline(|p| p.upload_failures)),

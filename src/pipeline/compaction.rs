@@ -109,7 +109,7 @@ pub struct CompactionPass {
     /// Deleted captures whose catalog rows removal was started for.
     pub captures_purged: u64,
     /// Partitions of months below the retention horizon dropped.
-    pub months_dropped: u64,
+    pub partitions_dropped: u64,
     /// The pass stopped at `compaction_pass_bytes`: more is due.
     pub more_due: bool,
 }
@@ -178,6 +178,8 @@ pub struct Compactor {
     saved: Progress,
     /// The progress read from the spool was checked against the catalog (or there was none).
     progress_checked: bool,
+    /// The last plan read a full page of packs below the horizon: more may be due at once.
+    expiry_backlog: bool,
 }
 
 impl Compactor {
@@ -218,6 +220,7 @@ impl Compactor {
             progress: saved.clone(),
             saved,
             progress_checked: false,
+            expiry_backlog: false,
         })
     }
 
@@ -314,6 +317,7 @@ impl Compactor {
         if all_planned {
             self.progress.small_packs_from = small_packs_next;
             self.progress.horizon_packs_from = horizon_packs_next;
+            pass.more_due |= self.expiry_backlog;
         }
         // A purge that fails (a statement refused, the catalog away) is tried again by the next pass.
         if let Err(error) = self.purge_rows(&mut pass, stopping).await {
@@ -327,7 +331,7 @@ impl Compactor {
                 bytes_rewritten = pass.bytes_rewritten,
                 objects_removed = pass.objects_removed,
                 captures_purged = pass.captures_purged,
-                months_dropped = pass.months_dropped,
+                partitions_dropped = pass.partitions_dropped,
                 "compaction pass"
             );
         }
@@ -439,25 +443,20 @@ impl Compactor {
     /// `horizon_packs_from` on; the next look starts at the lowest pack still holding a capture at or after the
     /// horizon. (A pack published long after it was made, with an id below that mark already, is left to the
     /// merging of small packs, which copies none of its hidden captures either.)
-    async fn plan_expiry(&self) -> anyhow::Result<(Vec<Job>, String)> {
+    async fn plan_expiry(&mut self) -> anyhow::Result<(Vec<Job>, String)> {
+        self.expiry_backlog = false;
         let horizon = self.catalog.horizons(u64::MAX).await?.before_at(u64::MAX);
         if horizon == 0 {
             return Ok((Vec::new(), self.progress.horizon_packs_from.clone()));
         }
-        let mut below = Vec::new();
-        let mut from = self.progress.horizon_packs_from.clone();
-        let next_from = loop {
-            let (page, lowest_above) = self.catalog.packs_below(horizon, &from, SMALL_PACKS_PER_READ).await?;
-            let full = page.len() as u64 == SMALL_PACKS_PER_READ;
-            let past_page = page.last().map(|last| format!("{}\u{0}", last.pack_id));
-            below.extend(page);
-            match (full, past_page) {
-                (true, Some(past)) => from = past,
-                // Everything from `from` on is read: the next look starts at the lowest pack not below yet (or
-                // past the last one planned here).
-                (_, past) => break lowest_above.into_iter().chain(past).min().unwrap_or(from),
-            }
-        };
+        // One read of packs per pass at most (a first horizon over a long history finds them by the million): a
+        // full read leaves the rest to the next pass, which runs at once.
+        let from = self.progress.horizon_packs_from.clone();
+        let (below, lowest_above) = self.catalog.packs_below(horizon, &from, SMALL_PACKS_PER_READ).await?;
+        self.expiry_backlog = below.len() as u64 == SMALL_PACKS_PER_READ;
+        // The next look starts at the lowest pack not below yet, or past the last one planned here.
+        let past_page = below.last().map(|last| format!("{}\u{0}", last.pack_id));
+        let next_from = lowest_above.into_iter().chain(past_page).min().unwrap_or(from);
         let mut jobs = Vec::new();
         let (mut sources, mut records) = (Vec::new(), 0);
         for mut pack in below {
@@ -741,12 +740,14 @@ impl Compactor {
     ) -> anyhow::Result<()> {
         let Some(purge) = self.purge.clone() else { return Ok(()) };
         if purge.drops_months() {
-            let (_, month) = purge.due_horizon(self.read_grace).await?;
-            if month > 0 {
-                let dropped =
-                    purge.drop_months_before(month, || crate::failpoint::hit("during_partition_drop")).await?;
-                pass.months_dropped += dropped;
-                self.counters.months_dropped.fetch_add(dropped, Ordering::Relaxed);
+            // A drop that fails (a partition larger than the server's max_partition_size_to_drop, say) must not hold
+            // back the removal of deleted captures' rows below.
+            if let Err(error) = self.drop_below_horizon(&purge, pass).await {
+                tracing::error!(
+                    error = %format!("{error:#}"),
+                    "cannot drop the months below the retention horizon; the next pass tries again (see the \
+                     server's log; a partition over max_partition_size_to_drop needs that setting raised)"
+                );
             }
         }
         // Erased: every deletion up to the oldest one a pack still to rewrite comes from (a rewrite that keeps
@@ -797,6 +798,34 @@ impl Compactor {
         }
         // Out of reads with more to look at (catching up after a start): the next pass runs at once.
         pass.more_due = true;
+        Ok(())
+    }
+
+    /// Drop the months wholly below the newest horizon that is older than the grace (see
+    /// [`crate::catalog::purge`]). A capture whose newest row lies in such a month but that has an older row in a
+    /// later one (posted again with an earlier time) first has its rows below the newest removed, and the drop
+    /// waits for that removal's mutations: the older row would otherwise be the newest once the month is gone.
+    async fn drop_below_horizon(&mut self, purge: &RowPurge, pass: &mut CompactionPass) -> anyhow::Result<()> {
+        let (_, month) = purge.due_horizon(self.read_grace).await?;
+        if month == 0 {
+            return Ok(());
+        }
+        let partitions = purge.months_before(month).await?;
+        if partitions.is_empty() || purge.in_flight().await? {
+            return Ok(());
+        }
+        let superseded = purge.superseded_across(month).await?;
+        if !superseded.is_empty() {
+            tracing::info!(
+                captures = superseded.len(),
+                "removing the older rows of captures whose newest row is below the retention horizon"
+            );
+            purge.remove(&crate::catalog::purge::PurgeBatch { through: 0, captures: superseded }, || {}).await?;
+            return Ok(());
+        }
+        let dropped = purge.drop_partitions(&partitions, || crate::failpoint::hit("during_partition_drop")).await?;
+        pass.partitions_dropped += dropped;
+        self.counters.partitions_dropped.fetch_add(dropped, Ordering::Relaxed);
         Ok(())
     }
 

@@ -65,7 +65,7 @@ pub struct PipelineCounters {
     /// [`crate::catalog::purge`]).
     pub captures_purged: AtomicU64,
     /// Partitions of months below a retention horizon dropped from the catalog tables (see [`crate::catalog::purge`]).
-    pub months_dropped: AtomicU64,
+    pub partitions_dropped: AtomicU64,
     /// Pack uploads that failed (the bucket unreachable or refusing); each is retried.
     pub upload_failures: AtomicU64,
     /// Busy while the daemon's loop runs a round; every pack uploaded, publish answered or reconcile step is progress.
@@ -94,7 +94,7 @@ impl Default for PipelineCounters {
             compaction_bytes_rewritten: AtomicU64::default(),
             objects_removed: AtomicU64::default(),
             captures_purged: AtomicU64::default(),
-            months_dropped: AtomicU64::default(),
+            partitions_dropped: AtomicU64::default(),
             upload_failures: AtomicU64::default(),
             liveness: Liveness::default(),
             upload_latency: Latency::between(0.001, 300.0),
@@ -118,7 +118,7 @@ pub struct PipelineCounts {
     pub compaction_bytes_rewritten: u64,
     pub objects_removed: u64,
     pub captures_purged: u64,
-    pub months_dropped: u64,
+    pub partitions_dropped: u64,
     pub upload_failures: u64,
 }
 
@@ -138,7 +138,7 @@ impl PipelineCounters {
             compaction_bytes_rewritten: load(&self.compaction_bytes_rewritten),
             objects_removed: load(&self.objects_removed),
             captures_purged: load(&self.captures_purged),
-            months_dropped: load(&self.months_dropped),
+            partitions_dropped: load(&self.partitions_dropped),
             upload_failures: load(&self.upload_failures),
         }
     }

@@ -56,6 +56,8 @@ pub struct Retention {
 
 /// A horizon moves in steps of this (and lags the keep by up to one): each step is a publish, an entry of `tail`.
 pub const HORIZON_STEP: Duration = Duration::from_secs(3600);
+/// A local clock further than this from the catalog server's is reported.
+const CLOCK_DISAGREEMENT: Duration = Duration::from_secs(60);
 
 /// Whether a policy's pattern matches every stream name.
 fn is_catch_all(pattern: &str) -> bool {
@@ -96,9 +98,20 @@ impl Retention {
         })
     }
 
-    /// Publish the horizon `now - K` (in whole [`HORIZON_STEP`]s) if the catalog's is below it.
-    async fn advance_horizon(&mut self, now_ns: u64) -> anyhow::Result<()> {
+    /// Publish the horizon `now - K` (in whole [`HORIZON_STEP`]s, by the catalog server's clock) if the catalog's
+    /// is below it. A horizon never moves back, so it is reckoned by the server's clock, not this host's: a host
+    /// that boots with its clock years ahead would otherwise hide everything for good. A local clock far from the
+    /// server's is reported.
+    async fn advance_horizon(&mut self, local_now_ns: u64) -> anyhow::Result<()> {
         let Some(keep) = self.horizon_keep else { return Ok(()) };
+        let now_ns = self.deleter.catalog().server_now_ns().await?;
+        if now_ns.abs_diff(local_now_ns) > CLOCK_DISAGREEMENT.as_nanos() as u64 {
+            tracing::warn!(
+                local_now_ns,
+                server_now_ns = now_ns,
+                "this host's clock is far from the catalog server's; retention horizons follow the server's"
+            );
+        }
         let step = HORIZON_STEP.as_nanos() as u64;
         let target = now_ns.saturating_sub(u64::try_from(keep.as_nanos()).unwrap_or(u64::MAX)) / step * step;
         if target <= self.horizon_before {

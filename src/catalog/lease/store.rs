@@ -78,13 +78,21 @@ pub enum ClaimOutcome {
 pub struct LeaseStore {
     client: CatalogClient,
     table: String,
+    /// The `schema` table: a claim is refused while `capstore repartition` runs on the tables.
+    schema_table: String,
     catalog: String,
     timings: LeaseTimings,
 }
 
 impl LeaseStore {
     pub fn new(client: CatalogClient, tables: &Tables, catalog: &str, timings: LeaseTimings) -> LeaseStore {
-        LeaseStore { client, table: tables.lease.clone(), catalog: catalog.to_string(), timings }
+        LeaseStore {
+            client,
+            table: tables.lease.clone(),
+            schema_table: tables.schema.clone(),
+            catalog: catalog.to_string(),
+            timings,
+        }
     }
 
     pub fn timings(&self) -> LeaseTimings {
@@ -138,11 +146,16 @@ impl LeaseStore {
                 return Ok(ClaimOutcome::Refused { holder: head.holders(), time_left: head.time_left() });
             }
         }
+        // Not while the tables are being repartitioned (their mark's newest version is odd): a daemon that started
+        // just before the run began must not publish into tables that are being copied and swapped.
         let condition = format!(
-            "(SELECT max(term) FROM {} WHERE catalog = {}) = {}",
-            self.table,
-            self.catalog_literal(),
-            head.term
+            "(SELECT max(term) FROM {table} WHERE catalog = {catalog}) = {term} AND \
+             (SELECT max(version) % 2 FROM {schema} WHERE component = {repartition}) = 0",
+            table = self.table,
+            catalog = self.catalog_literal(),
+            term = head.term,
+            schema = self.schema_table,
+            repartition = sql_string_literal(super::super::schema::REPARTITION_COMPONENT),
         );
         let outcome =
             self.insert_and_read_back(head.term + 1, lease_id, &identity.holder(), "claim", &condition).await?;

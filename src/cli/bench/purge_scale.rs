@@ -199,7 +199,8 @@ pub async fn purge_scale(options: &PurgeScaleOptions) -> anyhow::Result<Vec<Scal
         let purge = RowPurge::new(client.clone(), tables.clone(), CATALOG).partitioned(true);
         let started = Instant::now();
         let (_, month) = purge.due_horizon(Duration::ZERO).await?;
-        let dropped = purge.drop_months_before(month, || {}).await?;
+        anyhow::ensure!(purge.superseded_across(month).await?.is_empty(), "no capture posted again across months");
+        let dropped = purge.drop_partitions(&purge.months_before(month).await?, || {}).await?;
         let drop_ms = started.elapsed().as_secs_f64() * 1000.0;
         let left =
             count(&client, &format!("SELECT count() FROM {} WHERE captured_at_ns < {HORIZON_NS}", tables.captures))
