@@ -10,7 +10,7 @@
 //!
 //! *Horizons*: when the policies end with a catch-all (`streams = "*"`) and the catalog's tables are partitioned by
 //! month (a catalog created by schema 6 or newer, see [`crate::catalog::schema::partitioned`]), nothing captured
-//! before `now - K` (K, the longest keep of the policies up to the catch-all) is kept for any stream, whatever its
+//! before `now - K` (by the catalog server's clock) (K, the longest keep of the policies up to the catch-all) is kept for any stream, whatever its
 //! name, and retention publishes that as a *horizon* instead of a tombstone per capture: one fenced, versioned
 //! publish, advanced in steps of [`HORIZON_STEP`], from whose version on no read returns a capture captured before
 //! it (see [`crate::catalog::query`]); the compactor drops the months below it once readers are done with them (see
