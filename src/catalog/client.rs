@@ -203,6 +203,12 @@ impl CatalogError {
         self.server_code.is_some_and(|code| BAD_DATA_CODES.contains(&code))
     }
 
+    /// The table a statement names does not exist, nor perhaps its database (ClickHouse's UNKNOWN_TABLE and
+    /// UNKNOWN_DATABASE): tables of an older capstore lack the newer ones, which read-only tools read as empty.
+    pub fn is_unknown_table(&self) -> bool {
+        matches!(self.server_code, Some(60 | 81))
+    }
+
     /// The server could not be connected to: nothing was sent (another replica may be tried at once).
     pub fn is_unreachable(&self) -> bool {
         self.source.as_ref().is_some_and(is_connect_failure)

@@ -678,7 +678,7 @@ impl CatalogReader {
             .await;
         match rows {
             Ok(rows) => Ok(Horizons { committed: rows.into_iter().map(|row| (row.version, row.before_ns)).collect() }),
-            Err(error) if super::retired::is_unknown_table(&error) => Ok(Horizons::default()),
+            Err(error) if error.is_unknown_table() => Ok(Horizons::default()),
             Err(error) => Err(error),
         }
     }
@@ -1309,7 +1309,7 @@ impl CatalogReader {
                 .await;
             match removed {
                 // Tables of a capstore older than `retired_packs`: nothing was retired.
-                Err(error) if table == &tables.retired_packs && super::retired::is_unknown_table(&error) => {}
+                Err(error) if table == &tables.retired_packs && error.is_unknown_table() => {}
                 other => other?,
             }
         }

@@ -22,11 +22,6 @@ use super::client::{sql_string_literal, CatalogClient, CatalogError};
 use super::lease::server_now_ms_expr;
 use super::schema::Tables;
 
-/// ClickHouse's UNKNOWN_TABLE: tables created by a capstore older than `retired_packs` (read-only tools reading
-/// them know that nothing was retired).
-const UNKNOWN_TABLE_CODE: u32 = 60;
-const UNKNOWN_DATABASE_CODE: u32 = 81;
-
 /// A row of `retired_packs`.
 #[derive(clickhouse::Row, serde::Serialize)]
 pub(super) struct RetiredPackRow {
@@ -36,11 +31,6 @@ pub(super) struct RetiredPackRow {
     pub version: u64,
     pub publish_id: String,
     pub removed_at_ms: u64,
-}
-
-/// The table a statement names does not exist (nor, perhaps, its database).
-pub(super) fn is_unknown_table(error: &CatalogError) -> bool {
-    matches!(error.server_code, Some(UNKNOWN_TABLE_CODE | UNKNOWN_DATABASE_CODE))
 }
 
 /// A retired pack whose grace period is over and whose object is still to be removed.
@@ -92,7 +82,7 @@ impl RetiredPacks {
     /// Every pack of the catalog a committed publish retired (removed or not). O(retired packs).
     pub async fn all_committed(&self) -> Result<HashSet<Uuid>, CatalogError> {
         match self.pack_ids_where(&format!("catalog = {}", sql_string_literal(&self.catalog))).await {
-            Err(error) if is_unknown_table(&error) => Ok(HashSet::new()),
+            Err(error) if error.is_unknown_table() => Ok(HashSet::new()),
             answer => answer,
         }
     }

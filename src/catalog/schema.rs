@@ -409,7 +409,7 @@ pub async fn repartition_under_way(client: &CatalogClient, tables: &Tables) -> R
     match rows {
         Ok(rows) => Ok(rows.first().is_some_and(|row| row.version % 2 == 1)),
         // No tables yet: nothing to repartition.
-        Err(error) if super::retired::is_unknown_table(&error) => Ok(false),
+        Err(error) if error.is_unknown_table() => Ok(false),
         Err(error) => Err(error),
     }
 }
