@@ -27,8 +27,9 @@ use std::time::Duration;
 use super::client::{sql_string_literal, CatalogClient, CatalogError};
 use super::lease::server_now_ms_expr;
 use super::schema::{
-    by_id_view_writes_time, create_missing, created_object, ensure_schema, partitioned, repartition_under_way,
-    stamp_at_least, SchemaError, Tables, CAPTURE_COLUMNS, REPARTITION_COMPONENT, STAMPED_BY_HORIZON,
+    by_id_view_writes_time, count_of, create_missing, created_object, ensure_schema, partitioned,
+    repartition_under_way, stamp_at_least, SchemaError, Tables, CAPTURE_COLUMNS, REPARTITION_COMPONENT,
+    STAMPED_BY_HORIZON,
 };
 
 /// How long one copy statement may run: it copies a whole table on the server (about 4 s per million rows here).
@@ -67,11 +68,6 @@ struct CatalogRow {
     catalog: String,
 }
 
-#[derive(clickhouse::Row, serde::Deserialize)]
-struct Count {
-    value: u64,
-}
-
 /// Repartition the tables of `tables` (see the module doc). `progress` is told each step.
 pub async fn repartition(
     client: &CatalogClient,
@@ -108,7 +104,7 @@ pub async fn repartition(
         client.execute(&format!("DROP TABLE IF EXISTS {copy}")).await?;
         client.execute(&create_statement(tables, table, &copy)).await?;
         client.execute_with_timeout(&copy_statement(tables, table, &copy), COPY_TIMEOUT).await?;
-        report.copied.push((table.clone(), count(client, &format!("SELECT count() FROM {copy}")).await?));
+        report.copied.push((table.clone(), count_of(client, &format!("SELECT count() FROM {copy}")).await?));
     }
     let heads_after = lease_heads(client, tables).await?;
     if let Some((catalog, _)) = heads_after.iter().find(|head| !heads_before.contains(head)) {
@@ -168,7 +164,7 @@ fn copy_statement(tables: &Tables, table: &str, copy: &str) -> String {
 
 async fn is_partitioned(client: &CatalogClient, table: &str) -> Result<bool, CatalogError> {
     let (database, name) = table.split_once('.').unwrap_or_default();
-    count(
+    count_of(
         client,
         &format!(
             "SELECT count() FROM system.tables WHERE database = {} AND name = {} AND \
@@ -186,7 +182,7 @@ async fn is_partitioned(client: &CatalogClient, table: &str) -> Result<bool, Cat
 async fn set_mark(client: &CatalogClient, tables: &Tables, under_way: bool) -> Result<(), CatalogError> {
     let component = sql_string_literal(REPARTITION_COMPONENT);
     let newest =
-        count(client, &format!("SELECT max(version) FROM {} WHERE component = {component}", tables.schema)).await?;
+        count_of(client, &format!("SELECT max(version) FROM {} WHERE component = {component}", tables.schema)).await?;
     if (newest % 2 == 1) == under_way {
         return Ok(());
     }
@@ -228,10 +224,4 @@ async fn lease_heads(client: &CatalogClient, tables: &Tables) -> Result<Vec<(Str
         ))
         .await?;
     Ok(heads.into_iter().map(|head| (head.catalog, head.head)).collect())
-}
-
-async fn count(client: &CatalogClient, sql: &str) -> Result<u64, CatalogError> {
-    // (A scalar subquery is Nullable on current servers.)
-    let rows: Vec<Count> = client.fetch_all(&format!("SELECT toUInt64(ifNull(({sql}), 0)) AS value")).await?;
-    Ok(rows.first().map_or(0, |row| row.value))
 }

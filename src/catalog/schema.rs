@@ -643,62 +643,66 @@ pub(super) async fn create_missing(client: &CatalogClient, tables: &Tables) -> R
 /// Whether the view into `by_id` writes `captured_at_ns`: one made by a capstore older than schema 6 (say, one that
 /// started on the tables while they were repartitioned) does not, and its rows go to `by_id`'s top partition.
 pub(super) async fn by_id_view_writes_time(client: &CatalogClient, tables: &Tables) -> Result<bool, CatalogError> {
-    #[derive(clickhouse::Row, serde::Deserialize)]
-    struct Count {
-        views: u64,
-    }
     let (database, table) = tables.by_id.split_once('.').unwrap_or_default();
-    let found: Vec<Count> = client
-        .fetch_all(&format!(
-            "SELECT count() AS views FROM system.tables WHERE database = {} AND name = {} AND \
+    let views = count_of(
+        client,
+        &format!(
+            "SELECT count() FROM system.tables WHERE database = {} AND name = {} AND \
              create_table_query LIKE '%captured_at_ns%'",
             sql_string_literal(database),
             sql_string_literal(&format!("{table}_view"))
-        ))
-        .await?;
-    Ok(found.first().is_some_and(|row| row.views > 0))
+        ),
+    )
+    .await?;
+    Ok(views > 0)
 }
 
 /// Whether `by_id` has its `captured_at_ns` column (created by schema 6 or newer, or repartitioned). An older one is
 /// left as it is: adding the column in place breaks its view on 18.16 (which pushes the view's old columns only and
 /// refuses a block without the new one), and only partitioned tables need it.
 pub async fn by_id_has_time(client: &CatalogClient, tables: &Tables) -> Result<bool, CatalogError> {
-    #[derive(clickhouse::Row, serde::Deserialize)]
-    struct Count {
-        columns: u64,
-    }
     let (database, table) = tables.by_id.split_once('.').unwrap_or_default();
-    let found: Vec<Count> = client
-        .fetch_all(&format!(
-            "SELECT count() AS columns FROM system.columns WHERE database = {} AND table = {} AND \
-             name = 'captured_at_ns'",
+    let columns = count_of(
+        client,
+        &format!(
+            "SELECT count() FROM system.columns WHERE database = {} AND table = {} AND name = 'captured_at_ns'",
             sql_string_literal(database),
             sql_string_literal(table)
-        ))
-        .await?;
-    Ok(found.first().is_some_and(|row| row.columns > 0))
+        ),
+    )
+    .await?;
+    Ok(columns > 0)
 }
 
 /// Whether the catalog's `captures`, `by_version` and `by_id` are partitioned by [`PARTITION_BY`] (created by a
 /// capstore of schema 6 or newer): only then can a retention horizon drop whole months of them.
 pub async fn partitioned(client: &CatalogClient, tables: &Tables) -> Result<bool, CatalogError> {
-    #[derive(clickhouse::Row, serde::Deserialize)]
-    struct Count {
-        tables: u64,
-    }
     let names: Vec<String> = [&tables.captures, &tables.by_version, &tables.by_id]
         .iter()
         .map(|table| sql_string_literal(table.rsplit('.').next().unwrap_or_default()))
         .collect();
-    let rows: Vec<Count> = client
-        .fetch_all(&format!(
-            "SELECT count() AS tables FROM system.tables WHERE database = {} AND name IN ({}) AND \
+    let partitioned = count_of(
+        client,
+        &format!(
+            "SELECT count() FROM system.tables WHERE database = {} AND name IN ({}) AND \
              partition_key LIKE '%captured_at_ns%'",
             sql_string_literal(&tables.database),
             names.join(", ")
-        ))
-        .await?;
-    Ok(rows.first().is_some_and(|row| row.tables == 3))
+        ),
+    )
+    .await?;
+    Ok(partitioned == 3)
+}
+
+/// The one number `sql` (a `SELECT count()` or the like) answers; 0 for none (a scalar subquery is Nullable on
+/// current servers).
+pub(super) async fn count_of(client: &CatalogClient, sql: &str) -> Result<u64, CatalogError> {
+    #[derive(clickhouse::Row, serde::Deserialize)]
+    struct Count {
+        value: u64,
+    }
+    let rows: Vec<Count> = client.fetch_all(&format!("SELECT toUInt64(ifNull(({sql}), 0)) AS value")).await?;
+    Ok(rows.first().map_or(0, |row| row.value))
 }
 
 /// The schema a deletion needs stamped before its rows are written (see the module doc).
