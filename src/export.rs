@@ -77,8 +77,11 @@ impl<'a> Export<'a> {
                 return Err(format!("resume token {token:?} is not one of an id-list export"));
             }
         }
-        if let (Selection::Query(_), Some(token)) = (&selection, &resume) {
-            crate::catalog::query::validate_cursor(token)?;
+        let mut resume = resume;
+        if let (Selection::Query(query), Some(token)) = (&selection, &resume) {
+            let cursor = query_token_cursor(query, token)?;
+            crate::catalog::query::validate_cursor(&cursor)?;
+            resume = Some(cursor);
         }
         if let (Selection::Versions { after, through }, Some(token)) = (&selection, &resume) {
             let (token_through, position) = versions_token(token)?;
@@ -146,6 +149,11 @@ impl<'a> Export<'a> {
         };
         self.done = resume.is_none();
         self.position = resume.clone();
+        // A query's token names the query too, so that it cannot resume another one.
+        let resume = match &self.selection {
+            Selection::Query(query) => resume.map(|cursor| format!("q{}:{cursor}", query_digest(query))),
+            _ => resume,
+        };
         Ok(Some(ExportPage { captures, horizons, resume }))
     }
 }
@@ -156,6 +164,25 @@ fn located(captures: Vec<CaptureLocation>) -> Vec<(Uuid, Option<CaptureLocation>
         .into_iter()
         .filter_map(|location| Some((Uuid::parse_str(&location.capture_id).ok()?, Some(location))))
         .collect()
+}
+
+/// A short digest of what a query selects (stream, time range, labels): the prefix of its export's resume tokens.
+fn query_digest(query: &ListQuery) -> String {
+    use sha2::Digest;
+    let selection = serde_json::json!([query.stream, query.since_ns, query.until_ns, query.labels]);
+    hex::encode(&sha2::Sha256::digest(selection.to_string().as_bytes())[..6])
+}
+
+/// The listing cursor in a resume token of a query export, `q<digest>:<cursor>`, if the digest is `query`'s; a bare
+/// cursor (the tokens of an older build) is taken as it is.
+fn query_token_cursor(query: &ListQuery, token: &str) -> Result<String, String> {
+    let Some((digest, cursor)) = token.strip_prefix('q').and_then(|rest| rest.split_once(':')) else {
+        return Ok(token.to_string());
+    };
+    if digest != query_digest(query) {
+        return Err(format!("resume token {token:?} is of another query (its stream, time range or labels differ)"));
+    }
+    Ok(cursor.to_string())
 }
 
 /// The last version and the position in a resume token of a version-range export, `versions:<through>/<position>`.
@@ -262,6 +289,19 @@ impl TarPage {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_query_export_token_resumes_its_own_query_only() {
+        let query = |stream: &str| ListQuery { stream: Some(stream.into()), ..ListQuery::default() };
+        let cursor = "7.123.0190b1d4-7c1e-7000-8000-000000000001.5";
+        let token = format!("q{}:{cursor}", query_digest(&query("cam/a")));
+        assert_eq!(query_token_cursor(&query("cam/a"), &token).unwrap(), cursor);
+        let refused = query_token_cursor(&query("cam/b"), &token).unwrap_err();
+        assert!(refused.contains("another query"), "{refused}");
+        let labelled = ListQuery { labels: [("k".to_string(), "v".to_string())].into(), ..query("cam/a") };
+        assert!(query_token_cursor(&labelled, &token).is_err(), "labels are part of the query");
+        assert_eq!(query_token_cursor(&query("cam/b"), cursor).unwrap(), cursor, "an older build's bare cursor");
+    }
 
     #[test]
     fn tar_files_read_back_with_the_tar_crate() {

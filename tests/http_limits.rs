@@ -226,3 +226,41 @@ async fn captures_are_served_so_that_a_browser_never_runs_them() {
         .unwrap();
     assert_eq!(from_page.status(), StatusCode::FORBIDDEN);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_export_whose_client_goes_away_stops_and_frees_its_read_slot() {
+    let proxy = FaultProxy::start(shared_server().http_addr);
+    let running = start(&[
+        ("CAPSTORE_CATALOG_URL", proxy.url()),
+        ("CAPSTORE_HTTP_MAX_CONCURRENT_READS", "1".into()),
+        ("CAPSTORE_SPOOL_PACK_MAX_AGE", "100ms".into()),
+    ])
+    .await;
+    let client = reqwest::Client::new();
+    let posts = (0..200).map(|n| {
+        let url = running.url("/v1/captures?stream=gone/away&wait=published");
+        let client = client.clone();
+        async move { client.post(url).body(format!("capture {n}")).send().await.unwrap().status() }
+    });
+    assert!(futures::future::join_all(posts).await.iter().all(|status| *status == StatusCode::CREATED));
+    // Each page of one capture is a catalog read of at least 300 ms: the whole export would take a minute or more.
+    proxy.delay(Duration::from_millis(300));
+    let mut export = client.get(running.url("/v1/export?stream=gone/away&page_size=1")).send().await.unwrap();
+    assert_eq!(export.status(), StatusCode::OK);
+    assert!(export.chunk().await.unwrap().is_some(), "the export began");
+    let busy = client.get(running.url("/v1/captures?limit=1")).send().await.unwrap().status();
+    assert_eq!(busy, StatusCode::SERVICE_UNAVAILABLE, "the export holds the one read slot");
+    drop(export);
+    // The client is gone: the export stops after the page in hand and gives its slot back, long before its end.
+    let started = Instant::now();
+    loop {
+        let status = client.get(running.url("/v1/captures?limit=1")).send().await.unwrap().status();
+        if status == StatusCode::OK {
+            break;
+        }
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(started.elapsed() < Duration::from_secs(20), "the export went on without its client");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    proxy.pass();
+}

@@ -509,6 +509,15 @@ async fn export_writes_each_selected_capture_once_resumes_and_streams_the_same_o
     assert!(first_ids.is_disjoint(&rest_ids), "the resumed export repeats captures of the first page");
     assert_eq!(first_ids.union(&rest_ids).cloned().collect::<Vec<_>>(), wanted.keys().cloned().collect::<Vec<_>>());
 
+    // A token resumes its own query only: given with another, it is refused naming the cursor.
+    let other = format!(
+        "/v1/export?stream=cam/y&page_size=500&cursor={}",
+        form_urlencoded::byte_serialize(cursor.as_bytes()).collect::<String>()
+    );
+    let response = client.get(daemon.url(&other)).send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(json(response).await["field"], "cursor");
+
     // Bad input names what is wrong.
     let response = client.get(daemon.url("/v1/export?stream=cam/x&limit=5")).send().await.unwrap();
     assert_eq!(response.status(), StatusCode::BAD_REQUEST);
