@@ -614,7 +614,7 @@ impl CatalogClient {
     where
         T: RowOwned + RowRead,
     {
-        self.fetch_all_with(sql, self.sequential_consistency()).await
+        self.fetch_all_with(sql, self.sequential_consistency(), self.request_timeout).await
     }
 
     /// Read every row of a SELECT. `sql` is sent verbatim; columns map to the row's fields by position.
@@ -626,14 +626,29 @@ impl CatalogClient {
     where
         T: RowOwned + RowRead,
     {
-        self.fetch_all_with(sql, None).await
+        self.fetch_all_with(sql, None, self.request_timeout).await
     }
 
-    async fn fetch_all_with<T>(&self, sql: &str, extra: Option<(&'static str, String)>) -> Result<Vec<T>, CatalogError>
+    /// [`CatalogClient::fetch_all`] for a background read that goes over a whole catalog table (the lifecycle's
+    /// checks before a drop), stopped on the server after `timeout` rather than `catalog.request_timeout`; the
+    /// memory cap is the same.
+    pub async fn fetch_all_with_timeout<T>(&self, sql: &str, timeout: Duration) -> Result<Vec<T>, CatalogError>
     where
         T: RowOwned + RowRead,
     {
-        let whole_seconds = self.request_timeout.as_secs_f64().ceil().max(1.0) as u64;
+        self.fetch_all_with(sql, None, timeout.max(self.request_timeout)).await
+    }
+
+    async fn fetch_all_with<T>(
+        &self,
+        sql: &str,
+        extra: Option<(&'static str, String)>,
+        timeout: Duration,
+    ) -> Result<Vec<T>, CatalogError>
+    where
+        T: RowOwned + RowRead,
+    {
+        let whole_seconds = timeout.as_secs_f64().ceil().max(1.0) as u64;
         let mut settings = vec![
             ("max_execution_time", whole_seconds.to_string()),
             ("timeout_overflow_mode", "throw".to_string()),
@@ -647,16 +662,14 @@ impl CatalogClient {
         }
         settings.extend(extra);
         let settings = &settings;
-        self.request("fetch", self.request_timeout, |client| {
-            with_settings(client.query_raw(sql), settings).fetch_all::<T>()
-        })
-        .await
-        .map_err(|mut error| {
-            if error.server_code == Some(MEMORY_LIMIT_EXCEEDED) {
-                error.message = format!("{} (the limit is catalog.read_max_memory)", error.message);
-            }
-            error
-        })
+        self.request("fetch", timeout, |client| with_settings(client.query_raw(sql), settings).fetch_all::<T>())
+            .await
+            .map_err(|mut error| {
+                if error.server_code == Some(MEMORY_LIMIT_EXCEEDED) {
+                    error.message = format!("{} (the limit is catalog.read_max_memory)", error.message);
+                }
+                error
+            })
     }
 
     /// Insert `rows` in one INSERT statement. `table` is SQL text (`database.table`) from validated configuration,

@@ -216,15 +216,18 @@ impl RowPurge {
         let cut_ns = month_start_ns(month);
         let candidates: Vec<Candidate> = self
             .client
-            .fetch_all(&format!(
-                "SELECT id_v AS capture_id FROM (SELECT UUIDNumToString(capture_id) AS id_v, \
+            .fetch_all_with_timeout(
+                &format!(
+                    "SELECT id_v AS capture_id FROM (SELECT UUIDNumToString(capture_id) AS id_v, \
                  min(captured_at_ns) AS first_v, max(captured_at_ns) AS last_v, \
                  argMax(captured_at_ns, version) AS newest_v FROM {by_id} WHERE catalog = {catalog} \
                  GROUP BY capture_id) WHERE first_v < {cut_ns} AND last_v >= {cut_ns} AND newest_v < {cut_ns} \
                  SETTINGS max_bytes_before_external_group_by = {SPILL_BYTES}",
-                by_id = self.tables.by_id,
-                catalog = sql_string_literal(&self.catalog),
-            ))
+                    by_id = self.tables.by_id,
+                    catalog = sql_string_literal(&self.catalog),
+                ),
+                STATEMENT_TIMEOUT,
+            )
             .await?;
         let ids: Vec<uuid::Uuid> =
             candidates.iter().filter_map(|candidate| uuid::Uuid::parse_str(&candidate.capture_id).ok()).collect();
