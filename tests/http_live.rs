@@ -2028,28 +2028,6 @@ async fn died_at(daemon: &mut HttpDaemon, failpoint: &str) {
     assert!(daemon.log().contains(&format!("failpoint {failpoint} reached")), "{}", daemon.log());
 }
 
-/// The tables of a catalog as the capstore before schema 6 created them: not partitioned, `by_id` without
-/// `captured_at_ns` (its view not writing it), no `horizons`, stamped 5.
-fn create_schema_5_tables(server: &ClickHouseServer, tables: &capstore::catalog::Tables) {
-    use capstore::catalog::schema::PARTITION_BY;
-    for statement in tables.ddl() {
-        if statement.contains(&format!(" IF NOT EXISTS {} ", tables.horizons)) {
-            continue;
-        }
-        let statement = statement
-            .replace(&format!("PARTITION BY {PARTITION_BY} "), "")
-            .replace(
-                &format!("publish_id FixedString(16), captured_at_ns UInt64 DEFAULT {}", u64::MAX),
-                "publish_id FixedString(16)",
-            )
-            .replace("AS publish_id, captured_at_ns FROM", "AS publish_id FROM");
-        server.query(&statement).unwrap_or_else(|error| panic!("{statement}: {error}"));
-    }
-    server
-        .query(&format!("INSERT INTO {} (component, version, written_at_ms) VALUES ('catalog', 5, 0)", tables.schema))
-        .unwrap();
-}
-
 /// Each of `tables` (names in `database`) is partitioned by catalog and month.
 fn all_partitioned(server: &ClickHouseServer, database: &str, tables: &[&str]) -> bool {
     let names: Vec<String> = tables.iter().map(|table| format!("'{table}'")).collect();
@@ -2080,7 +2058,7 @@ async fn repartition_moves_an_older_catalog_onto_month_partitions_and_every_read
     let tables = capstore::catalog::Tables::from_config(&config.catalog);
     let (database, catalog_name) = (tables.database.clone(), config.catalog_name.clone());
     server.query(&format!("CREATE DATABASE {database}")).unwrap();
-    create_schema_5_tables(server, &tables);
+    server.create_unpartitioned_tables(&tables, 5);
     let mut daemon = HttpDaemon::launch(dir, port, env).await;
     let client = reqwest::Client::new();
     daemon.get_ok(&client, "/v1/tail").await;

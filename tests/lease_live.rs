@@ -58,6 +58,12 @@ async fn catalog(server: &'static ClickHouseServer, with_proxy: bool) -> Catalog
 }
 
 impl Catalog {
+    /// The highest schema version stamped into the catalog's tables.
+    fn stamped_schema(&self) -> u32 {
+        let sql = format!("SELECT max(version) FROM {} WHERE component = 'catalog' FORMAT TSV", self.tables.schema);
+        self.server.query(&sql).unwrap().trim().parse().unwrap()
+    }
+
     fn timings(&self) -> LeaseTimings {
         LeaseTimings::from_config(&self.config.lease, &self.client)
     }
@@ -1175,8 +1181,7 @@ async fn a_deletion_is_a_fenced_version_that_hides_the_capture_from_every_read_f
     let again = delete(vec![a]).await;
     assert_eq!((again.already_deleted, again.version), (vec![a], None));
     assert_eq!(catalog.committed_versions(), vec![1, 2, 3]);
-    let stamps = catalog.server.query(&format!("SELECT max(version) FROM {} FORMAT TSV", catalog.tables.schema));
-    assert_eq!(stamps.unwrap().trim(), "4", "the first deletion stamps schema 4");
+    assert_eq!(catalog.stamped_schema(), 6, "a new (partitioned) catalog is stamped 6 from its first start on");
 
     let reader = catalog.reader();
     let ids = |page: capstore::catalog::query::Page| {
@@ -1312,8 +1317,7 @@ async fn a_relocation_moves_captures_in_one_fenced_version_and_every_reader_sees
     let again = retried!(publisher.publish_relocation(&relocation).await);
     assert_eq!(again, RelocationOutcome::AlreadySwitched, "a switch asked again is found made");
     assert_eq!(catalog.committed_versions(), vec![1, 2, 3]);
-    let stamps = catalog.server.query(&format!("SELECT max(version) FROM {} FORMAT TSV", catalog.tables.schema));
-    assert_eq!(stamps.unwrap().trim(), "5", "the first compaction stamps schema 5");
+    assert_eq!(catalog.stamped_schema(), 6, "a new (partitioned) catalog is stamped 6 from its first start on");
 
     // Every read at or above the switch sees each capture once, at its new place; a reader pinned below, at its old.
     let places = |page: capstore::catalog::query::Page| {
@@ -1384,6 +1388,49 @@ async fn a_relocation_moves_captures_in_one_fenced_version_and_every_reader_sees
     let ended = publisher.publish_relocation(&retire).await;
     assert!(matches!(ended, Err(PublishError::NoLease)), "{ended:?}");
     assert_eq!(catalog.committed_versions(), vec![1, 2, 3, 4, 5]);
+}
+
+for_each_version!(an_older_catalog_is_stamped_4_by_its_first_deletion_and_5_by_its_first_compaction);
+/// On tables a capstore before deletions made (unpartitioned, stamped 3, which a schema 3 capstore still reads), the
+/// first deletion stamps 4 and the first compaction 5 before writing a row such a capstore would misread; a start
+/// stamps neither.
+async fn an_older_catalog_is_stamped_4_by_its_first_deletion_and_5_by_its_first_compaction(
+    server: &'static ClickHouseServer,
+) {
+    use capstore::catalog::publish::{Relocation, RelocationOutcome, SourcePack};
+    let database = server.fresh_database("older");
+    let config = config_for(&server.url(), &database, "older");
+    let tables = Tables::from_config(&config.catalog);
+    server.query(&format!("CREATE DATABASE {database}")).unwrap();
+    server.create_unpartitioned_tables(&tables, 3);
+    let (client, tables) = capstore::catalog::connect(&config).await.expect("catalog schema");
+    let catalog = Catalog { server, config, client, tables, proxy: None };
+    assert_eq!(catalog.stamped_schema(), 3, "a start leaves an unpartitioned catalog at 3");
+    let Publishing { publisher, shutdown_tx, keeper_task } = publishing(&catalog, "upgrader").await;
+    let [a, b] = [(); 2].map(|_| Uuid::now_v7());
+    let first = pack(&[(a, "cam/1", 100), (b, "cam/1", 200)]);
+    let outcome = retried!(publisher.publish_batch(std::slice::from_ref(&first)).await);
+    assert!(matches!(outcome, PublishOutcome::Committed { version: 1, .. }), "{outcome:?}");
+    assert_eq!(catalog.stamped_schema(), 3, "a publish stamps nothing");
+
+    assert_eq!(retried!(publisher.publish_deletions(&[b], None).await).version, Some(2));
+    assert_eq!(catalog.stamped_schema(), 4, "the first deletion stamps schema 4");
+
+    let mut merged = pack(&[(a, "cam/1", 100)]);
+    merged.object_key = format!("prefix/test/{}.compacted.cpk", merged.summary.pack_id);
+    let relocation = Relocation {
+        new_pack: Some(merged.clone()),
+        sources: vec![SourcePack { pack_id: first.summary.pack_id, object_key: first.object_key.clone() }],
+        source_captures: vec![a, b],
+    };
+    let switched = retried!(publisher.publish_relocation(&relocation).await);
+    assert_eq!(switched, RelocationOutcome::Switched { version: 3, moved: 1 });
+    assert_eq!(catalog.stamped_schema(), 5, "the first compaction stamps schema 5");
+    let got = catalog.reader().get(a, None).await.unwrap().unwrap();
+    assert_eq!(got.pack_id, merged.summary.pack_id.to_string(), "the capture reads from its new pack");
+    assert!(catalog.reader().get(b, None).await.unwrap().is_none(), "the deleted capture stays deleted");
+    shutdown_tx.send(true).unwrap();
+    keeper_task.await.unwrap();
 }
 
 for_each_version!(the_rows_of_captures_deleted_longer_ago_than_the_grace_are_removed_and_nothing_else);

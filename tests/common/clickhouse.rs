@@ -79,6 +79,30 @@ impl ClickHouseServer {
         format!("{prefix}_{n}_{:08x}", rand::random::<u32>())
     }
 
+    /// The tables of a catalog as a capstore before schema 6 created them (in an existing database): not
+    /// partitioned, `by_id` without `captured_at_ns` (its view not writing it), no `horizons`, stamped `stamp`.
+    pub fn create_unpartitioned_tables(&self, tables: &capstore::catalog::Tables, stamp: u32) {
+        use capstore::catalog::schema::PARTITION_BY;
+        for statement in tables.ddl() {
+            if statement.contains(&format!(" IF NOT EXISTS {} ", tables.horizons)) {
+                continue;
+            }
+            let statement = statement
+                .replace(&format!("PARTITION BY {PARTITION_BY} "), "")
+                .replace(
+                    &format!("publish_id FixedString(16), captured_at_ns UInt64 DEFAULT {}", u64::MAX),
+                    "publish_id FixedString(16)",
+                )
+                .replace("AS publish_id, captured_at_ns FROM", "AS publish_id FROM");
+            self.query(&statement).unwrap_or_else(|error| panic!("{statement}: {error}"));
+        }
+        self.query(&format!(
+            "INSERT INTO {} (component, version, written_at_ms) VALUES ('catalog', {stamp}, 0)",
+            tables.schema
+        ))
+        .unwrap();
+    }
+
     /// The server's log tail, for assertion messages.
     pub fn log_tail(&self) -> String {
         format!(
