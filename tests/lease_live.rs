@@ -1027,6 +1027,114 @@ async fn tail_without_follow_prints_every_committed_capture_once_past_a_thousand
     assert_eq!(versions, vec![1496, 1496, 1497, 1497, 1498, 1498, 1499, 1499, 1500, 1500]);
 }
 
+for_each_version!(a_tail_read_ahead_hands_out_the_same_log_as_one_page_at_a_time_through_versions_larger_than_a_page);
+/// `TailPages` asks for pages before the ones before them are back; a version of more captures than a page cuts a
+/// page short, and the pages asked for after it must be asked for again from the cut.
+async fn a_tail_read_ahead_hands_out_the_same_log_as_one_page_at_a_time_through_versions_larger_than_a_page(
+    server: &'static ClickHouseServer,
+) {
+    use capstore::catalog::query::TailPosition;
+    use capstore::catalog::tail::TailPages;
+    let catalog = catalog(server, false).await;
+    let name = &catalog.config.catalog_name;
+    let size = |version: u64| if version.is_multiple_of(13) { 25 } else { version % 4 + 1 };
+    let publish_versions = |versions: std::ops::RangeInclusive<u64>| {
+        let (mut rows, mut publishes, mut expected) = (Vec::new(), Vec::new(), Vec::new());
+        for version in versions {
+            let publish_id = Uuid::new_v4();
+            for _ in 0..size(version) {
+                let capture = Uuid::now_v7();
+                rows.push(format!("('{name}', 's', {version}, '{capture}', 'p', 'k', {version}, '{publish_id}')"));
+                expected.push((version, capture.to_string()));
+            }
+            publishes.push(format!("('{name}', {version}, '{publish_id}', 1, {})", size(version)));
+        }
+        catalog
+            .server
+            .query(&format!(
+                "INSERT INTO {} (catalog, stream, captured_at_ns, capture_id, pack_id, object_key, version, \
+                 publish_id) VALUES {}",
+                catalog.tables.captures,
+                rows.join(", ")
+            ))
+            .unwrap();
+        catalog
+            .server
+            .query(&format!(
+                "INSERT INTO {} (catalog, version, publish_id, packs, captures) VALUES {}",
+                catalog.tables.publishes,
+                publishes.join(", ")
+            ))
+            .unwrap();
+        expected.sort();
+        expected
+    };
+    let mut expected = publish_versions(1..=60);
+    let reader = catalog.reader();
+    let entries = |pages: &[capstore::catalog::query::TailPage]| {
+        pages.iter().flat_map(|page| &page.captures).map(|c| (c.version, c.capture_id.clone())).collect::<Vec<_>>()
+    };
+    // One page at a time, as before.
+    let mut one_at_a_time = Vec::new();
+    let mut position = TailPosition::after_version(0);
+    loop {
+        let page = reader.tail_page(position, None, 10).await.unwrap();
+        if page.caught_up() {
+            break;
+        }
+        position = page.next;
+        one_at_a_time.push(page);
+    }
+    assert_eq!(entries(&one_at_a_time), expected, "every capture of the log once, in (version, id) order");
+    // Read ahead: the same pages, each starting where the one before it ended.
+    let mut pages = TailPages::new(reader.clone(), TailPosition::after_version(0), None, 10);
+    let mut ahead = Vec::new();
+    loop {
+        let page = pages.next_page().await.unwrap();
+        if page.caught_up() {
+            break;
+        }
+        ahead.push(page);
+    }
+    assert_eq!(entries(&ahead), expected);
+    assert!(ahead.iter().all(|page| page.captures.len() <= 10), "no page over its size");
+    assert_eq!(ahead[0].from, TailPosition::after_version(0));
+    assert!(ahead.windows(2).all(|pair| pair[1].from == pair[0].next), "each page starts where the one before ended");
+    let cut = ahead.iter().filter(|page| page.next.after_id.is_some()).count();
+    assert!(cut >= 4, "versions of 25 captures are read in pages cut inside them ({cut} cut)");
+    // Caught up, the same reader reads on once more is published.
+    expected = publish_versions(61..=66);
+    let page = pages.next_page().await.unwrap();
+    assert_eq!(page.from, TailPosition::after_version(60));
+    let mut more = vec![page];
+    loop {
+        let page = pages.next_page().await.unwrap();
+        if page.caught_up() {
+            break;
+        }
+        more.push(page);
+    }
+    assert_eq!(entries(&more), expected, "what was published after it caught up");
+    // Up to a version: nothing after it, from the middle of a version on.
+    let middle = ahead.iter().find(|page| page.next.after_id.is_some()).unwrap().next;
+    let mut pages = TailPages::new(reader.clone(), middle, Some(40), 10);
+    let mut upto = Vec::new();
+    loop {
+        let page = pages.next_page().await.unwrap();
+        if page.caught_up() {
+            break;
+        }
+        upto.push(page);
+    }
+    let all: Vec<(u64, String)> = entries(&one_at_a_time);
+    let start = all.iter().position(|(version, id)| {
+        *version == middle.version + 1 && Some(id.as_str()) == middle.after_id.map(|id| id.to_string()).as_deref()
+    });
+    let from_middle: Vec<(u64, String)> =
+        all[start.unwrap() + 1..].iter().filter(|(version, _)| *version <= 40).cloned().collect();
+    assert_eq!(entries(&upto), from_middle);
+}
+
 for_each_version!(a_capture_re_posted_into_another_stream_is_listed_only_where_its_newest_version_is);
 async fn a_capture_re_posted_into_another_stream_is_listed_only_where_its_newest_version_is(
     server: &'static ClickHouseServer,

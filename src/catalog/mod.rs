@@ -8,6 +8,7 @@
 //! - [`intents`]: the packs about to be uploaded, recorded before the upload, so a start reconciles without a listing.
 //! - [`publish`]: publishing a batch of packs at version watermark + 1 behind the fence, with read-back.
 //! - [`query`]: reads with a pinned watermark, tailing by version, garbage collection.
+//! - [`tail`]: the log of publishes read a few pages ahead, for a tail catching up on a long history.
 //! - [`fleet`]: listings across the catalogs of a fleet of daemons sharing the tables.
 //! - [`retired`]: the packs a compaction replaced, and the removal of their objects after the reader grace period.
 //! - [`purge`]: the removal of deleted captures' rows from the tables, once readers are done with them.
@@ -23,6 +24,7 @@ pub mod query;
 pub mod repartition;
 pub mod retired;
 pub mod schema;
+pub mod tail;
 
 pub use client::{CatalogClient, CatalogError, ErrorKind};
 pub use schema::Tables;

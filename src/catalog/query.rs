@@ -38,7 +38,8 @@
 //! - `get`: the committed versions holding the id (`by_id`, and `publishes` at exactly those versions), then the row
 //!   from `by_version`: two queries of primary-key lookups, O(versions of the id);
 //! - `captures_of_version`: `by_version` at one version, O(captures of that version); `tail_page`: the publishes
-//!   after a position and one `by_version` range up to the version the page reaches, O(page);
+//!   after a position and one `by_version` range up to the version the page reaches, O(page) (a catching-up tail
+//!   plans a few pages from one read of `publishes` and reads them at once, in `super::tail`);
 //! - `list`: time windows of `captures` (see [`CatalogReader::list`]), each a primary-key range, visibility against
 //!   the publishes at the versions of the window's rows, and one `by_id` lookup for the page's ids; the ids with a
 //!   newer row (a re-post, a deletion, or a compaction's move: after compaction that is most ids) have that row read
@@ -380,6 +381,11 @@ pub struct TailPage {
 }
 
 impl TailPage {
+    /// The empty page of a tail that has caught up at `position`.
+    pub fn caught_up_at(position: TailPosition) -> TailPage {
+        TailPage { captures: Vec::new(), horizons: Vec::new(), from: position, next: position }
+    }
+
     /// True when the page holds nothing and the position did not move: nothing is published after it (up to the
     /// page's `through`).
     pub fn caught_up(&self) -> bool {
@@ -1030,11 +1036,30 @@ impl CatalogReader {
         through: Option<u64>,
         limit: u64,
     ) -> Result<TailPage, CatalogError> {
+        match self.plan_tail(from, through, limit, 1).await?.first() {
+            Some(&upto) => self.tail_span(from, upto, limit).await,
+            None => Ok(TailPage::caught_up_at(from)),
+        }
+    }
+
+    /// The ends of up to `pages` consecutive pages of the log after `from` (each a version), by the capture counts
+    /// of the publishes after it: a page ends at the first version where its counts reach `limit` (or alone at a
+    /// version of more captures), the last at the last version read. Empty when nothing is published after `from`
+    /// (up to `through`). One read of `publishes` (more only while their counts fall short).
+    pub(super) async fn plan_tail(
+        &self,
+        from: TailPosition,
+        through: Option<u64>,
+        limit: u64,
+        pages: u64,
+    ) -> Result<Vec<u64>, CatalogError> {
         let limit = limit.clamp(1, TAIL_PAGE_MAX);
-        // As many publishes as the page can reach: most hold many captures, so read a few first and more only while
+        let wanted = limit.saturating_mul(pages.max(1));
+        // As many publishes as the pages can reach: most hold many captures, so read a few first and more only while
         // their counts fall short. (A compaction's publish counts its moves, which are no entries, and one that only
         // retires packs counts none: a page over such versions is short or empty, and its `next` still moves on.)
-        let mut asked = limit.min(TAIL_PUBLISHES_FIRST);
+        let most = wanted.min(TAIL_PAGE_MAX);
+        let mut asked = most.min(TAIL_PUBLISHES_FIRST);
         let publishes = loop {
             let mut publishes = self.publishes_after(from.version, asked).await?;
             if let Some(end) = through {
@@ -1042,25 +1067,37 @@ impl CatalogReader {
             }
             let counted: u64 = publishes.iter().map(|publish| publish.captures).sum();
             // Fewer than asked: the log (or `through`) ends within them.
-            if (publishes.len() as u64) < asked || counted >= limit || asked >= limit {
+            if (publishes.len() as u64) < asked || counted >= wanted || asked >= most {
                 break publishes;
             }
-            asked = asked.saturating_mul(8).min(limit);
+            asked = asked.saturating_mul(8).min(most);
         };
-        let Some(last) = publishes.last() else {
-            return Ok(TailPage { captures: Vec::new(), horizons: Vec::new(), from, next: from });
-        };
-        // The version where the counts reach the page (an estimate: the first version may be partly read, and an id
-        // a producer re-posted into the same pack is counted twice by its publish and listed once).
-        let mut upto = last.version;
+        // Where the counts reach each page (an estimate: the first version may be partly read, and an id a producer
+        // re-posted into the same pack is counted twice by its publish and listed once).
+        let mut ends = Vec::new();
         let mut counted = 0;
         for publish in &publishes {
             counted += publish.captures;
             if counted >= limit {
-                upto = publish.version;
-                break;
+                ends.push(publish.version);
+                counted = 0;
+                if ends.len() as u64 == pages.max(1) {
+                    return Ok(ends);
+                }
             }
         }
+        if let Some(last) = publishes.last().filter(|last| ends.last() != Some(&last.version)) {
+            ends.push(last.version);
+        }
+        Ok(ends)
+    }
+
+    /// The page of the log from `from` up to version `upto` (see [`CatalogReader::plan_tail`]), at most `limit`
+    /// captures: one primary-key range of `by_version` (inside the first version, the ids after the position),
+    /// visible against the publishes of just those versions. Its `next` is right after `upto`, or after its last
+    /// capture when `limit` cut it short.
+    pub(super) async fn tail_span(&self, from: TailPosition, upto: u64, limit: u64) -> Result<TailPage, CatalogError> {
+        let limit = limit.clamp(1, TAIL_PAGE_MAX);
         let after = from.version;
         let inside_first = match from.after_id {
             Some(id) => format!(" AND (version > {} OR capture_id > '{id}')", after + 1),

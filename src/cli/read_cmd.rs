@@ -12,6 +12,7 @@ use uuid::Uuid;
 use capstore::bucket::Bucket;
 use capstore::catalog::fleet;
 use capstore::catalog::query::{CaptureLocation, ListQuery, TailPosition};
+use capstore::catalog::tail::TailPages;
 use capstore::config::Config;
 use capstore::exit_code;
 use capstore::reader::{LocalSpool, Reader};
@@ -204,11 +205,12 @@ pub fn tail(config: &Config, args: TailArgs) -> anyhow::Result<i32> {
     let runtime = crate::cli::runtime()?;
     runtime.block_on(async {
         let reader = reader(config).await?;
-        let mut position = args.after;
         // Without --follow: everything committed when the command started, however many reads that takes.
         let end_opt = if args.follow { None } else { Some(reader.catalog().watermark().await?) };
+        // Read ahead: a tail catching up on a long history has a few pages in flight at once.
+        let mut pages = TailPages::new(reader.catalog().clone(), args.after, end_opt, TAIL_CAPTURES_PER_READ);
         loop {
-            let page = reader.catalog().tail_page(position, end_opt, TAIL_CAPTURES_PER_READ).await?;
+            let page = pages.next_page().await?;
             // Buffered: stdout is line-buffered, and a catching-up tail prints millions of lines.
             let mut out = std::io::BufWriter::with_capacity(1 << 16, std::io::stdout().lock());
             for entry in page.entries() {
@@ -218,7 +220,7 @@ pub fn tail(config: &Config, args: TailArgs) -> anyhow::Result<i32> {
             match (page.caught_up(), end_opt) {
                 (true, Some(_)) => return Ok(exit_code::CLEAN),
                 (true, None) => tokio::time::sleep(std::time::Duration::from_secs(1)).await,
-                (false, _) => position = page.next,
+                (false, _) => {}
             }
         }
     })

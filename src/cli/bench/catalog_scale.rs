@@ -18,6 +18,7 @@ use capstore::catalog::client::sql_string_literal;
 use capstore::catalog::lease::LeaseKeeper;
 use capstore::catalog::publish::{PublishError, Publisher};
 use capstore::catalog::query::{CatalogReader, ListQuery, TailPosition};
+use capstore::catalog::tail::TailPages;
 use capstore::catalog::{CatalogClient, Tables};
 use capstore::config::Config;
 
@@ -366,13 +367,16 @@ async fn reads(bench: &mut Bench<'_>, reader: &CatalogReader, tables: &Tables, c
     let catch_up_versions = catch_up / CAPTURES_PER_PUBLISH;
     let started = Instant::now();
     let mut read = 0u64;
-    let mut position = TailPosition::after_version(0);
-    // Pages as `capstore tail` reads them.
-    while position.version < catch_up_versions {
-        let page = reader.tail_page(position, Some(catch_up_versions), TAIL_CAPTURES_PER_READ).await?;
+    // Pages as `capstore tail` reads them (read ahead).
+    let from = TailPosition::after_version(0);
+    let mut pages = TailPages::new(reader.clone(), from, Some(catch_up_versions), TAIL_CAPTURES_PER_READ);
+    loop {
+        let page = pages.next_page().await?;
         read += page.captures.len() as u64;
+        if page.next.version >= catch_up_versions {
+            break;
+        }
         anyhow::ensure!(!page.caught_up(), "tail stopped at {} of {catch_up_versions}", page.next);
-        position = page.next;
     }
     let seconds = started.elapsed().as_secs_f64();
     let started = Instant::now();
