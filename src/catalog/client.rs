@@ -629,6 +629,17 @@ impl CatalogClient {
         self.fetch_all_with(sql, None, self.request_timeout).await
     }
 
+    /// The one number `sql` (a `SELECT count()` or the like) answers; 0 for none (a scalar subquery is Nullable on
+    /// current servers).
+    pub async fn fetch_count(&self, sql: &str) -> Result<u64, CatalogError> {
+        #[derive(clickhouse::Row, serde::Deserialize)]
+        struct Count {
+            value: u64,
+        }
+        let rows: Vec<Count> = self.fetch_all(&format!("SELECT toUInt64(ifNull(({sql}), 0)) AS value")).await?;
+        Ok(rows.first().map_or(0, |row| row.value))
+    }
+
     /// [`CatalogClient::fetch_all`] for a background read that goes over a whole catalog table (the lifecycle's
     /// checks before a drop), stopped on the server after `timeout` rather than `catalog.request_timeout`; the
     /// memory cap is the same.

@@ -87,11 +87,6 @@ struct DeadRow {
 }
 
 #[derive(clickhouse::Row, serde::Deserialize)]
-struct CountRow {
-    unfinished: u64,
-}
-
-#[derive(clickhouse::Row, serde::Deserialize)]
 struct PartitionRow {
     table: String,
     partition: String,
@@ -116,17 +111,13 @@ pub struct RowPurge {
 /// `catalog.read_max_memory`, 1 GiB by default).
 const SPILL_BYTES: u64 = 256 << 20;
 
-/// The first nanosecond of the UTC month `YYYYMM`.
+/// The first nanosecond of the UTC month `YYYYMM` (0 for a month that is no date: none comes from a partition).
 fn month_start_ns(month: u32) -> u64 {
-    // Days from 1970-01-01 to the first of the month (the proleptic Gregorian calendar, as ClickHouse counts).
-    let (year, month) = (i64::from(month / 100), i64::from(month % 100));
-    let (year, month) = if month <= 2 { (year - 1, month + 9) } else { (year, month - 3) };
-    let era = year.div_euclid(400);
-    let year_of_era = year - era * 400;
-    let day_of_year = (153 * month + 2) / 5;
-    let day_of_era = year_of_era * 365 + year_of_era / 4 - year_of_era / 100 + day_of_year;
-    let days = era * 146_097 + day_of_era - 719_468;
-    u64::try_from(days).unwrap_or(0) * 86_400 * 1_000_000_000
+    let first = format!("{:04}-{:02}-01T00:00:00Z", month / 100, month % 100);
+    humantime::parse_rfc3339(&first)
+        .ok()
+        .and_then(|at| at.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |since| u64::try_from(since.as_nanos()).unwrap_or(u64::MAX))
 }
 
 /// The catalog and month of a partition as `system.parts` writes it: `('edge-7',202611)` (catalog names are
@@ -180,17 +171,13 @@ impl RowPurge {
     /// the months before it lie wholly below the horizon) in `captures`, `by_version` and `by_id`, from
     /// `system.parts`.
     pub async fn months_before(&self, month: u32) -> Result<Vec<(String, u32)>, CatalogError> {
-        let names: Vec<String> = [&self.tables.captures, &self.tables.by_version, &self.tables.by_id]
-            .iter()
-            .map(|table| sql_string_literal(table.rsplit('.').next().unwrap_or_default()))
-            .collect();
         let parts: Vec<PartitionRow> = self
             .client
             .fetch_all(&format!(
                 "SELECT DISTINCT table, partition FROM system.parts WHERE database = {} AND table IN ({}) AND active \
                  ORDER BY table, partition",
                 sql_string_literal(&self.tables.database),
-                names.join(", ")
+                self.tables.partitioned_names()
             ))
             .await?;
         Ok(parts
@@ -275,20 +262,15 @@ impl RowPurge {
 
     /// True while a mutation of `captures`, `by_version` or `by_id` (of any catalog sharing them) is still running.
     pub async fn in_flight(&self) -> Result<bool, CatalogError> {
-        let names: Vec<String> = [&self.tables.captures, &self.tables.by_version, &self.tables.by_id]
-            .iter()
-            .map(|table| sql_string_literal(table.rsplit('.').next().unwrap_or_default()))
-            .collect();
-        let rows: Vec<CountRow> = self
+        let unfinished = self
             .client
-            .fetch_all(&format!(
-                "SELECT count() AS unfinished FROM system.mutations WHERE database = {} AND table IN ({}) AND \
-                 is_done = 0",
+            .fetch_count(&format!(
+                "SELECT count() FROM system.mutations WHERE database = {} AND table IN ({}) AND is_done = 0",
                 sql_string_literal(&self.tables.database),
-                names.join(", ")
+                self.tables.partitioned_names()
             ))
             .await?;
-        Ok(rows.first().is_some_and(|row| row.unfinished > 0))
+        Ok(unfinished > 0)
     }
 
     /// The next batch after version `after`, of publishes up to version `at_most` committed at least `grace` ago

@@ -14,12 +14,12 @@
 //! rows it hides are removed and only the tombstone stays (see [`super::purge`]).
 //!
 //! A *retention horizon* (see [`super::publish::Publisher::publish_horizon`]) is a publish of its own that removes
-//! every capture captured before its time at once: a reader pinned at or above its version sees none of them (a
-//! listing starts at the horizon, `get` and multi-get answer "not found"), a reader pinned below it still does, and
-//! `tail` shows it as an entry of its own (`expired_before_ns`) at its version, and a capture captured before it
-//! that is published after it (a producer's late arrival, gone as it comes) as a deletion at its own version. Once no reader may be pinned
-//! below it, the months below it are dropped from the tables (see [`super::purge`]). Horizons are few (one per
-//! retention step), so a read fetches the committed ones with one primary-key read of `horizons`.
+//! every capture captured before its time at once: a reader pinned at or above its version sees none of them (a listing
+//! starts at the horizon, `get` and multi-get answer "not found"), a reader pinned below it still does, and `tail`
+//! shows it as an entry of its own (`expired_before_ns`) at its version, and a capture captured before it that is
+//! published after it (a producer's late arrival, gone as it comes) as a deletion at its own version. Once no reader
+//! may be pinned below it, the months below it are dropped from the tables (see [`super::purge`]). Horizons are few
+//! (one per retention step), so a read fetches the committed ones with one primary-key read of `horizons`.
 //!
 //! A *move* (a compaction's switch-over, see [`super::publish::Publisher::publish_relocation`]) is likewise a row of
 //! `by_version` and `by_id` only: the same capture (stream, time, labels, record) at a new place, in a publish of no

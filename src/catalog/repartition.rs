@@ -27,9 +27,8 @@ use std::time::Duration;
 use super::client::{sql_string_literal, CatalogClient, CatalogError};
 use super::lease::server_now_ms_expr;
 use super::schema::{
-    by_id_view_writes_time, count_of, create_missing, created_object, ensure_schema, partitioned,
-    repartition_under_way, stamp_at_least, SchemaError, Tables, CAPTURE_COLUMNS, REPARTITION_COMPONENT,
-    STAMPED_BY_HORIZON,
+    by_id_view_writes_time, create_missing, created_object, ensure_schema, partitioned, repartition_under_way,
+    stamp_at_least, SchemaError, Tables, CAPTURE_COLUMNS, REPARTITION_COMPONENT, STAMPED_BY_HORIZON,
 };
 
 /// How long one copy statement may run: it copies a whole table on the server (about 4 s per million rows here).
@@ -104,7 +103,7 @@ pub async fn repartition(
         client.execute(&format!("DROP TABLE IF EXISTS {copy}")).await?;
         client.execute(&create_statement(tables, table, &copy)).await?;
         client.execute_with_timeout(&copy_statement(tables, table, &copy), COPY_TIMEOUT).await?;
-        report.copied.push((table.clone(), count_of(client, &format!("SELECT count() FROM {copy}")).await?));
+        report.copied.push((table.clone(), client.fetch_count(&format!("SELECT count() FROM {copy}")).await?));
     }
     let heads_after = lease_heads(client, tables).await?;
     if let Some((catalog, _)) = heads_after.iter().find(|head| !heads_before.contains(head)) {
@@ -164,25 +163,24 @@ fn copy_statement(tables: &Tables, table: &str, copy: &str) -> String {
 
 async fn is_partitioned(client: &CatalogClient, table: &str) -> Result<bool, CatalogError> {
     let (database, name) = table.split_once('.').unwrap_or_default();
-    count_of(
-        client,
-        &format!(
+    client
+        .fetch_count(&format!(
             "SELECT count() FROM system.tables WHERE database = {} AND name = {} AND \
              partition_key LIKE '%captured_at_ns%'",
             sql_string_literal(database),
             sql_string_literal(name)
-        ),
-    )
-    .await
-    .map(|tables| tables > 0)
+        ))
+        .await
+        .map(|tables| tables > 0)
 }
 
 /// Move the mark (a counter, odd while a run is under way) on to the next number that says `under_way`, unless it
 /// says so already (a run that follows a crash goes on under the same number).
 async fn set_mark(client: &CatalogClient, tables: &Tables, under_way: bool) -> Result<(), CatalogError> {
     let component = sql_string_literal(REPARTITION_COMPONENT);
-    let newest =
-        count_of(client, &format!("SELECT max(version) FROM {} WHERE component = {component}", tables.schema)).await?;
+    let newest = client
+        .fetch_count(&format!("SELECT max(version) FROM {} WHERE component = {component}", tables.schema))
+        .await?;
     if (newest % 2 == 1) == under_way {
         return Ok(());
     }

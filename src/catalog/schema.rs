@@ -125,6 +125,16 @@ impl Tables {
     }
 
     /// True with `catalog.cluster`: the tables are replicated.
+    /// The names (without the database, as SQL string literals, comma-separated: for `name IN (...)` in system
+    /// tables) of the tables partitioned by month: `captures`, `by_version` and `by_id`.
+    pub fn partitioned_names(&self) -> String {
+        let names: Vec<String> = [&self.captures, &self.by_version, &self.by_id]
+            .iter()
+            .map(|table| sql_string_literal(table.rsplit('.').next().unwrap_or_default()))
+            .collect();
+        names.join(", ")
+    }
+
     pub fn is_replicated(&self) -> bool {
         self.cluster.is_some()
     }
@@ -644,16 +654,14 @@ pub(super) async fn create_missing(client: &CatalogClient, tables: &Tables) -> R
 /// started on the tables while they were repartitioned) does not, and its rows go to `by_id`'s top partition.
 pub(super) async fn by_id_view_writes_time(client: &CatalogClient, tables: &Tables) -> Result<bool, CatalogError> {
     let (database, table) = tables.by_id.split_once('.').unwrap_or_default();
-    let views = count_of(
-        client,
-        &format!(
+    let views = client
+        .fetch_count(&format!(
             "SELECT count() FROM system.tables WHERE database = {} AND name = {} AND \
              create_table_query LIKE '%captured_at_ns%'",
             sql_string_literal(database),
             sql_string_literal(&format!("{table}_view"))
-        ),
-    )
-    .await?;
+        ))
+        .await?;
     Ok(views > 0)
 }
 
@@ -662,47 +670,28 @@ pub(super) async fn by_id_view_writes_time(client: &CatalogClient, tables: &Tabl
 /// refuses a block without the new one), and only partitioned tables need it.
 pub async fn by_id_has_time(client: &CatalogClient, tables: &Tables) -> Result<bool, CatalogError> {
     let (database, table) = tables.by_id.split_once('.').unwrap_or_default();
-    let columns = count_of(
-        client,
-        &format!(
+    let columns = client
+        .fetch_count(&format!(
             "SELECT count() FROM system.columns WHERE database = {} AND table = {} AND name = 'captured_at_ns'",
             sql_string_literal(database),
             sql_string_literal(table)
-        ),
-    )
-    .await?;
+        ))
+        .await?;
     Ok(columns > 0)
 }
 
 /// Whether the catalog's `captures`, `by_version` and `by_id` are partitioned by [`PARTITION_BY`] (created by a
 /// capstore of schema 6 or newer): only then can a retention horizon drop whole months of them.
 pub async fn partitioned(client: &CatalogClient, tables: &Tables) -> Result<bool, CatalogError> {
-    let names: Vec<String> = [&tables.captures, &tables.by_version, &tables.by_id]
-        .iter()
-        .map(|table| sql_string_literal(table.rsplit('.').next().unwrap_or_default()))
-        .collect();
-    let partitioned = count_of(
-        client,
-        &format!(
+    let partitioned = client
+        .fetch_count(&format!(
             "SELECT count() FROM system.tables WHERE database = {} AND name IN ({}) AND \
              partition_key LIKE '%captured_at_ns%'",
             sql_string_literal(&tables.database),
-            names.join(", ")
-        ),
-    )
-    .await?;
+            tables.partitioned_names()
+        ))
+        .await?;
     Ok(partitioned == 3)
-}
-
-/// The one number `sql` (a `SELECT count()` or the like) answers; 0 for none (a scalar subquery is Nullable on
-/// current servers).
-pub(super) async fn count_of(client: &CatalogClient, sql: &str) -> Result<u64, CatalogError> {
-    #[derive(clickhouse::Row, serde::Deserialize)]
-    struct Count {
-        value: u64,
-    }
-    let rows: Vec<Count> = client.fetch_all(&format!("SELECT toUInt64(ifNull(({sql}), 0)) AS value")).await?;
-    Ok(rows.first().map_or(0, |row| row.value))
 }
 
 /// The schema a deletion needs stamped before its rows are written (see the module doc).

@@ -9,15 +9,15 @@
 //! and the fence inside every publish makes sure of it).
 //!
 //! *Horizons*: when the policies end with a catch-all (`streams = "*"`) and the catalog's tables are partitioned by
-//! month (a catalog created by schema 6 or newer, see [`crate::catalog::schema::partitioned`]), nothing captured
-//! before `now - K` (by the catalog server's clock) (K, the longest keep of the policies up to the catch-all) is kept for any stream, whatever its
-//! name, and retention publishes that as a *horizon* instead of a tombstone per capture: one fenced, versioned
-//! publish, advanced in steps of [`HORIZON_STEP`], from whose version on no read returns a capture captured before
-//! it (see [`crate::catalog::query`]); the compactor drops the months below it once readers are done with them (see
-//! [`crate::catalog::purge`]). A stream whose policy keeps K is then left to the horizon (its captures go within a
-//! step of their keep); one that keeps less is still deleted capture by capture above the horizon. Because the
-//! horizon covers streams that do not exist yet, a late capture of a new stream captured before it is gone as it
-//! is published: its keep (K at most) is over.
+//! month (a catalog created by schema 6 or newer, see [`crate::catalog::schema::partitioned`]), nothing captured before
+//! `now - K` by the catalog server's clock (K, the longest keep of the policies up to the catch-all) is kept for any
+//! stream, whatever its name, and retention publishes that as a *horizon* instead of a tombstone per capture: one
+//! fenced, versioned publish, advanced in steps of [`HORIZON_STEP`], from whose version on no read returns a capture
+//! captured before it (see [`crate::catalog::query`]); the compactor drops the months below it once readers are done
+//! with them (see [`crate::catalog::purge`]). A stream whose policy keeps K is then left to the horizon (its captures
+//! go within a step of their keep); one that keeps less is still deleted capture by capture above the horizon. Because
+//! the horizon covers streams that do not exist yet, a late capture of a new stream captured before it is gone as it is
+//! published: its keep (K at most) is over.
 //!
 //! State: per stream, the cut-off below which everything was deleted by the last pass that found nothing pending or
 //! changed, so that a pass lists only what aged out since; every [`FULL_PASS_EVERY`]th pass (and the first after a

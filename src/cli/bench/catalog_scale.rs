@@ -75,11 +75,12 @@ pub async fn catalog_scale(options: &CatalogScaleOptions) -> anyhow::Result<Vec<
 /// Fill the scale database with `rows` captures unless it holds them already.
 pub(super) async fn load(client: &CatalogClient, tables: &Tables, rows: u64) -> anyhow::Result<()> {
     // The synthetic streams only: the publish timing adds rows of its own.
-    let have = count(
-        client,
-        &format!("SELECT count() FROM {} WHERE catalog = '{CATALOG}' AND stream LIKE 'sensor/%'", tables.captures),
-    )
-    .await?;
+    let have = client
+        .fetch_count(&format!(
+            "SELECT count() FROM {} WHERE catalog = '{CATALOG}' AND stream LIKE 'sensor/%'",
+            tables.captures
+        ))
+        .await?;
     if have == rows {
         eprintln!("catalog-scale: {} already holds {rows} captures", tables.database);
         return Ok(());
@@ -147,7 +148,7 @@ fn load_statements(tables: &Tables, first: u64, count: u64, step: u64) -> [Strin
 async fn wait_for_merges(client: &CatalogClient, database: &str) -> anyhow::Result<()> {
     let started = Instant::now();
     let sql = format!("SELECT count() FROM system.merges WHERE database = {}", sql_string_literal(database));
-    while count(client, &sql).await? > 0 {
+    while client.fetch_count(&sql).await? > 0 {
         anyhow::ensure!(started.elapsed() < LOAD_TIMEOUT, "merges in {database} still running after {LOAD_TIMEOUT:?}");
         tokio::time::sleep(Duration::from_secs(2)).await;
     }
@@ -161,17 +162,6 @@ fn synthetic_id(expression: &str, salt: u64) -> String {
          reinterpretAsString(cityHash64({expression}, {}))), 16))",
         salt + 1
     )
-}
-
-#[derive(clickhouse::Row, serde::Deserialize)]
-struct Count {
-    value: u64,
-}
-
-pub(super) async fn count(client: &CatalogClient, sql: &str) -> anyhow::Result<u64> {
-    // (A scalar subquery is Nullable on current servers.)
-    let rows: Vec<Count> = client.fetch_all(&format!("SELECT toUInt64(ifNull(({sql}), 0)) AS value")).await?;
-    Ok(rows.first().map_or(0, |row| row.value))
 }
 
 #[derive(clickhouse::Row, serde::Deserialize)]
@@ -230,20 +220,19 @@ impl Bench<'_> {
     }
 
     async fn server_seconds(&self) -> anyhow::Result<u64> {
-        count(self.client, "SELECT toUInt64(now())").await
+        Ok(self.client.fetch_count("SELECT toUInt64(now())").await?)
     }
 
     async fn peak_memory_since(&self, since: u64) -> Option<f64> {
         self.client.execute("SYSTEM FLUSH LOGS").await.ok()?;
-        let peak = count(
-            self.client,
-            &format!(
+        let peak = self
+            .client
+            .fetch_count(&format!(
                 "SELECT max(memory_usage) FROM system.query_log WHERE event_time >= toDateTime({since}) AND \
                  toUInt8(type) = 2 AND query NOT LIKE '%system.query_log%' AND query NOT LIKE 'SYSTEM%'"
-            ),
-        )
-        .await
-        .ok()?;
+            ))
+            .await
+            .ok()?;
         (peak > 0).then(|| peak as f64 / (1024.0 * 1024.0))
     }
 }

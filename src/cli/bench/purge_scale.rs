@@ -25,7 +25,7 @@ use capstore::catalog::query::{CatalogReader, ListQuery};
 use capstore::catalog::{CatalogClient, Tables};
 use capstore::config::Config;
 
-use super::catalog_scale::{count, load, ScaleRow, CATALOG};
+use super::catalog_scale::{load, ScaleRow, CATALOG};
 
 pub struct PurgeScaleOptions {
     pub config: Config,
@@ -159,9 +159,9 @@ pub async fn purge_scale(options: &PurgeScaleOptions) -> anyhow::Result<Vec<Scal
         row(format!("first 100 live, after the row removal ({pages} pages)"), after_purge, Some(ideal_page));
 
         // Retention by horizon.
-        let below =
-            count(&client, &format!("SELECT count() FROM {} WHERE captured_at_ns < {HORIZON_NS}", tables.captures))
-                .await?;
+        let below = client
+            .fetch_count(&format!("SELECT count() FROM {} WHERE captured_at_ns < {HORIZON_NS}", tables.captures))
+            .await?;
         client.execute(&format!("DROP TABLE IF EXISTS {copy}")).await?;
         client.execute(&format!("CREATE TABLE {copy} AS {}", tables.captures)).await?;
         client
@@ -207,9 +207,9 @@ pub async fn purge_scale(options: &PurgeScaleOptions) -> anyhow::Result<Vec<Scal
         let started = Instant::now();
         let dropped = purge.drop_partitions(&purge.months_before(month).await?, || {}).await?;
         let drop_ms = started.elapsed().as_secs_f64() * 1000.0;
-        let left =
-            count(&client, &format!("SELECT count() FROM {} WHERE captured_at_ns < {HORIZON_NS}", tables.captures))
-                .await?;
+        let left = client
+            .fetch_count(&format!("SELECT count() FROM {} WHERE captured_at_ns < {HORIZON_NS}", tables.captures))
+            .await?;
         anyhow::ensure!(dropped > 0 && left == 0, "{dropped} partitions dropped, {left} rows left below the horizon");
         let started = Instant::now();
         client
@@ -269,11 +269,6 @@ where
     Ok(super::median(&mut runs))
 }
 
-#[derive(clickhouse::Row, serde::Deserialize)]
-struct Unfinished {
-    value: u64,
-}
-
 /// Waits until no mutation of each of `tables` is running; the milliseconds from `started` each took to get there.
 async fn mutations_done(
     client: &CatalogClient,
@@ -289,14 +284,13 @@ async fn mutations_done(
                 continue;
             }
             let name = table.rsplit('.').next().unwrap_or_default();
-            let rows: Vec<Unfinished> = client
-                .fetch_all(&format!(
-                    "SELECT count() AS value FROM system.mutations WHERE database = '{}' AND table = '{name}' AND \
-                     is_done = 0",
+            let unfinished = client
+                .fetch_count(&format!(
+                    "SELECT count() FROM system.mutations WHERE database = '{}' AND table = '{name}' AND is_done = 0",
                     all.database
                 ))
                 .await?;
-            if rows.first().is_none_or(|row| row.value == 0) {
+            if unfinished == 0 {
                 done[index] = Some(started.elapsed().as_secs_f64() * 1000.0);
             }
         }
