@@ -967,7 +967,7 @@ async fn retention_deletes_what_its_policy_no_longer_keeps_and_nothing_else() {
     .await;
     let client = reqwest::Client::new();
     daemon.get_ok(&client, "/v1/tail").await;
-    let now_ns = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    let now_ns = now_ns();
     let two_hours_ago = now_ns - 2 * 3600 * 1_000_000_000;
     let post = |stream: &'static str, captured_at_ns: u64| {
         let url = daemon.url(&format!("/v1/captures?stream={stream}&captured_at_ns={captured_at_ns}&wait=published"));
@@ -1703,6 +1703,24 @@ async fn a_fleet_shares_the_tables_and_is_listed_across_catalogs_once_in_time_or
 
 const DAY_NS: u64 = 86_400 * 1_000_000_000;
 
+/// The wall clock, in nanoseconds since the epoch (captures' times in the retention tests are days before it).
+fn now_ns() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
+}
+
+/// A lifecycle that applies retention and drops months within seconds: passes every second, readers' grace 1 s,
+/// no merging of small packs (too young for an hour).
+fn horizon_lifecycle() -> Vec<(&'static str, String)> {
+    [
+        ("CAPSTORE_LIFECYCLE_RETENTION_INTERVAL", "1s"),
+        ("CAPSTORE_LIFECYCLE_COMPACTION_INTERVAL", "1s"),
+        ("CAPSTORE_LIFECYCLE_COMPACTION_MIN_AGE", "1h"),
+        ("CAPSTORE_LIFECYCLE_READ_GRACE", "1s"),
+    ]
+    .map(|(key, value)| (key, value.to_string()))
+    .to_vec()
+}
+
 /// The months (`YYYYMM`) of `catalog`'s partitions in `table` (of the daemon's database), from `system.parts`.
 fn months_of(server: &ClickHouseServer, database: &str, table: &str, catalog: &str) -> std::collections::BTreeSet<u32> {
     let text = server
@@ -1750,7 +1768,7 @@ async fn a_retention_horizon_hides_what_is_older_at_once_and_drops_its_months_af
     let tables = capstore::catalog::Tables::from_config(&config.catalog);
     let database = tables.database.clone();
     let catalog = config.catalog_name.clone();
-    let now_ns = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    let now_ns = now_ns();
     let base = daemon.base.clone();
     let post = |stream: &str, captured_at_ns: u64, seed: u8| {
         let url = format!("{base}/v1/captures?stream={stream}&captured_at_ns={captured_at_ns}&wait=published");
@@ -1930,19 +1948,13 @@ async fn a_retention_horizon_hides_what_is_older_at_once_and_drops_its_months_af
 
 #[tokio::test]
 async fn a_horizon_killed_before_or_after_its_commit_or_between_its_drops_ends_like_a_clean_run() {
-    let mut daemon = HttpDaemon::start(&[
-        ("CAPSTORE_LIFECYCLE_RETENTION_INTERVAL", "1s".into()),
-        ("CAPSTORE_LIFECYCLE_COMPACTION_INTERVAL", "1s".into()),
-        ("CAPSTORE_LIFECYCLE_COMPACTION_MIN_AGE", "1h".into()),
-        ("CAPSTORE_LIFECYCLE_READ_GRACE", "1s".into()),
-    ])
-    .await;
+    let mut daemon = HttpDaemon::start(&horizon_lifecycle()).await;
     let client = reqwest::Client::new();
     daemon.get_ok(&client, "/v1/tail").await;
     let server = common::clickhouse::shared_server();
     let config = daemon.env.config();
     let (database, catalog_name) = (config.catalog.database.clone(), config.catalog_name.clone());
-    let now_ns = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    let now_ns = now_ns();
     let mut old = Vec::new();
     for (index, days) in [150u64, 120].into_iter().enumerate() {
         let at = now_ns - days * DAY_NS;
@@ -2045,15 +2057,7 @@ for_each_version!(repartition_moves_an_older_catalog_onto_month_partitions_and_e
 async fn repartition_moves_an_older_catalog_onto_month_partitions_and_every_read_answers_the_same(
     server: &'static ClickHouseServer,
 ) {
-    let (dir, port, env) = HttpDaemon::environment(
-        server,
-        &[
-            ("CAPSTORE_LIFECYCLE_RETENTION_INTERVAL", "1s".into()),
-            ("CAPSTORE_LIFECYCLE_COMPACTION_INTERVAL", "1s".into()),
-            ("CAPSTORE_LIFECYCLE_COMPACTION_MIN_AGE", "1h".into()),
-            ("CAPSTORE_LIFECYCLE_READ_GRACE", "1s".into()),
-        ],
-    );
+    let (dir, port, env) = HttpDaemon::environment(server, &horizon_lifecycle());
     let config = env.config();
     let tables = capstore::catalog::Tables::from_config(&config.catalog);
     let (database, catalog_name) = (tables.database.clone(), config.catalog_name.clone());
@@ -2064,7 +2068,7 @@ async fn repartition_moves_an_older_catalog_onto_month_partitions_and_every_read
     daemon.get_ok(&client, "/v1/tail").await;
     let big_three = ["cs_captures", "cs_by_version", "cs_by_id"];
     assert!(!all_partitioned(server, &database, &big_three[..1]), "an older catalog's tables are not partitioned");
-    let now_ns = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    let now_ns = now_ns();
     let mut posted = Vec::new();
     for (index, days) in [150u64, 120, 1].into_iter().enumerate() {
         let at = now_ns - days * DAY_NS;
@@ -2213,19 +2217,13 @@ async fn a_publish_spanning_more_months_than_a_server_takes_in_one_insert_by_def
 
 #[tokio::test]
 async fn a_capture_posted_again_with_an_expired_time_stays_gone_when_its_months_are_dropped() {
-    let mut daemon = HttpDaemon::start(&[
-        ("CAPSTORE_LIFECYCLE_RETENTION_INTERVAL", "1s".into()),
-        ("CAPSTORE_LIFECYCLE_COMPACTION_INTERVAL", "1s".into()),
-        ("CAPSTORE_LIFECYCLE_COMPACTION_MIN_AGE", "1h".into()),
-        ("CAPSTORE_LIFECYCLE_READ_GRACE", "1s".into()),
-    ])
-    .await;
+    let mut daemon = HttpDaemon::start(&horizon_lifecycle()).await;
     let client = reqwest::Client::new();
     daemon.get_ok(&client, "/v1/tail").await;
     let server = common::clickhouse::shared_server();
     let config = daemon.env.config();
     let (database, catalog_name) = (config.catalog.database.clone(), config.catalog_name.clone());
-    let now_ns = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    let now_ns = now_ns();
     let id = uuid::Uuid::now_v7().to_string();
     // Posted first with a recent time, then again (same id) with a time the horizon will pass.
     for (days, body) in [(1u64, "recent"), (150, "posted again, earlier")] {
