@@ -2253,4 +2253,31 @@ async fn a_capture_posted_again_with_an_expired_time_stays_gone_when_its_months_
         .log()
         .contains("removing the older rows of captures whose newest row is below the retention horizon"));
     assert_bytes_identical(&daemon, &client, &other).await;
+
+    // Once months were dropped, a later check looks only at what was published since: a capture posted again the
+    // same way now (its earlier post a late arrival, gone at once) is found by it, and stays gone too.
+    let again = uuid::Uuid::now_v7().to_string();
+    for (days, body) in [(1u64, "recent"), (150, "posted again, earlier")] {
+        let at = now_ns - days * DAY_NS;
+        let url = daemon.url(&format!("/v1/captures?stream=again/a&id={again}&captured_at_ns={at}&wait=published"));
+        let response = client.post(url).body(body).send().await.unwrap();
+        assert_eq!(response.status(), StatusCode::CREATED, "{}", daemon.log());
+    }
+    let removals = |daemon: &HttpDaemon| {
+        daemon
+            .log()
+            .matches("removing the older rows of captures whose newest row is below the retention horizon")
+            .count()
+    };
+    wait_until_async(&daemon, Duration::from_secs(90), "the late arrival's month dropped again", || async {
+        removals(&daemon) >= 2
+            && ["cs_captures", "cs_by_version", "cs_by_id"].iter().all(|table| {
+                months_of(server, &database, table, &catalog_name).iter().all(|month| *month >= horizon_month)
+            })
+    })
+    .await;
+    let answer = client.get(daemon.url(&format!("/v1/captures/{again}"))).send().await.unwrap();
+    assert_eq!(answer.status(), StatusCode::NOT_FOUND, "{}", daemon.log());
+    let listed: Vec<String> = listed_places(&daemon, &client, "again/a").await.into_iter().map(|(id, _)| id).collect();
+    assert_eq!(listed, vec![other[0].0.clone()]);
 }

@@ -195,23 +195,40 @@ impl RowPurge {
     /// back. Their rows below the newest are removed first ([`RowPurge::remove`]). One pass over the catalog's
     /// `by_id` grouped by id (spilling to disk past 256 MiB), whose few candidates are checked against their
     /// committed rows.
-    pub async fn superseded_across(&self, month: u32) -> Result<Vec<(String, u64)>, CatalogError> {
+    ///
+    /// With `published_after` (a watermark at which the same check for the same `month` found none), only the
+    /// captures with a row above it are looked at, by primary key: a capture none of whose rows is newer than the
+    /// last check is as that check found it (a removal takes only rows below a capture's newest, a drop only
+    /// captures wholly below the month), so only a publish since can have made one of them.
+    pub async fn superseded_across(
+        &self,
+        month: u32,
+        published_after: u64,
+    ) -> Result<Vec<(String, u64)>, CatalogError> {
         #[derive(clickhouse::Row, serde::Deserialize)]
         struct Candidate {
             capture_id: String,
         }
         let cut_ns = month_start_ns(month);
+        let catalog = sql_string_literal(&self.catalog);
+        let since = match published_after {
+            0 => String::new(),
+            after => format!(
+                " AND capture_id IN (SELECT UUIDStringToNum(capture_id) FROM {} WHERE catalog = {catalog} AND \
+                 version > {after})",
+                self.tables.by_version
+            ),
+        };
         let candidates: Vec<Candidate> = self
             .client
             .fetch_all_with_timeout(
                 &format!(
                     "SELECT id_v AS capture_id FROM (SELECT UUIDNumToString(capture_id) AS id_v, \
                  min(captured_at_ns) AS first_v, max(captured_at_ns) AS last_v, \
-                 argMax(captured_at_ns, version) AS newest_v FROM {by_id} WHERE catalog = {catalog} \
+                 argMax(captured_at_ns, version) AS newest_v FROM {by_id} WHERE catalog = {catalog}{since} \
                  GROUP BY capture_id) WHERE first_v < {cut_ns} AND last_v >= {cut_ns} AND newest_v < {cut_ns} \
                  SETTINGS max_bytes_before_external_group_by = {SPILL_BYTES}",
                     by_id = self.tables.by_id,
-                    catalog = sql_string_literal(&self.catalog),
                 ),
                 STATEMENT_TIMEOUT,
             )

@@ -180,6 +180,9 @@ pub struct Compactor {
     progress_checked: bool,
     /// The last plan read a full page of packs below the horizon: more may be due at once.
     expiry_backlog: bool,
+    /// (month, watermark) of the last check before a drop that found no capture posted again across months: until
+    /// the horizon's month moves on, only captures published above that watermark can be found later.
+    drop_checked: Option<(u32, u64)>,
 }
 
 impl Compactor {
@@ -221,6 +224,7 @@ impl Compactor {
             saved,
             progress_checked: false,
             expiry_backlog: false,
+            drop_checked: None,
         })
     }
 
@@ -814,7 +818,11 @@ impl Compactor {
         if partitions.is_empty() || purge.in_flight().await? {
             return Ok(());
         }
-        let superseded = purge.superseded_across(month).await?;
+        // Late arrivals below the horizon make months to drop again: the check that comes next pass after pass looks
+        // only at what was published since the last one that found nothing.
+        let published_after = self.drop_checked.filter(|(checked, _)| *checked == month).map_or(0, |(_, at)| at);
+        let watermark = self.catalog.watermark().await?;
+        let superseded = purge.superseded_across(month, published_after).await?;
         if !superseded.is_empty() {
             tracing::info!(
                 captures = superseded.len(),
@@ -823,6 +831,7 @@ impl Compactor {
             purge.remove(&crate::catalog::purge::PurgeBatch { through: 0, captures: superseded }, || {}).await?;
             return Ok(());
         }
+        self.drop_checked = Some((month, watermark));
         let dropped = purge.drop_partitions(&partitions, || crate::failpoint::hit("during_partition_drop")).await?;
         pass.partitions_dropped += dropped;
         self.counters.partitions_dropped.fetch_add(dropped, Ordering::Relaxed);
