@@ -66,18 +66,22 @@ lease_safety.pml|LOST_LITERAL|exhaustive|holds|-
 fi
 
 limit="${CHECK_TIMEOUT:-300}"
-fail=0
-printf '%-17s %-22s %-10s %-8s %-8s %10s %7s  %s\n' model variant mode expected got states seconds property
-while IFS='|' read -r model variant mode expected prop; do
-  [ -z "$model" ] && continue
-  run="$work/$model.$variant"
+# Runs go side by side, one per core (CHECK_JOBS to change); each is single-threaded, and the largest needs about 3 GB.
+jobs="${CHECK_JOBS:-$(nproc)}"
+
+# Check one row of the table in its own directory: writes the row's line of the report to $run/result and, on a
+# verdict other than the expected one, the file $run/mismatch.
+check_one() {
+  local model="$1" variant="$2" mode="$3" expected="$4" prop="$5" run="$6"
   mkdir -p "$run"
   cp "$here"/*.pml "$run/"
-  defs=()
+  local defs=()
   if [ "$variant" != "-" ]; then
+    local vs v
     IFS=',' read -ra vs <<<"$variant"
     for v in "${vs[@]}"; do defs+=("-D$v"); done
   fi
+  local t0 t1
   t0=$(date +%s.%N)
   (
     cd "$run"
@@ -93,8 +97,13 @@ while IFS='|' read -r model variant mode expected prop; do
         gcc -O2 -w -DSAFETY -DBITSTATE -o pan pan.c >gcc.log 2>&1
         timeout "$limit" ./pan -w24 -m2000000 >pan.log 2>&1 || true ;;
     esac
-  ) || { echo "check.sh: spin/gcc failed on $model $variant" >&2; cat "$run"/*.log >&2; fail=1; continue; }
+  ) || {
+    { echo "check.sh: spin/gcc failed on $model $variant"; cat "$run"/*.log; } >"$run/result"
+    touch "$run/mismatch"
+    return
+  }
   t1=$(date +%s.%N)
+  local secs log states gotprop got ok
   secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.1f", b-a}')
   log="$run/pan.log"
   states=$(awk '/states, stored/{print $1; exit}' "$log")
@@ -118,10 +127,27 @@ while IFS='|' read -r model variant mode expected prop; do
   ok=yes
   [ "$got" = "$expected" ] || ok=no
   if [ "$got" = refuted ] && [ "$prop" != "-" ] && [ "$gotprop" != "$prop" ]; then ok=no; fi
-  [ "$ok" = yes ] || fail=1
+  [ "$ok" = yes ] || touch "$run/mismatch"
   printf '%-17s %-22s %-10s %-8s %-8s %10s %7s  %s%s\n' "$model" "$variant" "$mode" "$expected" "$got" \
-    "${states:-?}" "$secs" "$gotprop" "$([ "$ok" = yes ] || echo '   <-- MISMATCH')"
+    "${states:-?}" "$secs" "$gotprop" "$([ "$ok" = yes ] || echo '   <-- MISMATCH')" >"$run/result"
+}
+
+runs=()
+while IFS='|' read -r model variant mode expected prop; do
+  [ -z "$model" ] && continue
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n || true; done
+  run="$work/$model.$variant"
+  runs+=("$run")
+  check_one "$model" "$variant" "$mode" "$expected" "$prop" "$run" &
 done <<<"$table"
+wait
+
+fail=0
+printf '%-17s %-22s %-10s %-8s %-8s %10s %7s  %s\n' model variant mode expected got states seconds property
+for run in "${runs[@]}"; do
+  cat "$run/result"
+  [ ! -e "$run/mismatch" ] || fail=1
+done
 echo "total ${SECONDS}s"
 if [ "$fail" -ne 0 ]; then
   echo "check.sh: at least one verdict differs from the expected table" >&2
