@@ -268,7 +268,9 @@ pub fn tar_page(page: ExportPage) -> TarPage {
         }
     }
     for (version, before_ns) in page.horizons {
-        tar.lines.push((Uuid::nil(), crate::catalog::query::horizon_entry(version, before_ns)));
+        let entry = serde_json::to_value(crate::catalog::query::horizon_entry(version, before_ns))
+            .expect("a horizon entry is two numbers");
+        tar.lines.push((Uuid::nil(), entry));
     }
     tar
 }

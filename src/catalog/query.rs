@@ -85,27 +85,75 @@ impl CaptureLocation {
         self.label_keys.iter().cloned().zip(self.label_values.iter().cloned()).collect()
     }
 
-    /// The capture as an entry of the log of publishes: a line of `capstore tail`, an entry of `GET /v1/tail`. A
-    /// deletion is `{version, capture_id, stream, captured_at_ns, "deleted": true}`.
-    pub fn tail_entry(&self) -> serde_json::Value {
+    /// The capture as an entry of the log of publishes: a line of `capstore tail`, an entry of `GET /v1/tail`.
+    pub fn tail_entry(&self) -> TailEntry<'_> {
         if self.is_deletion() {
-            return serde_json::json!({
-                "version": self.version,
-                "capture_id": self.capture_id,
-                "stream": self.stream,
-                "captured_at_ns": self.captured_at_ns,
-                "deleted": true,
-            });
+            return TailEntry::Deletion {
+                capture_id: &self.capture_id,
+                captured_at_ns: self.captured_at_ns,
+                deleted: true,
+                stream: &self.stream,
+                version: self.version,
+            };
         }
-        serde_json::json!({
-            "version": self.version,
-            "capture_id": self.capture_id,
-            "stream": self.stream,
-            "captured_at_ns": self.captured_at_ns,
-            "size": self.payload_len,
-            "labels": self.labels_map(),
-            "content_type": self.content_type,
-        })
+        TailEntry::Capture {
+            capture_id: &self.capture_id,
+            captured_at_ns: self.captured_at_ns,
+            content_type: &self.content_type,
+            labels: Labels { keys: &self.label_keys, values: &self.label_values },
+            size: self.payload_len,
+            stream: &self.stream,
+            version: self.version,
+        }
+    }
+}
+
+/// An entry of the log of publishes, serialized straight from the row it is about: a catching-up `capstore tail`
+/// prints a million of them a second, and a `serde_json::Value` per line cost most of that in allocation. The fields
+/// are declared in alphabetical order, the order the log has always been written in (that of a JSON object built
+/// as a `serde_json::Value`).
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+pub enum TailEntry<'a> {
+    /// A capture published at `version`.
+    Capture {
+        capture_id: &'a str,
+        captured_at_ns: u64,
+        content_type: &'a str,
+        labels: Labels<'a>,
+        size: u64,
+        stream: &'a str,
+        version: u64,
+    },
+    /// A capture gone from `version` on (deleted, or captured before a horizon and published after it).
+    Deletion { capture_id: &'a str, captured_at_ns: u64, deleted: bool, stream: &'a str, version: u64 },
+    /// A retention horizon: every capture captured before `expired_before_ns` is gone from `version` on.
+    Horizon { expired_before_ns: u64, version: u64 },
+}
+
+impl std::fmt::Display for TailEntry<'_> {
+    /// One line of JSON.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let text = serde_json::to_string(self).map_err(|_| std::fmt::Error)?;
+        f.write_str(&text)
+    }
+}
+
+/// A capture's labels as a JSON object, keys in order, a repeated key once with its last value (as a map of them
+/// would have it); written without building the map when the keys are in order already, as stored labels are.
+#[derive(Debug)]
+pub struct Labels<'a> {
+    keys: &'a [String],
+    values: &'a [String],
+}
+
+impl Serialize for Labels<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        if self.keys.windows(2).all(|pair| pair[0] < pair[1]) {
+            return serializer.collect_map(self.keys.iter().zip(self.values));
+        }
+        let sorted: BTreeMap<&String, &String> = self.keys.iter().zip(self.values).collect();
+        serializer.collect_map(sorted)
     }
 }
 
@@ -394,7 +442,7 @@ impl TailPage {
 
     /// The page's entries of the log in order (by version; within one, by capture id): each capture's
     /// [`CaptureLocation::tail_entry`], each horizon's [`horizon_entry`].
-    pub fn entries(&self) -> Vec<serde_json::Value> {
+    pub fn entries(&self) -> Vec<TailEntry<'_>> {
         let mut horizons = self.horizons.iter().peekable();
         let mut entries = Vec::with_capacity(self.captures.len() + self.horizons.len());
         for capture in &self.captures {
@@ -486,8 +534,8 @@ impl Horizons {
 }
 
 /// A retention horizon as an entry of the log of publishes (`capstore tail`, `GET /v1/tail`).
-pub fn horizon_entry(version: u64, before_ns: u64) -> serde_json::Value {
-    serde_json::json!({ "version": version, "expired_before_ns": before_ns })
+pub fn horizon_entry(version: u64, before_ns: u64) -> TailEntry<'static> {
+    TailEntry::Horizon { expired_before_ns: before_ns, version }
 }
 
 #[derive(clickhouse::Row, serde::Deserialize)]
@@ -1386,6 +1434,36 @@ mod tests {
         assert_eq!(page.cut_to_bytes(1).captures.len(), 1, "one capture at least");
     }
 
+    #[test]
+    fn a_tail_entry_is_written_as_the_json_object_of_its_fields_in_key_order() {
+        // The log's lines were written as `serde_json::Value` objects: keys in order, labels a map of them (a
+        // repeated key once, with its last value). A consumer comparing lines must see the same bytes.
+        let mut capture = tail_row(9, 1);
+        capture.pack_id = "p".into();
+        capture.content_type = "text/plain".into();
+        capture.label_keys = vec!["site".into(), "a\"b".into(), "site".into()];
+        capture.label_values = vec!["x".into(), "\u{1b}".into(), "y".into()];
+        let as_map = |row: &CaptureLocation| {
+            serde_json::json!({
+                "version": row.version, "capture_id": row.capture_id, "stream": row.stream,
+                "captured_at_ns": row.captured_at_ns, "size": row.payload_len, "labels": row.labels_map(),
+                "content_type": row.content_type,
+            })
+            .to_string()
+        };
+        assert_eq!(capture.tail_entry().to_string(), as_map(&capture));
+        capture.label_keys = vec!["a".into(), "b".into()];
+        capture.label_values = vec!["1".into(), "2".into()];
+        assert_eq!(capture.tail_entry().to_string(), as_map(&capture), "keys in order: written as they are");
+        let deletion = tail_row(10, 1);
+        let expected = serde_json::json!({
+            "version": 10, "capture_id": deletion.capture_id, "stream": "s", "captured_at_ns": 0, "deleted": true,
+        });
+        assert_eq!(deletion.tail_entry().to_string(), expected.to_string());
+        let expected = serde_json::json!({ "version": 11, "expired_before_ns": 5 });
+        assert_eq!(horizon_entry(11, 5).to_string(), expected.to_string());
+    }
+
     /// A row of the log: capture `id` at `version`, 10 bytes, stream `s`, captured at 0.
     fn tail_row(version: u64, id: u128) -> CaptureLocation {
         CaptureLocation {
@@ -1459,9 +1537,13 @@ mod tests {
             from: TailPosition::after_version(3),
             next: TailPosition::after_version(9),
         };
-        let versions: Vec<u64> = page.entries().iter().map(|entry| entry["version"].as_u64().unwrap()).collect();
+        let versions: Vec<u64> = page
+            .entries()
+            .iter()
+            .map(|entry| serde_json::to_value(entry).unwrap()["version"].as_u64().unwrap())
+            .collect();
         assert_eq!(versions, vec![4, 5, 7, 9], "entries in version order");
-        assert_eq!(page.entries()[1]["expired_before_ns"], 100);
+        assert_eq!(serde_json::to_value(&page.entries()[1]).unwrap()["expired_before_ns"], 100);
     }
 
     #[test]

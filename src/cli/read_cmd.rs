@@ -214,7 +214,8 @@ pub fn tail(config: &Config, args: TailArgs) -> anyhow::Result<i32> {
             // Buffered: stdout is line-buffered, and a catching-up tail prints millions of lines.
             let mut out = std::io::BufWriter::with_capacity(1 << 16, std::io::stdout().lock());
             for entry in page.entries() {
-                writeln!(out, "{entry}")?;
+                serde_json::to_writer(&mut out, &entry)?;
+                out.write_all(b"\n")?;
             }
             out.flush()?;
             match (page.caught_up(), end_opt) {

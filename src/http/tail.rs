@@ -111,12 +111,19 @@ pub(super) async fn tail(
 
 /// What a tail entry costs in the answer, about.
 fn entry_bytes(capture: &crate::catalog::query::CaptureLocation) -> usize {
-    capture.tail_entry().to_string().len() + 1
+    serde_json::to_vec(&capture.tail_entry()).map_or(0, |line| line.len()) + 1
+}
+
+/// The answer of `GET /v1/tail`: the page's entries, where the next page starts, and the watermark read.
+#[derive(serde::Serialize)]
+struct TailAnswer<'a> {
+    captures: Vec<crate::catalog::query::TailEntry<'a>>,
+    next: String,
+    watermark: u64,
 }
 
 fn answer(page: &TailPage, watermark: u64) -> Response {
-    Json(serde_json::json!({ "captures": page.entries(), "next": page.next.to_string(), "watermark": watermark }))
-        .into_response()
+    Json(TailAnswer { captures: page.entries(), next: page.next.to_string(), watermark }).into_response()
 }
 
 #[cfg(test)]
