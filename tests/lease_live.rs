@@ -1818,3 +1818,59 @@ async fn no_lease_is_claimed_while_the_tables_are_being_repartitioned(server: &'
     let outcome = store.claim("after", &identity("late")).await.unwrap();
     assert!(matches!(outcome, ClaimOutcome::Held { term: 1, .. }), "{outcome:?}");
 }
+
+for_each_version!(captures_are_kept_in_time_order_too_where_the_server_has_projections);
+async fn captures_are_kept_in_time_order_too_where_the_server_has_projections(server: &'static ClickHouseServer) {
+    use capstore::catalog::schema::{ensure_schema, has_time_order, TIME_ORDER_PROJECTION};
+    let catalog = catalog(server, false).await;
+    let captures = &catalog.tables.captures;
+    let name = &catalog.config.catalog_name;
+    // 100k captures, one a second round 100 streams, committed at version 1.
+    let first_ns: u64 = 1_700_000_000_000_000_000;
+    let publish_id = Uuid::now_v7();
+    let fill = format!(
+        "INSERT INTO {captures} (catalog, stream, captured_at_ns, capture_id, pack_id, object_key, version, \
+         publish_id) SELECT '{name}', concat('s', toString(number % 100)), {first_ns} + number * 1000000000, \
+         toString(generateUUIDv4()), 'p', 'k', 1, '{publish_id}' FROM numbers(100000)"
+    );
+    server.query(&fill).unwrap();
+    catalog.commit_row(1, publish_id);
+    let since_ns = first_ns + 50_000 * 1_000_000_000;
+    let window = format!(
+        "SELECT count() FROM {captures} WHERE catalog = '{name}' AND captured_at_ns >= {since_ns} AND \
+         captured_at_ns < {since_ns} + 100000000000"
+    );
+    let rows_in_time_order = || {
+        let (database, table) = captures.split_once('.').unwrap();
+        let sql = format!(
+            "SELECT sum(rows) FROM system.projection_parts WHERE database = '{database}' AND table = '{table}' AND \
+             name = '{TIME_ORDER_PROJECTION}' AND active FORMAT TSV"
+        );
+        server.query(&sql).unwrap().trim().parse::<u64>().unwrap_or(0)
+    };
+    if server.version.is_modern() {
+        assert!(has_time_order(&catalog.client, &catalog.tables).await.unwrap(), "a new catalog's captures has it");
+        assert_eq!(rows_in_time_order(), 100_000, "rows inserted after it are in it");
+        let explain = server.query(&format!("EXPLAIN indexes = 1 {window}")).unwrap();
+        assert!(explain.contains(&format!("ReadFromMergeTree ({TIME_ORDER_PROJECTION})")), "{explain}");
+        // A table without it (made before this capstore, or on a server since upgraded) gets it at a start, and its
+        // rows are added in the background.
+        server.query(&format!("ALTER TABLE {captures} DROP PROJECTION {TIME_ORDER_PROJECTION}")).unwrap();
+        assert!(!has_time_order(&catalog.client, &catalog.tables).await.unwrap());
+        ensure_schema(&catalog.client, &catalog.tables).await.unwrap();
+        assert!(has_time_order(&catalog.client, &catalog.tables).await.unwrap());
+        assert!(
+            common::wait_until(Duration::from_secs(60), || rows_in_time_order() == 100_000),
+            "the rows written before it were never added: {} of 100000",
+            rows_in_time_order()
+        );
+    } else {
+        assert!(!has_time_order(&catalog.client, &catalog.tables).await.unwrap(), "18.16 has no projections");
+    }
+    // Either way a listing across streams from the middle of the range is the next hundred captures by time.
+    let query = ListQuery { since_ns: Some(since_ns), limit: 100, ..ListQuery::default() };
+    let page = catalog.reader().list(&query).await.unwrap();
+    let times: Vec<u64> = page.captures.iter().map(|capture| capture.captured_at_ns).collect();
+    let expected: Vec<u64> = (0..100).map(|n| since_ns + n * 1_000_000_000).collect();
+    assert_eq!(times, expected);
+}

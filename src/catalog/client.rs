@@ -336,6 +336,12 @@ impl ServerVersion {
         self.major >= MODERN_MAJOR
     }
 
+    /// Projections on a ReplacingMergeTree that survive its merges: `deduplicate_merge_projection_mode = 'rebuild'`
+    /// (24.8 on; earlier servers either refuse such a projection or keep rows a merge removed in it).
+    pub fn has_replacing_projections(&self) -> bool {
+        (self.major, self.minor) >= (24, 8)
+    }
+
     /// `now()` is the only server clock before 20.1 (`now64` arrived there): whole seconds.
     pub fn has_subsecond_clock(&self) -> bool {
         self.major >= 20
