@@ -1819,11 +1819,13 @@ async fn no_lease_is_claimed_while_the_tables_are_being_repartitioned(server: &'
     assert!(matches!(outcome, ClaimOutcome::Held { term: 1, .. }), "{outcome:?}");
 }
 
-for_each_version!(captures_are_kept_in_time_order_too_where_the_server_has_projections);
-async fn captures_are_kept_in_time_order_too_where_the_server_has_projections(server: &'static ClickHouseServer) {
-    use capstore::catalog::schema::{ensure_schema, has_time_order, TIME_ORDER_PROJECTION};
+for_each_version!(newer_servers_keep_captures_in_time_order_and_a_filter_of_ids_and_older_tables_get_them);
+async fn newer_servers_keep_captures_in_time_order_and_a_filter_of_ids_and_older_tables_get_them(
+    server: &'static ClickHouseServer,
+) {
+    use capstore::catalog::schema::{ensure_schema, missing_server_indexes, ID_FILTER_INDEX, TIME_ORDER_PROJECTION};
     let catalog = catalog(server, false).await;
-    let captures = &catalog.tables.captures;
+    let (captures, by_id) = (&catalog.tables.captures, &catalog.tables.by_id);
     let name = &catalog.config.catalog_name;
     // 100k captures, one a second round 100 streams, committed at version 1.
     let first_ns: u64 = 1_700_000_000_000_000_000;
@@ -1840,37 +1842,68 @@ async fn captures_are_kept_in_time_order_too_where_the_server_has_projections(se
         "SELECT count() FROM {captures} WHERE catalog = '{name}' AND captured_at_ns >= {since_ns} AND \
          captured_at_ns < {since_ns} + 100000000000"
     );
-    let rows_in_time_order = || {
-        let (database, table) = captures.split_once('.').unwrap();
+    let some_id = server
+        .query(&format!("SELECT capture_id FROM {captures} WHERE captured_at_ns = {since_ns} FORMAT TSV"))
+        .unwrap();
+    let lookup = format!(
+        "SELECT max(version) FROM {by_id} WHERE catalog = '{name}' AND capture_id = UUIDStringToNum('{}')",
+        some_id.trim()
+    );
+    // (The plan holds the id as 16 bytes, so it is searched on the server.)
+    let filters_ids = || {
         let sql = format!(
-            "SELECT sum(rows) FROM system.projection_parts WHERE database = '{database}' AND table = '{table}' AND \
-             name = '{TIME_ORDER_PROJECTION}' AND active FORMAT TSV"
+            "SELECT count() FROM (EXPLAIN indexes = 1 {lookup}) WHERE explain LIKE '%Name: {ID_FILTER_INDEX}%' \
+             FORMAT TSV"
         );
-        server.query(&sql).unwrap().trim().parse::<u64>().unwrap_or(0)
+        server.query(&sql).unwrap().trim() == "1"
     };
+    let missing = || async { missing_server_indexes(&catalog.client, &catalog.tables).await.unwrap() };
     if server.version.is_modern() {
-        assert!(has_time_order(&catalog.client, &catalog.tables).await.unwrap(), "a new catalog's captures has it");
-        assert_eq!(rows_in_time_order(), 100_000, "rows inserted after it are in it");
+        assert!(missing().await.is_empty(), "a new catalog's tables have them all");
+        // Rows inserted after they were added are indexed, and reads use them.
         let explain = server.query(&format!("EXPLAIN indexes = 1 {window}")).unwrap();
         assert!(explain.contains(&format!("ReadFromMergeTree ({TIME_ORDER_PROJECTION})")), "{explain}");
-        // A table without it (made before this capstore, or on a server since upgraded) gets it at a start, and its
-        // rows are added in the background.
+        assert!(filters_ids(), "a lookup by id reads through the filter");
+        // Tables without them (made before this capstore, or on a server since upgraded) get them at a start, and
+        // the rows written before are indexed in the background.
         server.query(&format!("ALTER TABLE {captures} DROP PROJECTION {TIME_ORDER_PROJECTION}")).unwrap();
-        assert!(!has_time_order(&catalog.client, &catalog.tables).await.unwrap());
+        server.query(&format!("ALTER TABLE {by_id} DROP INDEX {ID_FILTER_INDEX}")).unwrap();
+        assert_eq!(missing().await.len(), 2);
         ensure_schema(&catalog.client, &catalog.tables).await.unwrap();
-        assert!(has_time_order(&catalog.client, &catalog.tables).await.unwrap());
-        assert!(
-            common::wait_until(Duration::from_secs(60), || rows_in_time_order() == 100_000),
-            "the rows written before it were never added: {} of 100000",
-            rows_in_time_order()
+        assert!(missing().await.is_empty());
+        let (database, captures_name) = captures.split_once('.').unwrap();
+        let projected = format!(
+            "SELECT sum(rows) FROM system.projection_parts WHERE database = '{database}' AND \
+             table = '{captures_name}' AND name = '{TIME_ORDER_PROJECTION}' AND active FORMAT TSV"
         );
+        let projected_rows = || server.query(&projected).unwrap().trim().parse::<u64>().unwrap_or(0);
+        assert!(
+            common::wait_until(Duration::from_secs(60), || projected_rows() == 100_000),
+            "the rows written before the projection were never added to it: {} of 100000",
+            projected_rows()
+        );
+        let by_id_name = by_id.split_once('.').unwrap().1;
+        let filter_bytes = format!(
+            "SELECT sum(data_compressed_bytes) FROM system.data_skipping_indices WHERE database = '{database}' AND \
+             table = '{by_id_name}' AND name = '{ID_FILTER_INDEX}' FORMAT TSV"
+        );
+        let filtered = || server.query(&filter_bytes).unwrap().trim().parse::<u64>().unwrap_or(0) > 0;
+        assert!(
+            common::wait_until(Duration::from_secs(60), filtered),
+            "the ids written before the filter were never indexed"
+        );
+        assert!(filters_ids(), "a lookup by id reads through the filter");
     } else {
-        assert!(!has_time_order(&catalog.client, &catalog.tables).await.unwrap(), "18.16 has no projections");
+        assert!(catalog.tables.server_indexes(catalog.client.server_version()).is_empty(), "18.16 keeps neither");
     }
-    // Either way a listing across streams from the middle of the range is the next hundred captures by time.
+    // Either way a listing across streams from the middle of the range is the next hundred captures by time, and a
+    // lookup by id finds its capture.
     let query = ListQuery { since_ns: Some(since_ns), limit: 100, ..ListQuery::default() };
     let page = catalog.reader().list(&query).await.unwrap();
     let times: Vec<u64> = page.captures.iter().map(|capture| capture.captured_at_ns).collect();
     let expected: Vec<u64> = (0..100).map(|n| since_ns + n * 1_000_000_000).collect();
     assert_eq!(times, expected);
+    let id = Uuid::parse_str(some_id.trim()).unwrap();
+    let found = catalog.reader().get(id, None).await.unwrap().expect("the capture is found by its id");
+    assert_eq!(found.captured_at_ns, since_ns);
 }

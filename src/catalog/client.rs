@@ -342,6 +342,11 @@ impl ServerVersion {
         (self.major, self.minor) >= (24, 8)
     }
 
+    /// Data skipping indexes, `bloom_filter` among them, and `MATERIALIZE INDEX` (20.x on; 18.16 has none).
+    pub fn has_skip_indexes(&self) -> bool {
+        self.major >= 21
+    }
+
     /// `now()` is the only server clock before 20.1 (`now64` arrived there): whole seconds.
     pub fn has_subsecond_clock(&self) -> bool {
         self.major >= 20

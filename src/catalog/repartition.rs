@@ -27,7 +27,7 @@ use std::time::Duration;
 use super::client::{sql_string_literal, CatalogClient, CatalogError};
 use super::lease::server_now_ms_expr;
 use super::schema::{
-    by_id_view_writes_time, create_missing, created_object, ensure_schema, ensure_time_order, partitioned,
+    by_id_view_writes_time, create_missing, created_object, ensure_schema, ensure_server_indexes, partitioned,
     repartition_under_way, stamp_at_least, SchemaError, Tables, CAPTURE_COLUMNS, REPARTITION_COMPONENT,
     STAMPED_BY_HORIZON,
 };
@@ -134,8 +134,8 @@ pub async fn repartition(
         client.execute(&format!("DROP TABLE IF EXISTS {}_view", tables.by_id)).await?;
         create_missing(client, tables).await?;
     }
-    // The new `captures` is made without its copy in time order: that takes an ALTER.
-    ensure_time_order(client, tables).await?;
+    // The new tables are made with the common DDL: the server's own indexes take an ALTER.
+    ensure_server_indexes(client, tables).await?;
     set_mark(client, tables, false).await?;
     progress("done");
     Ok(report)

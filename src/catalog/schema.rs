@@ -28,9 +28,10 @@
 //! is visible is still decided by `publishes` alone, so an index row of a publish that never committed is harmless,
 //! and a stale `watermark` only widens the range of `publishes` that is read.
 //!
-//! On servers with projections on a ReplacingMergeTree (24.8 on), `captures` also keeps its rows in time order
-//! across streams, as the projection [`TIME_ORDER_PROJECTION`] ([`ensure_time_order`]): a listing across streams then
-//! reads the rows of its time window instead of a granule of every stream.
+//! Newer servers keep indexes 18.16 cannot ([`Tables::server_indexes`], added to existing tables at a start by
+//! [`ensure_server_indexes`]): `captures` in time order across streams ([`TIME_ORDER_PROJECTION`]), so that a listing
+//! across streams reads the rows of its window, and a bloom filter of `by_id`'s ids ([`ID_FILTER_INDEX`]), so that a
+//! lookup by id reads the granules that hold it, not one of every part.
 //!
 //! With `catalog.cluster` set, every statement gets `ON CLUSTER <cluster>` and the engines become their Replicated
 //! forms with the conventional `{shard}`/`{replica}` macros.
@@ -60,7 +61,7 @@
 //! tables until `capstore repartition` moves them, see [`super::repartition`]); the first horizon stamps 6, since a
 //! schema 5 reader would show what a horizon hides.
 
-use super::client::{sql_string_literal, CatalogClient, CatalogError, ErrorKind};
+use super::client::{sql_string_literal, CatalogClient, CatalogError, ErrorKind, ServerVersion};
 use crate::config::CatalogConfig;
 
 pub const SCHEMA_VERSION: u32 = 6;
@@ -297,18 +298,44 @@ impl Tables {
         ]
     }
 
-    /// The statements that give `captures` its projection in time order ([`ensure_time_order`]): the merge mode
-    /// first (a server refuses a projection on a ReplacingMergeTree without it), then the projection, then its rows
-    /// for the parts written before it.
-    fn time_order_ddl(&self) -> Vec<String> {
-        let (captures, on_cluster) = (&self.captures, self.on_cluster());
-        vec![
-            format!("ALTER TABLE {captures}{on_cluster} MODIFY SETTING deduplicate_merge_projection_mode = 'rebuild'"),
-            format!(
-                "ALTER TABLE {captures}{on_cluster} ADD PROJECTION IF NOT EXISTS {TIME_ORDER_PROJECTION}                  (SELECT * ORDER BY catalog, captured_at_ns, capture_id)"
-            ),
-            format!("ALTER TABLE {captures}{on_cluster} MATERIALIZE PROJECTION {TIME_ORDER_PROJECTION}"),
-        ]
+    /// The indexes the connected server can keep beyond the common DDL ([`ensure_server_indexes`]): none on 18.16.
+    pub fn server_indexes(&self, server: &ServerVersion) -> Vec<ServerIndex> {
+        let on_cluster = self.on_cluster();
+        let mut indexes = Vec::new();
+        if server.has_replacing_projections() {
+            let captures = &self.captures;
+            indexes.push(ServerIndex {
+                table: captures.clone(),
+                declared_as: format!("PROJECTION {TIME_ORDER_PROJECTION}"),
+                statements: vec![
+                    // A server refuses a projection on a ReplacingMergeTree without a merge mode.
+                    format!(
+                        "ALTER TABLE {captures}{on_cluster} MODIFY SETTING \
+                         deduplicate_merge_projection_mode = 'rebuild'"
+                    ),
+                    format!(
+                        "ALTER TABLE {captures}{on_cluster} ADD PROJECTION IF NOT EXISTS {TIME_ORDER_PROJECTION} \
+                         (SELECT * ORDER BY catalog, captured_at_ns, capture_id)"
+                    ),
+                    format!("ALTER TABLE {captures}{on_cluster} MATERIALIZE PROJECTION {TIME_ORDER_PROJECTION}"),
+                ],
+            });
+        }
+        if server.has_skip_indexes() {
+            let by_id = &self.by_id;
+            indexes.push(ServerIndex {
+                table: by_id.clone(),
+                declared_as: format!("INDEX {ID_FILTER_INDEX}"),
+                statements: vec![
+                    format!(
+                        "ALTER TABLE {by_id}{on_cluster} ADD INDEX IF NOT EXISTS {ID_FILTER_INDEX} capture_id \
+                         TYPE bloom_filter({ID_FILTER_FALSE_POSITIVES}) GRANULARITY 1"
+                    ),
+                    format!("ALTER TABLE {by_id}{on_cluster} MATERIALIZE INDEX {ID_FILTER_INDEX}"),
+                ],
+            });
+        }
+        indexes
     }
 
     fn time_bounds_select(&self) -> String {
@@ -619,7 +646,7 @@ pub async fn ensure_schema(client: &CatalogClient, tables: &Tables) -> Result<u3
     // Before any DDL: a repartition swaps tables, and one created here in between would stand in its way.
     refuse_while_repartitioning(client, tables).await?;
     create_missing(client, tables).await?;
-    ensure_time_order(client, tables).await?;
+    ensure_server_indexes(client, tables).await?;
     let found = stamped_version(client, tables).await?;
     if found > SCHEMA_VERSION {
         return Err(SchemaError::TooNew { database: tables.database.clone(), found });
@@ -669,41 +696,73 @@ pub(super) async fn create_missing(client: &CatalogClient, tables: &Tables) -> R
     Ok(())
 }
 
-/// The projection of `captures` in time order, on servers that have projections
-/// ([`super::client::ServerVersion::has_replacing_projections`]).
+/// The projection of `captures` in time order ([`Tables::server_indexes`]): ordered by (catalog, captured_at_ns,
+/// capture_id), read by the server instead of the table when a query's range is one of time, not of a stream, so that
+/// a listing across streams reads the rows of its window instead of a granule of every stream's. It costs a second
+/// copy of `captures` on disk, written inside the same insert (no part more per publish), and nothing to a read: the
+/// server reads whichever order has fewer marks to read. Kept where the server has projections on a
+/// ReplacingMergeTree that survive its merges ([`ServerVersion::has_replacing_projections`]).
 pub const TIME_ORDER_PROJECTION: &str = "by_time";
 
-/// Give `captures` its copy in time order where the server can keep one: a projection ordered by (catalog,
-/// captured_at_ns, capture_id), which the server reads instead of the table when a query's range is one of time, not
-/// of a stream: a listing across streams then reads the rows of its window, not a granule of every stream's. It
-/// costs a second copy of `captures` on disk, written inside the same insert (no part more per publish), and nothing
-/// to a read: the server picks whichever order reads fewer marks. A table that lacks it (created before, or by a
-/// server without projections and since upgraded) gets it, and its rows are added in the background as a mutation.
-/// No stamp: a projection changes no row any capstore reads.
+/// The bloom filter of `by_id`'s capture ids ([`Tables::server_indexes`]). `by_id` is partitioned by month of
+/// capture, and an id may have a version in any month (a re-post with another time), so a lookup of an id probes
+/// every part of the catalog, and without a filter reads a granule of each to find the id absent: a page of `ls`
+/// checking its 100 ids read 200k rows at 10M captures. With it, the server skips the granules that do not hold any of
+/// the ids asked for. Kept where the server has skip indexes ([`ServerVersion::has_skip_indexes`]).
+pub const ID_FILTER_INDEX: &str = "id_filter";
+
+/// The filter's false positives per id and granule: a page asks for 100 ids at once, and each granule that seems to
+/// hold one of them is read, so at 1e-4 one granule in a hundred is read for nothing (at 1e-2, two in three were). It
+/// costs about 2.4 bytes per row.
+const ID_FILTER_FALSE_POSITIVES: f64 = 0.0001;
+
+/// An index the connected server can keep beyond the common DDL (see [`Tables::server_indexes`]).
+#[derive(Debug, Clone)]
+pub struct ServerIndex {
+    /// The table that holds it.
+    pub table: String,
+    /// How the table's `CREATE` statement declares it (`PROJECTION <name>`, `INDEX <name>`).
+    pub declared_as: String,
+    /// The statements that add it, then fill it for the parts written before it (a mutation, in the background).
+    statements: Vec<String>,
+}
+
+/// Give the tables the indexes that the connected server can keep beyond the common DDL and that they lack (made
+/// before this capstore, or on a server since upgraded): they are added to the table, and the rows written before
+/// are indexed in the background. No stamp: an index changes no row any capstore reads, and only what the server
+/// reads to answer.
 ///
 /// [`ServerVersion::has_replacing_projections`]: super::client::ServerVersion::has_replacing_projections
-pub(super) async fn ensure_time_order(client: &CatalogClient, tables: &Tables) -> Result<(), CatalogError> {
-    if !client.server_version().has_replacing_projections() || has_time_order(client, tables).await? {
-        return Ok(());
-    }
-    for statement in tables.time_order_ddl() {
-        client.execute(&statement).await?;
+/// [`ServerVersion::has_skip_indexes`]: super::client::ServerVersion::has_skip_indexes
+pub(super) async fn ensure_server_indexes(client: &CatalogClient, tables: &Tables) -> Result<(), CatalogError> {
+    for index in missing_server_indexes(client, tables).await? {
+        tracing::info!(table = %index.table, index = %index.declared_as, "adding an index the server can keep");
+        for statement in &index.statements {
+            client.execute(statement).await?;
+        }
     }
     Ok(())
 }
 
-/// Whether `captures` has its projection in time order ([`ensure_time_order`]).
-pub async fn has_time_order(client: &CatalogClient, tables: &Tables) -> Result<bool, CatalogError> {
-    let (database, table) = tables.captures.split_once('.').unwrap_or_default();
-    let found = client
-        .fetch_count(&format!(
-            "SELECT count() FROM system.tables WHERE database = {} AND name = {} AND              create_table_query LIKE {}",
-            sql_string_literal(database),
-            sql_string_literal(table),
-            sql_string_literal(&format!("%PROJECTION {TIME_ORDER_PROJECTION} %"))
-        ))
-        .await?;
-    Ok(found > 0)
+/// The indexes of [`Tables::server_indexes`] that the tables lack.
+pub async fn missing_server_indexes(client: &CatalogClient, tables: &Tables) -> Result<Vec<ServerIndex>, CatalogError> {
+    let mut missing = Vec::new();
+    for index in tables.server_indexes(client.server_version()) {
+        let (database, table) = index.table.split_once('.').unwrap_or_default();
+        let found = client
+            .fetch_count(&format!(
+                "SELECT count() FROM system.tables WHERE database = {} AND name = {} AND \
+                 create_table_query LIKE {}",
+                sql_string_literal(database),
+                sql_string_literal(table),
+                sql_string_literal(&format!("%{} %", index.declared_as))
+            ))
+            .await?;
+        if found == 0 {
+            missing.push(index);
+        }
+    }
+    Ok(missing)
 }
 
 /// Whether the view into `by_id` writes `captured_at_ns`: one made by a capstore older than schema 6 (say, one that
