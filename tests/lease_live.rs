@@ -1819,91 +1819,108 @@ async fn no_lease_is_claimed_while_the_tables_are_being_repartitioned(server: &'
     assert!(matches!(outcome, ClaimOutcome::Held { term: 1, .. }), "{outcome:?}");
 }
 
-for_each_version!(newer_servers_keep_captures_in_time_order_and_a_filter_of_ids_and_older_tables_get_them);
-async fn newer_servers_keep_captures_in_time_order_and_a_filter_of_ids_and_older_tables_get_them(
+for_each_version!(newer_servers_keep_captures_in_time_order_and_filters_of_ids_and_labels_and_older_tables_get_them);
+async fn newer_servers_keep_captures_in_time_order_and_filters_of_ids_and_labels_and_older_tables_get_them(
     server: &'static ClickHouseServer,
 ) {
-    use capstore::catalog::schema::{ensure_schema, missing_server_indexes, ID_FILTER_INDEX, TIME_ORDER_PROJECTION};
+    use capstore::catalog::schema::{
+        ensure_schema, missing_server_indexes, ID_FILTER_INDEX, LABEL_FILTER_INDEX, LABEL_PAIRS, TIME_ORDER_PROJECTION,
+    };
     let catalog = catalog(server, false).await;
     let (captures, by_id) = (&catalog.tables.captures, &catalog.tables.by_id);
     let name = &catalog.config.catalog_name;
-    // 100k captures, one a second round 100 streams, committed at version 1.
+    // 100k captures, one a second round 100 streams, each labelled with its own run number, committed at version 1.
     let first_ns: u64 = 1_700_000_000_000_000_000;
     let publish_id = Uuid::now_v7();
     let fill = format!(
-        "INSERT INTO {captures} (catalog, stream, captured_at_ns, capture_id, pack_id, object_key, version, \
-         publish_id) SELECT '{name}', concat('s', toString(number % 100)), {first_ns} + number * 1000000000, \
-         toString(generateUUIDv4()), 'p', 'k', 1, '{publish_id}' FROM numbers(100000)"
+        "INSERT INTO {captures} (catalog, stream, captured_at_ns, capture_id, pack_id, object_key, label_keys, \
+         label_values, version, publish_id) SELECT '{name}', concat('s', toString(number % 100)), \
+         {first_ns} + number * 1000000000, toString(generateUUIDv4()), 'p', 'k', ['run'], [toString(number)], 1, \
+         '{publish_id}' FROM numbers(100000)"
     );
     server.query(&fill).unwrap();
     catalog.commit_row(1, publish_id);
     let since_ns = first_ns + 50_000 * 1_000_000_000;
+    let some_id = server
+        .query(&format!("SELECT capture_id FROM {captures} WHERE captured_at_ns = {since_ns} FORMAT TSV"))
+        .unwrap();
+    let some_id = Uuid::parse_str(some_id.trim()).unwrap();
+    // What each index is for: a window across streams, a lookup by id, a rare label inside a stream.
     let window = format!(
         "SELECT count() FROM {captures} WHERE catalog = '{name}' AND captured_at_ns >= {since_ns} AND \
          captured_at_ns < {since_ns} + 100000000000"
     );
-    let some_id = server
-        .query(&format!("SELECT capture_id FROM {captures} WHERE captured_at_ns = {since_ns} FORMAT TSV"))
-        .unwrap();
     let lookup = format!(
-        "SELECT max(version) FROM {by_id} WHERE catalog = '{name}' AND capture_id = UUIDStringToNum('{}')",
-        some_id.trim()
+        "SELECT max(version) FROM {by_id} WHERE catalog = '{name}' AND capture_id = UUIDStringToNum('{some_id}')"
     );
-    // (The plan holds the id as 16 bytes, so it is searched on the server.)
-    let filters_ids = || {
+    let by_label = format!(
+        "SELECT count() FROM {captures} WHERE catalog = '{name}' AND stream = 's0' AND \
+         has({LABEL_PAIRS}, 'run=50000')"
+    );
+    // Whether the server's plan for `sql` reads through `index` (searched on the server: a plan may hold bytes).
+    let plan_uses = |sql: &str, index: &str| {
         let sql = format!(
-            "SELECT count() FROM (EXPLAIN indexes = 1 {lookup}) WHERE explain LIKE '%Name: {ID_FILTER_INDEX}%' \
-             FORMAT TSV"
+            "SELECT count() FROM (EXPLAIN indexes = 1 {sql}) WHERE explain LIKE '%ReadFromMergeTree ({index})%' OR \
+             explain LIKE '%Name: {index}%' FORMAT TSV"
         );
-        server.query(&sql).unwrap().trim() == "1"
+        server.query(&sql).unwrap().trim() != "0"
+    };
+    let (database, _) = captures.split_once('.').unwrap();
+    let indexed = |table: &str, index: &str| {
+        let table = table.split_once('.').unwrap().1;
+        let sql = format!(
+            "SELECT (SELECT sum(data_compressed_bytes) FROM system.data_skipping_indices WHERE database = \
+             '{database}' AND table = '{table}' AND name = '{index}') + (SELECT sum(rows) FROM \
+             system.projection_parts WHERE database = '{database}' AND table = '{table}' AND name = '{index}' AND \
+             active) FORMAT TSV"
+        );
+        server.query(&sql).unwrap().trim().parse::<u64>().unwrap_or(0) > 0
     };
     let missing = || async { missing_server_indexes(&catalog.client, &catalog.tables).await.unwrap() };
+    let expected = [
+        (captures, TIME_ORDER_PROJECTION, &window),
+        (by_id, ID_FILTER_INDEX, &lookup),
+        (captures, LABEL_FILTER_INDEX, &by_label),
+    ];
     if server.version.is_modern() {
         assert!(missing().await.is_empty(), "a new catalog's tables have them all");
-        // Rows inserted after they were added are indexed, and reads use them.
-        let explain = server.query(&format!("EXPLAIN indexes = 1 {window}")).unwrap();
-        assert!(explain.contains(&format!("ReadFromMergeTree ({TIME_ORDER_PROJECTION})")), "{explain}");
-        assert!(filters_ids(), "a lookup by id reads through the filter");
+        for (table, index, read) in expected {
+            assert!(indexed(table, index), "{index}: rows inserted after it was added are in it");
+            assert!(plan_uses(read, index), "{index}: the read it is for does not use it");
+        }
         // Tables without them (made before this capstore, or on a server since upgraded) get them at a start, and
         // the rows written before are indexed in the background.
         server.query(&format!("ALTER TABLE {captures} DROP PROJECTION {TIME_ORDER_PROJECTION}")).unwrap();
         server.query(&format!("ALTER TABLE {by_id} DROP INDEX {ID_FILTER_INDEX}")).unwrap();
-        assert_eq!(missing().await.len(), 2);
+        server.query(&format!("ALTER TABLE {captures} DROP INDEX {LABEL_FILTER_INDEX}")).unwrap();
+        assert_eq!(missing().await.len(), 3);
+        for (table, index, _) in expected {
+            assert!(!indexed(table, index), "{index} dropped");
+        }
         ensure_schema(&catalog.client, &catalog.tables).await.unwrap();
         assert!(missing().await.is_empty());
-        let (database, captures_name) = captures.split_once('.').unwrap();
-        let projected = format!(
-            "SELECT sum(rows) FROM system.projection_parts WHERE database = '{database}' AND \
-             table = '{captures_name}' AND name = '{TIME_ORDER_PROJECTION}' AND active FORMAT TSV"
-        );
-        let projected_rows = || server.query(&projected).unwrap().trim().parse::<u64>().unwrap_or(0);
-        assert!(
-            common::wait_until(Duration::from_secs(60), || projected_rows() == 100_000),
-            "the rows written before the projection were never added to it: {} of 100000",
-            projected_rows()
-        );
-        let by_id_name = by_id.split_once('.').unwrap().1;
-        let filter_bytes = format!(
-            "SELECT sum(data_compressed_bytes) FROM system.data_skipping_indices WHERE database = '{database}' AND \
-             table = '{by_id_name}' AND name = '{ID_FILTER_INDEX}' FORMAT TSV"
-        );
-        let filtered = || server.query(&filter_bytes).unwrap().trim().parse::<u64>().unwrap_or(0) > 0;
-        assert!(
-            common::wait_until(Duration::from_secs(60), filtered),
-            "the ids written before the filter were never indexed"
-        );
-        assert!(filters_ids(), "a lookup by id reads through the filter");
+        for (table, index, read) in expected {
+            assert!(
+                common::wait_until(Duration::from_secs(60), || indexed(table, index)),
+                "{index}: the rows written before it were never indexed"
+            );
+            assert!(plan_uses(read, index), "{index}: the read it is for does not use it");
+        }
     } else {
-        assert!(catalog.tables.server_indexes(catalog.client.server_version()).is_empty(), "18.16 keeps neither");
+        assert!(catalog.tables.server_indexes(catalog.client.server_version()).is_empty(), "18.16 keeps none");
     }
-    // Either way a listing across streams from the middle of the range is the next hundred captures by time, and a
-    // lookup by id finds its capture.
+    // Either way a listing across streams from the middle of the range is the next hundred captures by time, a
+    // lookup by id finds its capture, and a listing by a label finds the one capture that has it.
     let query = ListQuery { since_ns: Some(since_ns), limit: 100, ..ListQuery::default() };
     let page = catalog.reader().list(&query).await.unwrap();
     let times: Vec<u64> = page.captures.iter().map(|capture| capture.captured_at_ns).collect();
     let expected: Vec<u64> = (0..100).map(|n| since_ns + n * 1_000_000_000).collect();
     assert_eq!(times, expected);
-    let id = Uuid::parse_str(some_id.trim()).unwrap();
-    let found = catalog.reader().get(id, None).await.unwrap().expect("the capture is found by its id");
+    let found = catalog.reader().get(some_id, None).await.unwrap().expect("the capture is found by its id");
     assert_eq!(found.captured_at_ns, since_ns);
+    let labels = BTreeMap::from([("run".to_string(), "50000".to_string())]);
+    let query = ListQuery { stream: Some("s0".into()), labels, limit: 100, ..ListQuery::default() };
+    let page = catalog.reader().list(&query).await.unwrap();
+    let ids: Vec<&str> = page.captures.iter().map(|capture| capture.capture_id.as_str()).collect();
+    assert_eq!(ids, vec![some_id.to_string().as_str()]);
 }

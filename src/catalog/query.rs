@@ -51,7 +51,7 @@ use serde::Serialize;
 use uuid::Uuid;
 
 use super::client::{sql_string_literal, CatalogClient, CatalogError, ErrorKind};
-use super::schema::Tables;
+use super::schema::{Tables, LABEL_PAIRS};
 
 /// Where a published capture is and what it is.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, clickhouse::Row, serde::Deserialize)]
@@ -898,8 +898,14 @@ impl CatalogReader {
         if let Some(stream) = &query.stream {
             conditions.push(format!("stream = {}", sql_string_literal(stream)));
         }
-        for (key, value) in &query.labels {
-            let (key, value) = (sql_string_literal(key), sql_string_literal(value));
+        for (key_text, value_text) in &query.labels {
+            let (key, value) = (sql_string_literal(key_text), sql_string_literal(value_text));
+            if self.client.server_version().has_skip_indexes() {
+                // The same condition, as the label filter's expression has it: the server skips the granules
+                // without the pair (see `LABEL_FILTER_INDEX`).
+                let pair = sql_string_literal(&format!("{key_text}={value_text}"));
+                conditions.push(format!("has({LABEL_PAIRS}, {pair})"));
+            }
             conditions.push(format!("has(label_keys, {key}) AND label_values[indexOf(label_keys, {key})] = {value}"));
         }
         let having = match &cursor {

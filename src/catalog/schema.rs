@@ -31,7 +31,8 @@
 //! Newer servers keep indexes 18.16 cannot ([`Tables::server_indexes`], added to existing tables at a start by
 //! [`ensure_server_indexes`]): `captures` in time order across streams ([`TIME_ORDER_PROJECTION`]), so that a listing
 //! across streams reads the rows of its window, and a bloom filter of `by_id`'s ids ([`ID_FILTER_INDEX`]), so that a
-//! lookup by id reads the granules that hold it, not one of every part.
+//! lookup by id reads the granules that hold it, not one of every part, and a bloom filter of `captures`' labels
+//! ([`LABEL_FILTER_INDEX`]), so that a listing by a rare label reads about its matches.
 //!
 //! With `catalog.cluster` set, every statement gets `ON CLUSTER <cluster>` and the engines become their Replicated
 //! forms with the conventional `{shard}`/`{replica}` macros.
@@ -322,6 +323,18 @@ impl Tables {
             });
         }
         if server.has_skip_indexes() {
+            let captures = &self.captures;
+            indexes.push(ServerIndex {
+                table: captures.clone(),
+                declared_as: format!("INDEX {LABEL_FILTER_INDEX}"),
+                statements: vec![
+                    format!(
+                        "ALTER TABLE {captures}{on_cluster} ADD INDEX IF NOT EXISTS {LABEL_FILTER_INDEX} \
+                         {LABEL_PAIRS} TYPE bloom_filter({LABEL_FILTER_FALSE_POSITIVES}) GRANULARITY 1"
+                    ),
+                    format!("ALTER TABLE {captures}{on_cluster} MATERIALIZE INDEX {LABEL_FILTER_INDEX}"),
+                ],
+            });
             let by_id = &self.by_id;
             indexes.push(ServerIndex {
                 table: by_id.clone(),
@@ -715,6 +728,20 @@ pub const ID_FILTER_INDEX: &str = "id_filter";
 /// hold one of them is read, so at 1e-4 one granule in a hundred is read for nothing (at 1e-2, two in three were). It
 /// costs about 2.4 bytes per row.
 const ID_FILTER_FALSE_POSITIVES: f64 = 0.0001;
+
+/// The bloom filter of `captures`' labels as `key=value` pairs ([`LABEL_PAIRS`], [`Tables::server_indexes`]): a
+/// listing by a label reads only the granules of its stream's window that may hold the label, so that a rare label
+/// (a run id, an incident) costs about its matches, not the stream. A key or a value holding `=` can make two pairs
+/// read alike: that only makes a granule be read for nothing, since the listing checks the label itself as well. Kept
+/// where the server has skip indexes ([`ServerVersion::has_skip_indexes`]).
+pub const LABEL_FILTER_INDEX: &str = "label_filter";
+
+/// The expression [`LABEL_FILTER_INDEX`] indexes: a capture's labels as `key=value` strings. A read that wants the
+/// index to apply says `has(<this>, 'key=value')`, written exactly so.
+pub const LABEL_PAIRS: &str = "arrayMap((k, v) -> concat(k, '=', v), label_keys, label_values)";
+
+/// The label filter's false positives per pair asked for and granule (a listing asks for a label or two).
+const LABEL_FILTER_FALSE_POSITIVES: f64 = 0.01;
 
 /// An index the connected server can keep beyond the common DDL (see [`Tables::server_indexes`]).
 #[derive(Debug, Clone)]
