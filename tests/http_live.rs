@@ -1564,7 +1564,8 @@ async fn the_rows_of_a_deleted_capture_stay_while_its_pack_cannot_be_rewritten()
     };
     wait_until_async(&daemon, common::MUTATION_PATIENCE, "no mutation running", || async { unfinished().await == "0" })
         .await;
-    assert_eq!(rows_in_captures(second[0].0.clone()).await, "1", "the rows stay while the erasure is pending");
+    // (Counted raw: a publish sent again after a lost reply leaves a row behind that was never committed.)
+    assert_ne!(rows_in_captures(second[0].0.clone()).await, "0", "the rows stay while the erasure is pending");
     let metrics = daemon.get_ok(&client, "/metrics").await.text().await.unwrap();
     assert_eq!(metric(&metrics, "capstore_captures_purged_total"), 1, "only the first deletion's rows went");
     let answer = client.get(daemon.url(&format!("/v1/captures/{}", second[0].0))).send().await.unwrap();
@@ -2188,7 +2189,10 @@ async fn a_publish_spanning_more_months_than_a_server_takes_in_one_insert_by_def
     server: &'static ClickHouseServer,
 ) {
     // 26.x refuses an insert into more than 100 partitions unless told otherwise; captures' times are the producer's.
-    let daemon = HttpDaemon::start_on(server, &[("CAPSTORE_SPOOL_PACK_MAX_AGE", "2s".into())]).await;
+    // Such an insert writes a part per month in every table (and, on 26.x, the projection of each in time order):
+    // about 0.7 s on 26.9 unloaded, more than the harness's 2 s request timeout on a busy machine.
+    let env = [("CAPSTORE_SPOOL_PACK_MAX_AGE", "2s".into()), ("CAPSTORE_CATALOG_REQUEST_TIMEOUT", "10s".into())];
+    let daemon = HttpDaemon::start_on(server, &env).await;
     let client = reqwest::Client::new();
     daemon.get_ok(&client, "/v1/tail").await;
     let first_ns: u64 = 1_000_000_000 * 1_000_000_000;
