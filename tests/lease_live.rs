@@ -1877,6 +1877,11 @@ async fn newer_servers_keep_captures_in_time_order_and_filters_of_ids_and_labels
         server.query(&sql).unwrap().trim().parse::<u64>().unwrap_or(0) > 0
     };
     let missing = || async { missing_server_indexes(&catalog.client, &catalog.tables).await.unwrap() };
+    // `by_id`'s compression blocks are made small with its filter, for lookups.
+    let small_blocks = || {
+        let sql = format!("SHOW CREATE TABLE {by_id} FORMAT TSVRaw");
+        server.query(&sql).unwrap().contains("max_compress_block_size = 8192")
+    };
     let expected = [
         (captures, TIME_ORDER_PROJECTION, &window),
         (by_id, ID_FILTER_INDEX, &lookup),
@@ -1884,6 +1889,7 @@ async fn newer_servers_keep_captures_in_time_order_and_filters_of_ids_and_labels
     ];
     if server.version.is_modern() {
         assert!(missing().await.is_empty(), "a new catalog's tables have them all");
+        assert!(small_blocks());
         for (table, index, read) in expected {
             assert!(indexed(table, index), "{index}: rows inserted after it was added are in it");
             assert!(plan_uses(read, index), "{index}: the read it is for does not use it");
@@ -1892,6 +1898,9 @@ async fn newer_servers_keep_captures_in_time_order_and_filters_of_ids_and_labels
         // the rows written before are indexed in the background.
         server.query(&format!("ALTER TABLE {captures} DROP PROJECTION {TIME_ORDER_PROJECTION}")).unwrap();
         server.query(&format!("ALTER TABLE {by_id} DROP INDEX {ID_FILTER_INDEX}")).unwrap();
+        let reset = format!("ALTER TABLE {by_id} RESET SETTING min_compress_block_size, max_compress_block_size");
+        server.query(&reset).unwrap();
+        assert!(!small_blocks());
         server.query(&format!("ALTER TABLE {captures} DROP INDEX {LABEL_FILTER_INDEX}")).unwrap();
         assert_eq!(missing().await.len(), 3);
         for (table, index, _) in expected {
@@ -1899,6 +1908,7 @@ async fn newer_servers_keep_captures_in_time_order_and_filters_of_ids_and_labels
         }
         ensure_schema(&catalog.client, &catalog.tables).await.unwrap();
         assert!(missing().await.is_empty());
+        assert!(small_blocks());
         for (table, index, read) in expected {
             assert!(
                 common::wait_until(Duration::from_secs(60), || indexed(table, index)),
@@ -1908,6 +1918,7 @@ async fn newer_servers_keep_captures_in_time_order_and_filters_of_ids_and_labels
         }
     } else {
         assert!(catalog.tables.server_indexes(catalog.client.server_version()).is_empty(), "18.16 keeps none");
+        assert!(!small_blocks());
     }
     // Either way a listing across streams from the middle of the range is the next hundred captures by time, a
     // lookup by id finds its capture, and a listing by a label finds the one capture that has it.
