@@ -35,8 +35,9 @@
 //!
 //! What each read costs (N = captures of the catalog, P = its publishes):
 //! - the watermark: `max(version)` over the publishes at or above the `watermark` table's lower bound, O(1);
-//! - `get`: the committed versions holding the id (`by_id`, and `publishes` at exactly those versions), then the row
-//!   from `by_version`: two queries of primary-key lookups, O(versions of the id);
+//! - `get`: one statement, beside the horizons: the versions holding the id (`by_id`), checked against `publishes` at
+//!   exactly those versions, and the newest one's row from `by_version` at those versions: primary-key lookups,
+//!   O(versions of the id);
 //! - `captures_of_version`: `by_version` at one version, O(captures of that version); `tail_page`: the publishes
 //!   after a position and one `by_version` range up to the version the page reaches, O(page) (a catching-up tail
 //!   plans a few pages from one read of `publishes` and reads them at once, in `super::tail`);
@@ -756,31 +757,22 @@ impl CatalogReader {
         let catalog = self.catalog_literal();
         let id_text = sql_string_literal(&capture_id.to_string());
         let id = format!("UUIDStringToNum({id_text})");
-        // Which committed publishes hold the id: its versions from `by_id`, checked against `publishes` at exactly
-        // those versions (a primary-key lookup each, never a scan of the catalog's history).
-        let committed: Vec<CommittedVersion> = self
-            .client
-            .fetch_all(&format!(
-                "SELECT version, publish_id FROM {publishes} WHERE catalog = {catalog} AND \
-                 version IN (SELECT version FROM {by_id} WHERE catalog = {catalog} AND capture_id = {id}) AND \
-                 (version, publish_id) IN (SELECT version, UUIDNumToString(publish_id) FROM {by_id} \
-                 WHERE catalog = {catalog} AND capture_id = {id}) ORDER BY version DESC",
-                publishes = self.tables.publishes,
-                by_id = self.tables.by_id,
-            ))
-            .await?;
-        // Newest first; without a pinned watermark the newest committed one is visible by definition.
-        let latest = match watermark_opt {
-            Some(watermark) => committed.iter().find(|row| row.version <= watermark),
-            None => committed.first(),
-        };
-        let Some(latest) = latest else { return Ok(None) };
+        let pinned = watermark_opt.map(|watermark| format!(" AND version <= {watermark}")).unwrap_or_default();
+        // One statement: the versions holding the id from `by_id`, checked against `publishes` at exactly those
+        // versions, and the row of the newest (at or below a pinned watermark; without one the newest committed is
+        // visible by definition) from `by_version` at those versions: primary-key lookups each, never a scan of the
+        // catalog's history.
+        let holding =
+            format!("SELECT version FROM {} WHERE catalog = {catalog} AND capture_id = {id}", self.tables.by_id);
         let row_sql = format!(
-            "SELECT {LOCATION_COLUMNS} FROM {by_version} WHERE catalog = {catalog} AND version = {version} AND \
-             publish_id = {publish_id} AND capture_id = {id_text} LIMIT 1",
+            "SELECT {LOCATION_COLUMNS} FROM {by_version} WHERE catalog = {catalog} AND version IN ({holding}){pinned} \
+             AND capture_id = {id_text} AND (version, publish_id) IN (SELECT version, publish_id FROM {publishes} \
+             WHERE catalog = {catalog} AND version IN ({holding}){pinned} AND (version, publish_id) IN (SELECT \
+             version, UUIDNumToString(publish_id) FROM {by_id} WHERE catalog = {catalog} AND capture_id = {id})) \
+             ORDER BY version DESC LIMIT 1",
             by_version = self.tables.by_version,
-            version = latest.version,
-            publish_id = sql_string_literal(&latest.publish_id),
+            publishes = self.tables.publishes,
+            by_id = self.tables.by_id,
         );
         let (rows, horizons) = tokio::join!(
             self.client.fetch_all::<CaptureLocation>(&row_sql),
