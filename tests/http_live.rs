@@ -2219,6 +2219,17 @@ async fn a_publish_spanning_more_months_than_a_server_takes_in_one_insert_by_def
     assert!(months.len() >= 120, "{} months", months.len());
 }
 
+/// Capture `id` posted into `again/a` with a time a day before `now_ns`, then again (same id) 150 days earlier: a
+/// time a 60-day horizon passes, in another month. Each waits until published.
+async fn post_recent_then_150_days_earlier(daemon: &HttpDaemon, client: &reqwest::Client, id: &str, now_ns: u64) {
+    for (days, body) in [(1u64, "recent"), (150, "posted again, earlier")] {
+        let at = now_ns - days * DAY_NS;
+        let url = daemon.url(&format!("/v1/captures?stream=again/a&id={id}&captured_at_ns={at}&wait=published"));
+        let response = client.post(url).body(body).send().await.unwrap();
+        assert_eq!(response.status(), StatusCode::CREATED, "{}", daemon.log());
+    }
+}
+
 #[tokio::test]
 async fn a_capture_posted_again_with_an_expired_time_stays_gone_when_its_months_are_dropped() {
     let mut daemon = HttpDaemon::start(&horizon_lifecycle()).await;
@@ -2229,13 +2240,7 @@ async fn a_capture_posted_again_with_an_expired_time_stays_gone_when_its_months_
     let (database, catalog_name) = (config.catalog.database.clone(), config.catalog_name.clone());
     let now_ns = now_ns();
     let id = uuid::Uuid::now_v7().to_string();
-    // Posted first with a recent time, then again (same id) with a time the horizon will pass.
-    for (days, body) in [(1u64, "recent"), (150, "posted again, earlier")] {
-        let at = now_ns - days * DAY_NS;
-        let url = daemon.url(&format!("/v1/captures?stream=again/a&id={id}&captured_at_ns={at}&wait=published"));
-        let response = client.post(url).body(body).send().await.unwrap();
-        assert_eq!(response.status(), StatusCode::CREATED, "{}", daemon.log());
-    }
+    post_recent_then_150_days_earlier(&daemon, &client, &id, now_ns).await;
     let other = post_batch_published(&daemon, &client, "again/a", 1, 3).await;
     let config_file = daemon._dir.path().join("retention.toml");
     std::fs::write(&config_file, "[[retention]]\nstreams = \"*\"\nkeep = \"60d\"\n").unwrap();
@@ -2261,12 +2266,7 @@ async fn a_capture_posted_again_with_an_expired_time_stays_gone_when_its_months_
     // Once months were dropped, a later check looks only at what was published since: a capture posted again the
     // same way now (its earlier post a late arrival, gone at once) is found by it, and stays gone too.
     let again = uuid::Uuid::now_v7().to_string();
-    for (days, body) in [(1u64, "recent"), (150, "posted again, earlier")] {
-        let at = now_ns - days * DAY_NS;
-        let url = daemon.url(&format!("/v1/captures?stream=again/a&id={again}&captured_at_ns={at}&wait=published"));
-        let response = client.post(url).body(body).send().await.unwrap();
-        assert_eq!(response.status(), StatusCode::CREATED, "{}", daemon.log());
-    }
+    post_recent_then_150_days_earlier(&daemon, &client, &again, now_ns).await;
     let removals = |daemon: &HttpDaemon| {
         daemon
             .log()

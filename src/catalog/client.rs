@@ -342,7 +342,8 @@ impl ServerVersion {
         (self.major, self.minor) >= (24, 8)
     }
 
-    /// Data skipping indexes, `bloom_filter` among them, and `MATERIALIZE INDEX` (20.x on; 18.16 has none).
+    /// Data skipping indexes, `bloom_filter` among them, `MATERIALIZE INDEX` and per-table compression block
+    /// settings: taken from 21 on (18.16 has none of them; the tests run 26.x).
     pub fn has_skip_indexes(&self) -> bool {
         self.major >= 21
     }

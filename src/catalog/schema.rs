@@ -301,59 +301,59 @@ impl Tables {
 
     /// The indexes the connected server can keep beyond the common DDL ([`ensure_server_indexes`]): none on 18.16.
     pub fn server_indexes(&self, server: &ServerVersion) -> Vec<ServerIndex> {
-        let on_cluster = self.on_cluster();
         let mut indexes = Vec::new();
         if server.has_replacing_projections() {
-            let captures = &self.captures;
-            indexes.push(ServerIndex {
-                table: captures.clone(),
-                declared_as: format!("PROJECTION {TIME_ORDER_PROJECTION}"),
-                statements: vec![
-                    // A server refuses a projection on a ReplacingMergeTree without a merge mode.
-                    format!(
-                        "ALTER TABLE {captures}{on_cluster} MODIFY SETTING \
-                         deduplicate_merge_projection_mode = 'rebuild'"
-                    ),
-                    format!(
-                        "ALTER TABLE {captures}{on_cluster} ADD PROJECTION IF NOT EXISTS {TIME_ORDER_PROJECTION} \
-                         (SELECT * ORDER BY catalog, captured_at_ns, capture_id)"
-                    ),
-                    format!("ALTER TABLE {captures}{on_cluster} MATERIALIZE PROJECTION {TIME_ORDER_PROJECTION}"),
-                ],
-            });
+            indexes.push(self.server_index(
+                &self.captures,
+                "PROJECTION",
+                TIME_ORDER_PROJECTION,
+                "(SELECT * ORDER BY catalog, captured_at_ns, capture_id)",
+                // A server refuses a projection on a ReplacingMergeTree without a merge mode.
+                Some("deduplicate_merge_projection_mode = 'rebuild'".to_string()),
+            ));
         }
         if server.has_skip_indexes() {
-            let captures = &self.captures;
-            indexes.push(ServerIndex {
-                table: captures.clone(),
-                declared_as: format!("INDEX {LABEL_FILTER_INDEX}"),
-                statements: vec![
-                    format!(
-                        "ALTER TABLE {captures}{on_cluster} ADD INDEX IF NOT EXISTS {LABEL_FILTER_INDEX} \
-                         {LABEL_PAIRS} TYPE bloom_filter({LABEL_FILTER_FALSE_POSITIVES}) GRANULARITY 1"
-                    ),
-                    format!("ALTER TABLE {captures}{on_cluster} MATERIALIZE INDEX {LABEL_FILTER_INDEX}"),
-                ],
-            });
-            let by_id = &self.by_id;
-            indexes.push(ServerIndex {
-                table: by_id.clone(),
-                declared_as: format!("INDEX {ID_FILTER_INDEX}"),
-                statements: vec![
-                    format!(
-                        "ALTER TABLE {by_id}{on_cluster} MODIFY SETTING min_compress_block_size = {}, \
-                         max_compress_block_size = {ID_LOOKUP_BLOCK_BYTES}",
-                        ID_LOOKUP_BLOCK_BYTES / 2
-                    ),
-                    format!(
-                        "ALTER TABLE {by_id}{on_cluster} ADD INDEX IF NOT EXISTS {ID_FILTER_INDEX} capture_id \
-                         TYPE bloom_filter({ID_FILTER_FALSE_POSITIVES}) GRANULARITY 1"
-                    ),
-                    format!("ALTER TABLE {by_id}{on_cluster} MATERIALIZE INDEX {ID_FILTER_INDEX}"),
-                ],
-            });
+            indexes.push(self.server_index(
+                &self.captures,
+                "INDEX",
+                LABEL_FILTER_INDEX,
+                &format!("{LABEL_PAIRS} TYPE bloom_filter({LABEL_FILTER_FALSE_POSITIVES}) GRANULARITY 1"),
+                None,
+            ));
+            indexes.push(self.server_index(
+                &self.by_id,
+                "INDEX",
+                ID_FILTER_INDEX,
+                &format!("capture_id TYPE bloom_filter({ID_FILTER_FALSE_POSITIVES}) GRANULARITY 1"),
+                Some(format!(
+                    "min_compress_block_size = {}, max_compress_block_size = {ID_LOOKUP_BLOCK_BYTES}",
+                    ID_LOOKUP_BLOCK_BYTES / 2
+                )),
+            ));
         }
         indexes
+    }
+
+    /// The `kind` (`PROJECTION` or `INDEX`) `name` of `table`, as `definition` says after its name: `settings` of the
+    /// table first, when it needs any, then the index, then its rows for the parts written before it.
+    fn server_index(
+        &self,
+        table: &str,
+        kind: &str,
+        name: &str,
+        definition: &str,
+        settings: Option<String>,
+    ) -> ServerIndex {
+        let alter = format!("ALTER TABLE {table}{}", self.on_cluster());
+        let statements = settings
+            .map(|settings| format!("{alter} MODIFY SETTING {settings}"))
+            .into_iter()
+            .chain([
+                format!("{alter} ADD {kind} IF NOT EXISTS {name} {definition}"),
+                format!("{alter} MATERIALIZE {kind} {name}"),
+            ])
+            .collect();
+        ServerIndex { table: table.to_string(), declared_as: format!("{kind} {name}"), statements }
     }
 
     fn time_bounds_select(&self) -> String {
@@ -785,23 +785,31 @@ pub(super) async fn ensure_server_indexes(client: &CatalogClient, tables: &Table
 
 /// The indexes of [`Tables::server_indexes`] that the tables lack.
 pub async fn missing_server_indexes(client: &CatalogClient, tables: &Tables) -> Result<Vec<ServerIndex>, CatalogError> {
-    let mut missing = Vec::new();
-    for index in tables.server_indexes(client.server_version()) {
-        let (database, table) = index.table.split_once('.').unwrap_or_default();
-        let found = client
-            .fetch_count(&format!(
-                "SELECT count() FROM system.tables WHERE database = {} AND name = {} AND \
-                 create_table_query LIKE {}",
-                sql_string_literal(database),
-                sql_string_literal(table),
-                sql_string_literal(&format!("%{} %", index.declared_as))
-            ))
-            .await?;
-        if found == 0 {
-            missing.push(index);
-        }
+    #[derive(clickhouse::Row, serde::Deserialize)]
+    struct Created {
+        name: String,
+        create_table_query: String,
     }
-    Ok(missing)
+    let indexes = tables.server_indexes(client.server_version());
+    if indexes.is_empty() {
+        return Ok(indexes);
+    }
+    // One read of the `CREATE` statements of the tables that hold them.
+    let names: Vec<String> =
+        indexes.iter().map(|index| sql_string_literal(index.table.rsplit('.').next().unwrap_or_default())).collect();
+    let created: Vec<Created> = client
+        .fetch_all(&format!(
+            "SELECT name, create_table_query FROM system.tables WHERE database = {} AND name IN ({})",
+            sql_string_literal(&tables.database),
+            names.join(", ")
+        ))
+        .await?;
+    let declares = |index: &ServerIndex| {
+        let table = index.table.rsplit('.').next().unwrap_or_default();
+        let declaration = format!("{} ", index.declared_as);
+        created.iter().any(|row| row.name == table && row.create_table_query.contains(&declaration))
+    };
+    Ok(indexes.into_iter().filter(|index| !declares(index)).collect())
 }
 
 /// Whether the view into `by_id` writes `captured_at_ns`: one made by a capstore older than schema 6 (say, one that
