@@ -89,11 +89,14 @@ pub async fn fleet(options: &FleetBenchOptions) -> anyhow::Result<Vec<FleetBench
         let scratch = CatalogClient::connect(&config.catalog).await?;
         scratch.execute_with_timeout(&format!("DROP DATABASE IF EXISTS {database}"), SCRATCH_DDL_TIMEOUT).await?;
         let (client, tables) = capstore::catalog::connect(&config).await?;
+        let plain = PlainTables::create(&client, &tables).await?;
         eprintln!("fleet of {daemons}: capstore for {:?}", options.duration);
         let capstore = run_fleet(&client, &tables, &config, daemons, options).await?;
-        eprintln!("fleet of {daemons}: plain inserts for {:?}", options.duration);
-        let baseline = run_baseline(&client, &tables, &config, daemons, options).await?;
+        // Dropped before the baseline starts, so that the merges capstore's load left behind do not run on the
+        // server's cores under the baseline's inserts.
         client.execute_with_timeout(&format!("DROP DATABASE IF EXISTS {database}"), SCRATCH_DDL_TIMEOUT).await?;
+        eprintln!("fleet of {daemons}: plain inserts for {:?}", options.duration);
+        let baseline = run_baseline(&scratch, &plain, &config, daemons, options).await?;
         let row = FleetBenchRow { daemons, seconds: options.duration.as_secs_f64(), capstore, baseline };
         // On stderr as each size ends, so a later failure does not take the earlier figures with it.
         eprintln!("{}", serde_json::to_string(&row)?);
@@ -190,26 +193,48 @@ async fn run_fleet(
     Ok(figures(tally, seconds, inserts, samples, final_parts))
 }
 
+/// Copies of the tables a baseline inserts into, with no views (`CREATE TABLE ... AS`), in a database of their own.
+struct PlainTables {
+    database: String,
+    captures: String,
+    packs: String,
+    publishes: String,
+    lease: String,
+}
+
+impl PlainTables {
+    async fn create(client: &CatalogClient, tables: &Tables) -> anyhow::Result<PlainTables> {
+        let database = format!("{}_plain", tables.database);
+        client.execute_with_timeout(&format!("DROP DATABASE IF EXISTS {database}"), SCRATCH_DDL_TIMEOUT).await?;
+        client.execute(&format!("CREATE DATABASE {database}")).await?;
+        let copy = |table: &str| format!("{database}.{}", table.rsplit('.').next().unwrap_or(table));
+        for table in [&tables.captures, &tables.packs, &tables.publishes, &tables.lease] {
+            client.execute(&format!("CREATE TABLE {} AS {table}", copy(table))).await?;
+        }
+        Ok(PlainTables {
+            captures: copy(&tables.captures),
+            packs: copy(&tables.packs),
+            publishes: copy(&tables.publishes),
+            lease: copy(&tables.lease),
+            database,
+        })
+    }
+}
+
 /// The same statements a fleet's publishes and renewals make, as plain inserts of the same rows into copies of the
 /// tables with no views: one INSERT into each of `captures`, `packs` and `publishes` per publish, and one into
 /// `lease` per renewal (ttl/6), at the same pace. They go over HTTP from this process: a `clickhouse-client` process
 /// per statement would cost more CPU than the server at these rates.
 async fn run_baseline(
     client: &CatalogClient,
-    tables: &Tables,
+    plain: &PlainTables,
     config: &Config,
     daemons: usize,
     options: &FleetBenchOptions,
 ) -> anyhow::Result<LoadFigures> {
-    let database = format!("{}_plain", tables.database);
-    client.execute_with_timeout(&format!("DROP DATABASE IF EXISTS {database}"), SCRATCH_DDL_TIMEOUT).await?;
-    client.execute(&format!("CREATE DATABASE {database}")).await?;
-    let copy = |table: &str| format!("{database}.{}", table.rsplit('.').next().unwrap_or(table));
-    for table in [&tables.captures, &tables.packs, &tables.publishes, &tables.lease] {
-        client.execute(&format!("CREATE TABLE {} AS {table}", copy(table))).await?;
-    }
+    let database = plain.database.clone();
     let (captures, packs, publishes, lease) =
-        (copy(&tables.captures), copy(&tables.packs), copy(&tables.publishes), copy(&tables.lease));
+        (plain.captures.clone(), plain.packs.clone(), plain.publishes.clone(), plain.lease.clone());
     let tally = SharedTally::default();
     let inserts_before = server_inserts(client).await?;
     let sampler = Sampler::start(client.clone(), database.clone());
