@@ -745,6 +745,10 @@ async fn schema_is_idempotent_and_a_newer_schema_is_refused(server: &'static Cli
     let error = capstore::catalog::schema::ensure_schema(&catalog.client, &catalog.tables).await.unwrap_err();
     let text = error.to_string();
     assert!(text.contains("99") && text.contains("newer"), "{text}");
+    // A reader's check (the stamp and the repartition mark in one statement) refuses it the same way.
+    let error = capstore::catalog::schema::check_schema(&catalog.client, &catalog.tables).await.unwrap_err();
+    let text = error.to_string();
+    assert!(text.contains("99") && text.contains("newer"), "{text}");
 }
 
 /// The tables of a schema 1 catalog, as the first wave created them (no index tables, no views).
@@ -1813,8 +1817,11 @@ async fn no_lease_is_claimed_while_the_tables_are_being_repartitioned(server: &'
     assert_eq!(store.read_head().await.unwrap().term, 0, "no lease row was written");
     let refused = capstore::catalog::schema::ensure_schema(&catalog.client, &catalog.tables).await.unwrap_err();
     assert!(refused.to_string().contains("capstore repartition"), "{refused}");
-    // Done (even): claims go through again.
+    let refused = capstore::catalog::schema::check_schema(&catalog.client, &catalog.tables).await.unwrap_err();
+    assert!(refused.to_string().contains("capstore repartition"), "a reader: {refused}");
+    // Done (even): claims go through again, and readers read.
     mark(2);
+    capstore::catalog::schema::check_schema(&catalog.client, &catalog.tables).await.unwrap();
     let outcome = store.claim("after", &identity("late")).await.unwrap();
     assert!(matches!(outcome, ClaimOutcome::Held { term: 1, .. }), "{outcome:?}");
 }

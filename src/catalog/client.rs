@@ -424,18 +424,23 @@ impl CatalogClient {
             clients.push(client);
         }
 
-        // The first server that answers decides the settings: the replicas of a shard run one release.
+        // The first server that answers decides the settings: the replicas of a shard run one release. Its version
+        // and which of the settings below it has come in one statement (a round trip every command waits for).
+        let sql = format!(
+            "SELECT version() AS version, groupArray(name) AS present FROM system.settings WHERE name IN ({})",
+            OPTIONAL_SETTINGS.iter().map(|name| sql_string_literal(name)).collect::<Vec<_>>().join(", ")
+        );
         let mut answered = None;
         for (index, client) in clients.iter().enumerate() {
             let version = run_with_timeout(
                 request_timeout,
                 "select version()",
-                client.query("SELECT version()").fetch_one::<String>(),
+                client.query_raw(&sql).fetch_one::<ServerFacts>(),
             )
             .await;
             match version {
-                Ok(text) => {
-                    answered = Some((index, text));
+                Ok(found) => {
+                    answered = Some((index, found));
                     break;
                 }
                 Err(error) if error.is_unreachable() && index + 1 < clients.len() => {
@@ -444,19 +449,14 @@ impl CatalogClient {
                 Err(error) => return Err(error),
             }
         }
-        let Some((current, version_text)) = answered else {
+        let Some((current, ServerFacts { version: version_text, present })) = answered else {
             unreachable!("the last server's error is returned above");
         };
         let server_version = ServerVersion::parse(&version_text).ok_or_else(|| {
             CatalogError::new(ErrorKind::DefinitelyFailed, format!("cannot parse the server version {version_text:?}"))
         })?;
         // Settings for every server, chosen from the one that answered.
-        let present = server_settings_present(
-            &clients[current],
-            &["async_insert", "wait_for_async_insert", "insert_quorum_parallel", "max_partitions_per_insert_block"],
-            request_timeout,
-        )
-        .await?;
+        let present: std::collections::HashSet<String> = present.into_iter().collect();
         let mut settings: Vec<(&'static str, String)> = Vec::new();
         // A publish's rows span as many months (partitions) as its captures' times do, which producers choose (a
         // backfill, a bad clock): a server's limit (100 by default where it has one) would refuse that pack on
@@ -929,18 +929,16 @@ async fn local_shard(
     Ok(number.map(|number| Shard { number, replicas: rows.into_iter().map(|(_, replica)| replica).collect() }))
 }
 
-/// Which of `names` the server has as settings (`system.settings`), in one read.
-async fn server_settings_present(
-    client: &clickhouse::Client,
-    names: &[&str],
-    request_timeout: Duration,
-) -> Result<std::collections::HashSet<String>, CatalogError> {
-    let listed: Vec<String> = names.iter().map(|name| sql_string_literal(name)).collect();
-    let sql = format!("SELECT name FROM system.settings WHERE name IN ({})", listed.join(", "));
-    let present =
-        run_with_timeout(request_timeout, "look up settings", client.query_raw(&sql).fetch_all::<String>()).await?;
-    Ok(present.into_iter().collect())
+/// What [`CatalogClient::connect`] reads of the server first: its version and which of [`OPTIONAL_SETTINGS`] it has.
+#[derive(clickhouse::Row, serde::Deserialize)]
+struct ServerFacts {
+    version: String,
+    present: Vec<String>,
 }
+
+/// The settings capstore sets where the server has them (newer releases), looked up in `system.settings` at connect.
+const OPTIONAL_SETTINGS: [&str; 4] =
+    ["async_insert", "wait_for_async_insert", "insert_quorum_parallel", "max_partitions_per_insert_block"];
 
 /// The insert settings every request carries (see the module doc, "Asynchronous inserts"): nothing on a server
 /// without asynchronous inserts (18.16 refuses settings it does not know); there, asynchronous with the flush awaited

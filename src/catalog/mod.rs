@@ -46,7 +46,10 @@ pub async fn connect(config: &Config) -> Result<(CatalogClient, Tables), schema:
 pub async fn connect_reader(config: &Config) -> Result<query::CatalogReader, schema::SchemaError> {
     let client = CatalogClient::connect(&config.catalog).await?;
     let tables = Tables::from_config(&config.catalog);
-    schema::check_schema(&client, &tables).await?;
-    client.require_objects(&tables.database, schema::objects_present(&client, &tables).await?);
+    // Independent reads, each a round trip that every command would otherwise wait for in turn.
+    let (checked, present) =
+        tokio::join!(schema::check_schema(&client, &tables), schema::objects_present(&client, &tables));
+    checked?;
+    client.require_objects(&tables.database, present?);
     Ok(query::CatalogReader::new(client, tables, &config.catalog_name))
 }

@@ -507,6 +507,25 @@ async fn stamped_version(client: &CatalogClient, tables: &Tables) -> Result<u32,
     Ok(stamps.first().map_or(0, |stamp| stamp.version))
 }
 
+/// The schema version stamped in the catalog and whether a run of `capstore repartition` is under way (see
+/// [`repartition_under_way`]), in one statement: a reader checks both before every command.
+async fn stamp_and_repartition_mark(client: &CatalogClient, tables: &Tables) -> Result<(u32, bool), CatalogError> {
+    #[derive(clickhouse::Row, serde::Deserialize)]
+    struct Marks {
+        stamp: u32,
+        repartition: u32,
+    }
+    let rows: Vec<Marks> = client
+        .fetch_all(&format!(
+            "SELECT maxIf(version, component = 'catalog') AS stamp, maxIf(version, component = {repartition}) AS \
+             repartition FROM {schema} WHERE component IN ('catalog', {repartition})",
+            schema = tables.schema,
+            repartition = sql_string_literal(REPARTITION_COMPONENT)
+        ))
+        .await?;
+    Ok(rows.first().map_or((0, false), |row| (row.stamp, row.repartition % 2 == 1)))
+}
+
 /// The database and its tables and views that exist on the connected server, by the names the DDL gives them
 /// (`database`, `database.table`).
 async fn present_objects(
@@ -645,8 +664,10 @@ pub const STAMPED_AT_START: u32 = 3;
 /// For a read-only connection, which creates and upgrades nothing: the catalog must be stamped with a schema version
 /// this build reads as its own (3 to 6).
 pub async fn check_schema(client: &CatalogClient, tables: &Tables) -> Result<(), SchemaError> {
-    refuse_while_repartitioning(client, tables).await?;
-    let found = stamped_version(client, tables).await?;
+    let (found, repartitioning) = stamp_and_repartition_mark(client, tables).await?;
+    if repartitioning {
+        return Err(SchemaError::Repartitioning { database: tables.database.clone() });
+    }
     match found {
         STAMPED_AT_START..=SCHEMA_VERSION => Ok(()),
         found if found > SCHEMA_VERSION => Err(SchemaError::TooNew { database: tables.database.clone(), found }),

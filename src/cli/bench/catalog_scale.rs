@@ -114,7 +114,7 @@ fn load_statements(tables: &Tables, first: u64, count: u64, step: u64) -> [Strin
         "SELECT number, intDiv(number, {CAPTURES_PER_PUBLISH}) + 1 AS v, toUInt64({FIRST_NS} + number * {step}) AS at \
          FROM numbers({first}, {count})"
     );
-    let (capture, pack, publish) = (synthetic_id("number", 1), synthetic_id("v", 5), synthetic_id("v", 3));
+    let (capture, pack, publish) = (synthetic_capture_id("number", "at"), synthetic_id("v", 5), synthetic_id("v", 3));
     [
         format!(
             "INSERT INTO {captures} (catalog, stream, captured_at_ns, capture_id, pack_id, object_key, record_offset, \
@@ -153,6 +153,22 @@ async fn wait_for_merges(client: &CatalogClient, database: &str) -> anyhow::Resu
         tokio::time::sleep(Duration::from_secs(2)).await;
     }
     Ok(())
+}
+
+/// A capture id as the daemon gives one at ingest, a UUIDv7's text, made on the server: the millisecond of `at_ns` (the
+/// capture's time: a live producer's captures are taken in as they are made), then hashes of `number`
+/// (deterministic, so a read can name row n). The ids of captures close in time are close in `by_id`'s order, as in
+/// a real catalog; wholly random ids would make every lookup of a page's ids read a granule per id.
+fn synthetic_capture_id(number: &str, at_ns: &str) -> String {
+    // 12 hex digits for every millisecond from 2004 to 10889, the span the synthetic times lie in.
+    let time = format!("lower(hex(intDiv({at_ns}, 1000000)))");
+    // A hash with its top bit set has 16 hex digits (`hex` leaves out leading zero bytes).
+    let random = |salt: u64| format!("lower(hex(bitOr(cityHash64({number}, {salt}), 9223372036854775808)))");
+    let (first, second) = (random(1), random(2));
+    format!(
+        "concat(substring({time}, 1, 8), '-', substring({time}, 9, 4), '-7', substring({first}, 2, 3), '-8', \
+         substring({first}, 5, 3), '-', substring({second}, 2, 12))"
+    )
 }
 
 /// A UUID's text made on the server from two hashes of `expression` (deterministic, so a read can name row n).
@@ -247,7 +263,10 @@ async fn reads(bench: &mut Bench<'_>, reader: &CatalogReader, tables: &Tables, c
     let middle_row = rows / 2;
     let middle_ids: Vec<Text> = bench
         .client
-        .fetch_all(&format!("SELECT {} AS value", synthetic_id(&format!("toUInt64({middle_row})"), 1)))
+        .fetch_all(&format!(
+            "SELECT {} AS value",
+            synthetic_capture_id(&format!("toUInt64({middle_row})"), &format!("toUInt64({})", at(middle_row)))
+        ))
         .await?;
     let middle = Uuid::parse_str(&middle_ids[0].value)?;
     let middle_version = middle_row / CAPTURES_PER_PUBLISH + 1;
