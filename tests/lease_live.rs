@@ -973,6 +973,14 @@ async fn listings_page_through_dense_sparse_and_empty_stretches_of_time_in_order
         expected.iter().filter(|(at, _)| (since..until).contains(at)).cloned().collect();
     assert_eq!(window, expected_window);
     assert_eq!(window.len(), 50 + 10, "the 50 at the shared instant and the first ten days");
+    // A page of an hour around the shared instant is read in one window, a fraction of the whole history's span
+    // (13 hours here), not in windows growing from a fraction of the hour (3.5 s, 28 s, 4 min, 30 min). The next
+    // page's window is half the one that filled a page at once, else the last one read.
+    let (since, until) = (40_000_000_000_000_000 - 1_800_000_000_000, 40_000_000_000_000_000 + 1_800_000_000_000);
+    let hour_query = ListQuery { since_ns: Some(since), until_ns: Some(until), limit: 10, ..Default::default() };
+    let hour = reader.list(&hour_query).await.unwrap();
+    assert_eq!(hour.captures.len(), 10);
+    assert!(hour.window_ns() >= until - since, "read in more than one window: {}", hour.window_ns());
 }
 
 for_each_version!(tail_without_follow_prints_every_committed_capture_once_past_a_thousand_publishes);

@@ -250,6 +250,11 @@ pub struct Page {
 }
 
 impl Page {
+    /// The time window the next page starts with: half the window this page was read in when one window filled it.
+    pub fn window_ns(&self) -> u64 {
+        self.window_ns
+    }
+
     /// The page cut after the last capture that keeps its JSON within about `max_bytes` (one capture at least), with
     /// the cursor of that capture, so the next page goes on right after it. Labels can make rows large: this bounds a
     /// response's size whatever its `limit`.
@@ -328,7 +333,7 @@ struct TimeBounds {
     rows: u64,
 }
 
-/// The first window of a listing without a cursor is this fraction of its time range: 1/64 for one stream, 1/1024
+/// The first window of a listing without a cursor is this fraction of the time its stream (or catalog) spans: 1/64 for one stream, 1/1024
 /// across streams (about a hundred times denser in the catalogs this is tuned on), then windows grow by
 /// [`WINDOW_GROWTH`] until the page is full (see [`CatalogReader::list`]). Each window is a query of a few ms
 /// however few rows it holds, so the growth is steep: a page that starts far too narrow (a sparse stream, a short
@@ -882,7 +887,11 @@ impl CatalogReader {
                 } else {
                     FIRST_WINDOW_FRACTION_ALL_STREAMS
                 };
-                (end.saturating_sub(start) / fraction).max(1)
+                // A fraction of everything the stream (or catalog) holds, not of the range asked for: a short
+                // `--since`/`--until` range (a 10 s window) is then read in one statement rather than in several
+                // growing ones, and no first window is wider than a whole listing's first window.
+                let whole = last_ns.saturating_add(1).saturating_sub(first_ns);
+                (whole / fraction).max(1)
             });
 
         let catalog = self.catalog_literal();
