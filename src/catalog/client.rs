@@ -20,8 +20,9 @@
 //!
 //! # Server versions
 //!
-//! [`CatalogClient::connect`] runs `SELECT version()` and picks settings from the answer. Servers older than
-//! [`MODERN_MAJOR`] (the tests run 18.16, 26.7 and 26.9; production runs 23-26) get:
+//! [`CatalogClient::connect`] reads the server's version (and which optional settings it has) and picks settings
+//! from the answer. Servers older than [`MODERN_MAJOR`] (the tests run 18.16, 26.7 and 26.9; production runs 23-26)
+//! get:
 //! - no HTTP compression: `compress=1` returns an empty 200 reply on 18.16;
 //! - no `RowBinaryWithNamesAndTypes` schema validation: the format does not exist there, so rows travel as plain
 //!   `RowBinary` and a struct that does not match its table shows up as a decode error, not a schema message;
@@ -427,15 +428,18 @@ impl CatalogClient {
         // The first server that answers decides the settings: the replicas of a shard run one release. Its version
         // and which of the settings below it has come in one statement (a round trip every command waits for).
         let sql = format!(
-            "SELECT version() AS version, groupArray(name) AS present FROM system.settings WHERE name IN ({})",
+            // A row beside the settings found, so that the version comes back when none is (an aggregate would
+            // give no row at all under a profile's `empty_result_for_aggregation_by_empty_set`).
+            "SELECT version() AS version, name FROM (SELECT name FROM system.settings WHERE name IN ({}) \
+             UNION ALL SELECT '' AS name)",
             OPTIONAL_SETTINGS.iter().map(|name| sql_string_literal(name)).collect::<Vec<_>>().join(", ")
         );
         let mut answered = None;
         for (index, client) in clients.iter().enumerate() {
             let version = run_with_timeout(
                 request_timeout,
-                "select version()",
-                client.query_raw(&sql).fetch_one::<ServerFacts>(),
+                "read the server's version",
+                client.query_raw(&sql).fetch_all::<ServerFact>(),
             )
             .await;
             match version {
@@ -449,14 +453,16 @@ impl CatalogClient {
                 Err(error) => return Err(error),
             }
         }
-        let Some((current, ServerFacts { version: version_text, present })) = answered else {
+        let Some((current, facts)) = answered else {
             unreachable!("the last server's error is returned above");
         };
+        let version_text = facts.first().map(|fact| fact.version.clone()).unwrap_or_default();
         let server_version = ServerVersion::parse(&version_text).ok_or_else(|| {
             CatalogError::new(ErrorKind::DefinitelyFailed, format!("cannot parse the server version {version_text:?}"))
         })?;
         // Settings for every server, chosen from the one that answered.
-        let present: std::collections::HashSet<String> = present.into_iter().collect();
+        let present: std::collections::HashSet<String> =
+            facts.into_iter().map(|fact| fact.name).filter(|name| !name.is_empty()).collect();
         let mut settings: Vec<(&'static str, String)> = Vec::new();
         // A publish's rows span as many months (partitions) as its captures' times do, which producers choose (a
         // backfill, a bad clock): a server's limit (100 by default where it has one) would refuse that pack on
@@ -929,11 +935,12 @@ async fn local_shard(
     Ok(number.map(|number| Shard { number, replicas: rows.into_iter().map(|(_, replica)| replica).collect() }))
 }
 
-/// What [`CatalogClient::connect`] reads of the server first: its version and which of [`OPTIONAL_SETTINGS`] it has.
+/// What [`CatalogClient::connect`] reads of the server first: its version, beside each of [`OPTIONAL_SETTINGS`] it
+/// has (and beside an empty name).
 #[derive(clickhouse::Row, serde::Deserialize)]
-struct ServerFacts {
+struct ServerFact {
     version: String,
-    present: Vec<String>,
+    name: String,
 }
 
 /// The settings capstore sets where the server has them (newer releases), looked up in `system.settings` at connect.

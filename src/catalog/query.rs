@@ -333,12 +333,15 @@ struct TimeBounds {
     rows: u64,
 }
 
-/// The first window of a listing without a cursor is this fraction of the time its stream (or catalog) spans: 1/64 for one stream, 1/1024
-/// across streams (about a hundred times denser in the catalogs this is tuned on), then windows grow by
-/// [`WINDOW_GROWTH`] until the page is full (see [`CatalogReader::list`]). Each window is a query of a few ms
-/// however few rows it holds, so the growth is steep: a page that starts far too narrow (a sparse stream, a short
-/// `--since`/`--until`) costs a handful of queries, and one that fills at once reads at most that factor more rows
-/// than it needed.
+/// The first window of a listing without a cursor is this fraction of the time a whole listing of its stream (or
+/// catalog) covers, from its first capture (or the retention horizon) to its last: 1/64 for one stream, 1/1024
+/// across streams (about a hundred times denser in the catalogs this is tuned on), or the range asked for when that
+/// is shorter; then windows grow by [`WINDOW_GROWTH`] until the page is full (see [`CatalogReader::list`]). Each
+/// window is a query of a few ms however few rows it holds, so the growth is steep: a page that starts far too narrow
+/// (a sparse stream) costs a handful of queries, and one that fills at once reads at most that factor more rows than
+/// it needed. The first window's time does not depend on the range asked for, so a `--since`/`--until` range takes
+/// no bigger a bite of the stream than a whole listing's first page does (both trust the stream's first and last
+/// time: a capture with a far-off time, from a bad clock, widens the first window of both).
 const FIRST_WINDOW_FRACTION_ONE_STREAM: u64 = 64;
 const FIRST_WINDOW_FRACTION_ALL_STREAMS: u64 = 1024;
 const WINDOW_GROWTH: u64 = 8;
@@ -859,10 +862,10 @@ impl CatalogReader {
     /// One page of captures by stream, time range and labels, in (captured_at_ns, capture_id) order.
     ///
     /// A page reads time windows of `captures` one after the other, from the cursor on, until it is full: each window
-    /// is a primary-key range (exact with a stream; one range per stream without), and each next window is twice as
-    /// wide, so sparse stretches cost a few empty reads. The next page starts with the window that filled this one,
-    /// halved when one window was enough (so windows settle at about a page), which keeps a page's cost about its
-    /// size however long the catalog's history.
+    /// is a primary-key range (exact with a stream; one range per stream without), and each next window is
+    /// [`WINDOW_GROWTH`] times as wide, so sparse stretches cost a few empty reads. The next page starts with the
+    /// window that filled this one, halved when one window was enough (so windows settle at about a page), which
+    /// keeps a page's cost about its size however long the catalog's history.
     pub async fn list(&self, query: &ListQuery) -> Result<Page, CatalogError> {
         let cursor = query.cursor.as_deref().map(Cursor::decode).transpose()?;
         let watermark = match (&cursor, query.watermark) {
@@ -875,7 +878,8 @@ impl CatalogReader {
         let (bounds, horizons) = tokio::join!(self.time_bounds(query.stream.as_deref()), self.horizons(watermark));
         let Some((first_ns, last_ns)) = bounds? else { return Ok(empty) };
         // Nothing captured before the horizon is listed: the windows start there.
-        let mut start = first_ns.max(query.since_ns.unwrap_or(0)).max(horizons?.before_at(watermark));
+        let listed_from = first_ns.max(horizons?.before_at(watermark));
+        let mut start = listed_from.max(query.since_ns.unwrap_or(0));
         if let Some(cursor) = &cursor {
             start = start.max(cursor.captured_at_ns);
         }
@@ -887,10 +891,10 @@ impl CatalogReader {
                 } else {
                     FIRST_WINDOW_FRACTION_ALL_STREAMS
                 };
-                // A fraction of everything the stream (or catalog) holds, not of the range asked for: a short
-                // `--since`/`--until` range (a 10 s window) is then read in one statement rather than in several
-                // growing ones, and no first window is wider than a whole listing's first window.
-                let whole = last_ns.saturating_add(1).saturating_sub(first_ns);
+                // A fraction of the time a whole listing of the stream (or catalog) covers, not of the range asked
+                // for: a short `--since`/`--until` range (a 10 s window) is then read in one statement rather than
+                // in several growing ones, and no first window is wider than a whole listing's first window.
+                let whole = last_ns.saturating_add(1).saturating_sub(listed_from);
                 (whole / fraction).max(1)
             });
 
