@@ -82,6 +82,20 @@ pub(super) async fn load(client: &CatalogClient, tables: &Tables, rows: u64) -> 
         ))
         .await?;
     if have == rows {
+        // Loaded by this bench as it loads now: row 0 has the id it would be given.
+        let first_id = client
+            .fetch_count(&format!(
+                "SELECT count() FROM {} WHERE catalog = '{CATALOG}' AND stream = 'sensor/0' AND captured_at_ns = \
+                 {FIRST_NS} AND capture_id = {}",
+                tables.captures,
+                synthetic_capture_id("toUInt64(0)", &format!("toUInt64({FIRST_NS})"))
+            ))
+            .await?;
+        anyhow::ensure!(
+            first_id == 1,
+            "{} holds {rows} captures loaded by an older bench (random capture ids, not UUIDv7): drop the database first",
+            tables.database
+        );
         eprintln!("catalog-scale: {} already holds {rows} captures", tables.database);
         return Ok(());
     }
