@@ -47,6 +47,24 @@ use super::client::{sql_string_literal, CatalogClient, CatalogError};
 use super::lease::server_now_ms_expr;
 use super::schema::Tables;
 
+/// The mutations of `captures`, `by_version` or `by_id` (of any catalog sharing them) still running, each as
+/// `table mutation_id`. A mutation that fails is retried by the server until it is killed (18.16 cannot kill one).
+pub async fn unfinished_mutations(client: &CatalogClient, tables: &Tables) -> Result<Vec<String>, CatalogError> {
+    #[derive(clickhouse::Row, serde::Deserialize)]
+    struct Unfinished {
+        mutation: String,
+    }
+    let rows: Vec<Unfinished> = client
+        .fetch_all(&format!(
+            "SELECT concat(table, ' ', mutation_id) AS mutation FROM system.mutations WHERE database = {} AND \
+             table IN ({}) AND is_done = 0 ORDER BY table, mutation_id",
+            sql_string_literal(&tables.database),
+            tables.partitioned_names()
+        ))
+        .await?;
+    Ok(rows.into_iter().map(|row| row.mutation).collect())
+}
+
 /// Publishes of no pack per batch at most (their versions are a literal list of the batch's statements).
 const PUBLISHES_PER_BATCH: u64 = 5_000;
 /// Captures per batch at most (a deletion publish holds up to 10,000, so a batch is one publish at least). Each
@@ -279,15 +297,7 @@ impl RowPurge {
 
     /// True while a mutation of `captures`, `by_version` or `by_id` (of any catalog sharing them) is still running.
     pub async fn in_flight(&self) -> Result<bool, CatalogError> {
-        let unfinished = self
-            .client
-            .fetch_count(&format!(
-                "SELECT count() FROM system.mutations WHERE database = {} AND table IN ({}) AND is_done = 0",
-                sql_string_literal(&self.tables.database),
-                self.tables.partitioned_names()
-            ))
-            .await?;
-        Ok(unfinished > 0)
+        Ok(!unfinished_mutations(&self.client, &self.tables).await?.is_empty())
     }
 
     /// The next batch after version `after`, of publishes up to version `at_most` committed at least `grace` ago

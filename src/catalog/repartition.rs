@@ -3,8 +3,10 @@
 //!
 //! ClickHouse cannot change how a table is partitioned, so `captures`, `by_version` and `by_id` are copied into new
 //! tables on the server and swapped in, while nothing writes: the command refuses while any catalog of the tables
-//! holds a live lease, and marks the tables as being repartitioned for its whole run (a `repartition` row in
-//! `schema`), which every daemon start and every reader refuses with a message naming the command. `by_id` is
+//! holds a live lease or a mutation of them is still running (a row removal a daemon began before it stopped: its
+//! rows would reach the copies, where no later removal finds them again), and marks the tables as being
+//! repartitioned for its whole run (a `repartition` row in `schema`), which every daemon start and every reader
+//! refuses with a message naming the command. `by_id` is
 //! written from `by_version` (every row of `by_id` is a row of `by_version` by id), which gives each row its
 //! `captured_at_ns`. States, each found again by a run that follows a crash:
 //! - *unpartitioned*: the tables as an older capstore created them.
@@ -45,6 +47,11 @@ pub enum RepartitionError {
     Replicated,
     #[error("catalog {0} holds a live lease: stop every daemon of these tables first (see `capstore lease show`)")]
     LeaseLive(String),
+    #[error(
+        "mutations of these tables are still running ({0}): nothing was done; run `capstore repartition` again once \
+         system.mutations shows them done (one that fails is retried by the server until it is killed)"
+    )]
+    MutationsRunning(String),
     #[error(
         "a lease was claimed in these tables while they were copied (catalog {0}): nothing was swapped; stop every \
          daemon of these tables and run `capstore repartition` again"
@@ -88,6 +95,12 @@ pub async fn repartition(
     let heads_before = lease_heads(client, tables).await?;
     if let Some(catalog) = live_leases(client, tables).await?.into_iter().next() {
         return Err(RepartitionError::LeaseLive(catalog));
+    }
+    // A row removal still running (a purge a daemon began before it stopped) would leave in the copies rows it was
+    // to remove, which no later purge finds again: they go first.
+    let running = super::purge::unfinished_mutations(client, tables).await?;
+    if !running.is_empty() {
+        return Err(RepartitionError::MutationsRunning(running.join(", ")));
     }
     set_mark(client, tables, true).await?;
     // From here on a capstore of schema 5 (which would write `by_id` rows with no time) is kept out.

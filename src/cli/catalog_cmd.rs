@@ -91,7 +91,8 @@ pub fn lease(config: &Config, command: LeaseCommand) -> anyhow::Result<i32> {
     })
 }
 
-/// `capstore repartition`: see [`capstore::catalog::repartition`]. Exit 3 while a daemon holds a lease.
+/// `capstore repartition`: see [`capstore::catalog::repartition`]. Exit 3 while a daemon holds a lease or a mutation
+/// of the tables is still running.
 pub fn repartition(config: &Config) -> anyhow::Result<i32> {
     use capstore::catalog::repartition::{repartition, RepartitionError};
     crate::cli::runtime()?.block_on(async {
@@ -113,7 +114,11 @@ pub fn repartition(config: &Config) -> anyhow::Result<i32> {
                 );
                 Ok(exit_code::CLEAN)
             }
-            Err(error @ (RepartitionError::LeaseLive(_) | RepartitionError::ClaimedMeanwhile(_))) => {
+            Err(
+                error @ (RepartitionError::LeaseLive(_)
+                | RepartitionError::ClaimedMeanwhile(_)
+                | RepartitionError::MutationsRunning(_)),
+            ) => {
                 eprintln!("capstore repartition: {error}");
                 Ok(exit_code::CATALOG_HELD)
             }
