@@ -1651,6 +1651,20 @@ async fn the_rows_of_captures_deleted_longer_ago_than_the_grace_are_removed_and_
     );
     assert_eq!(snapshot(&[a, d]), kept_before, "a (posted again) and d (never deleted) keep every row");
     assert_eq!(snapshot_of("other", &[b, c]), other_before, "another catalog's rows of the same ids stay");
+    if catalog.client.server_version().keeps_time_table() {
+        // by_time (18.16) loses the rows captures loses, and only those.
+        let merged_rows_of = |table: &str, id: Uuid| {
+            let sql = format!(
+                "SELECT DISTINCT catalog, version FROM {table} FINAL WHERE capture_id = '{id}' ORDER BY catalog, \
+                 version FORMAT TSV"
+            );
+            catalog.server.query(&sql).unwrap()
+        };
+        for id in [a, b, c, d] {
+            assert_eq!(merged_rows_of(&catalog.tables.by_time, id), merged_rows_of(&catalog.tables.captures, id));
+        }
+        assert!(merged_rows_of(&catalog.tables.by_time, a).contains(&catalog.config.catalog_name));
+    }
 
     // Every read answers as before.
     let reader = catalog.reader();
@@ -1931,9 +1945,14 @@ async fn newer_servers_keep_captures_in_time_order_and_filters_of_ids_and_labels
             );
             assert!(plan_uses(read, index), "{index}: the read it is for does not use it");
         }
+        let by_time_tables = format!(
+            "SELECT count() FROM system.tables WHERE database = '{database}' AND name LIKE '%by_time%' FORMAT TSV"
+        );
+        assert_eq!(server.query(&by_time_tables).unwrap().trim(), "0", "the projection does by_time's work");
     } else {
         assert!(catalog.tables.server_indexes(catalog.client.server_version()).is_empty(), "18.16 keeps none");
         assert!(!small_blocks());
+        time_ordered_table_is_kept_read_across_streams_and_added_to_older_tables(&catalog, since_ns, some_id).await;
     }
     // Either way a listing across streams from the middle of the range is the next hundred captures by time, a
     // lookup by id finds its capture, and a listing by a label finds the one capture that has it.
@@ -1949,4 +1968,73 @@ async fn newer_servers_keep_captures_in_time_order_and_filters_of_ids_and_labels
     let page = catalog.reader().list(&query).await.unwrap();
     let ids: Vec<&str> = page.captures.iter().map(|capture| capture.capture_id.as_str()).collect();
     assert_eq!(ids, vec![some_id.to_string().as_str()]);
+}
+
+/// On a server without projections (18.16) the catalog keeps `by_time`: every row of `captures` in time order, which
+/// a listing across streams reads (and a listing of one stream does not). A catalog made before it gets it at a
+/// start, with the rows written before copied in. `catalog` holds 100k captures round 100 streams, `some_id` at
+/// `since_ns` in `s0`.
+async fn time_ordered_table_is_kept_read_across_streams_and_added_to_older_tables(
+    catalog: &Catalog,
+    since_ns: u64,
+    some_id: Uuid,
+) {
+    use capstore::catalog::schema::{ensure_schema, time_table_kept, TIME_TABLE_COMPONENT};
+    let (server, tables) = (catalog.server, &catalog.tables);
+    let (captures, by_time, schema) = (&tables.captures, &tables.by_time, &tables.schema);
+    let count = |sql: &str| server.query(&format!("{sql} FORMAT TSV")).unwrap().trim().parse::<u64>().unwrap();
+    let mutations_done = || {
+        let (database, table) = by_time.split_once('.').unwrap();
+        let (_, schema_table) = schema.split_once('.').unwrap();
+        count(&format!(
+            "SELECT count() FROM system.mutations WHERE database = '{database}' AND table IN ('{table}', \
+             '{schema_table}') AND is_done = 0"
+        )) == 0
+    };
+    let kept = || async { time_table_kept(&catalog.client, tables).await.unwrap() };
+    let page_from = |stream: Option<&str>, since_ns: u64| {
+        let query =
+            ListQuery { stream: stream.map(str::to_string), since_ns: Some(since_ns), limit: 3, ..Default::default() };
+        // A reader of its own: a reader learns once which table it lists from.
+        let reader = catalog.reader();
+        async move {
+            let page = reader.list(&query).await.unwrap();
+            page.captures.iter().map(|capture| (capture.captured_at_ns, capture.capture_id.clone())).collect::<Vec<_>>()
+        }
+    };
+    let page_times = |stream: Option<&str>| page_from(stream, since_ns);
+    let second = 1_000_000_000;
+    let across_all = page_times(None).await;
+    let in_s0 = page_times(Some("s0")).await;
+    assert_eq!(across_all[0], (since_ns, some_id.to_string()));
+    assert_eq!(in_s0[0], (since_ns, some_id.to_string()));
+    assert_eq!(count(&format!("SELECT count() FROM {by_time}")), 100_000, "the view wrote every inserted row");
+    assert!(kept().await, "a new catalog keeps it from the first");
+
+    // Listings across streams read it (a row missing from it only is missing from them), listings of a stream don't.
+    server.query(&format!("ALTER TABLE {by_time} DELETE WHERE capture_id = '{some_id}'")).unwrap();
+    assert!(common::wait_until(common::MUTATION_PATIENCE, mutations_done), "the deletion from by_time never ended");
+    let without = page_times(None).await;
+    assert_eq!(without[0].0, since_ns + second, "a listing across streams reads by_time");
+    assert_eq!(page_times(Some("s0")).await, in_s0, "a listing of a stream reads captures");
+
+    // A catalog made before it (no table, no view, no mark) is listed from `captures`, then gets it at a start.
+    server.query(&format!("DROP TABLE {by_time}_view")).unwrap();
+    server.query(&format!("DROP TABLE {by_time}")).unwrap();
+    server.query(&format!("ALTER TABLE {schema} DELETE WHERE component = '{TIME_TABLE_COMPONENT}'")).unwrap();
+    assert!(common::wait_until(common::MUTATION_PATIENCE, mutations_done), "the mark's deletion never ended");
+    assert!(!kept().await);
+    assert_eq!(page_times(None).await, across_all, "without by_time a listing across streams reads captures");
+    ensure_schema(&catalog.client, tables).await.unwrap();
+    assert!(kept().await, "the start that added it marked it filled");
+    assert_eq!(count(&format!("SELECT count() FROM {by_time}")), count(&format!("SELECT count() FROM {captures}")));
+    assert_eq!(page_times(None).await, across_all, "by_time holds the rows written before it");
+    // And the view writes what is published from then on (before `since_ns`: the caller lists from there).
+    let at = since_ns - second / 2;
+    let late = Uuid::now_v7();
+    let publish_id = Uuid::now_v7();
+    catalog.insert_capture_row(late, "s7", at, 2, publish_id);
+    catalog.commit_row(2, publish_id);
+    let times = |page: Vec<(u64, String)>| page.into_iter().map(|(at, _)| at).collect::<Vec<_>>();
+    assert_eq!(times(page_from(None, since_ns - second).await), [since_ns - second, at, since_ns]);
 }

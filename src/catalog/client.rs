@@ -343,6 +343,12 @@ impl ServerVersion {
         (self.major, self.minor) >= (24, 8)
     }
 
+    /// No time-order projection ([`ServerVersion::has_replacing_projections`]): the catalog keeps a time-ordered
+    /// table instead (`by_time`, see `schema::ensure_time_table`).
+    pub fn keeps_time_table(&self) -> bool {
+        !self.has_replacing_projections()
+    }
+
     /// Data skipping indexes, `bloom_filter` among them, `MATERIALIZE INDEX` and per-table compression block
     /// settings: taken from 21 on (18.16 has none of them; the tests run 26.x).
     pub fn has_skip_indexes(&self) -> bool {

@@ -15,7 +15,8 @@
 //! grace by the server's clock; it stops at the first one that is not (so a clock stepping back cannot skip one).
 //! Its captures are the ids whose newest row in `by_id` (of any version, committed or not) is one of the batch's
 //! tombstones and which still have a row at another version. Their rows below their own tombstone's version are
-//! removed with one mutation per table, in the order `captures`, `by_version`, `by_id`: the last is the one a batch
+//! removed with one mutation per table, in the order `captures`, `by_time` (where the server keeps it, see
+//! [`super::schema::ensure_time_table`]), `by_version`, `by_id`: the last is the one a batch
 //! is found by, so a crash between the statements finds the same captures again and removes what is left.
 //! Invariants: a row is removed only if a committed tombstone newer than it, the capture's newest row, hides it from
 //! every reader pinned in the last `read_grace`; the tombstone itself is never removed, nor anything at or above
@@ -30,7 +31,7 @@
 //! *Months below a retention horizon* (see [`super::query`]) go whole, with `ALTER TABLE ... DROP PARTITION` on
 //! tables partitioned by catalog and month ([`super::schema::PARTITION_BY`]): a metadata change that costs the same
 //! at any size, where a mutation rewrites every part of the table (18.16 rewrites them all, whatever they hold). A
-//! month of a catalog is dropped from `captures`, `by_version` and `by_id` once it lies wholly below a committed
+//! month of a catalog is dropped from `captures`, `by_version`, `by_id` and `by_time` once it lies wholly below a committed
 //! horizon whose publish is older than `read_grace`: every row in it is hidden from every reader that may still be
 //! reading, whatever its kind (a capture, a deletion, a move, an orphan), and a row published into it later (a late
 //! arrival) is hidden from the start and dropped by the next pass. Partitions are found in `system.parts`, so a
@@ -45,9 +46,9 @@ use std::time::Duration;
 
 use super::client::{sql_string_literal, CatalogClient, CatalogError};
 use super::lease::server_now_ms_expr;
-use super::schema::Tables;
+use super::schema::{parse_partition, Tables};
 
-/// The mutations of `captures`, `by_version` or `by_id` (of any catalog sharing them) still running, each as
+/// The mutations of `captures`, `by_version`, `by_id` or `by_time` (of any catalog sharing them) still running, each as
 /// `table mutation_id`. A mutation that fails is retried by the server until it is killed (18.16 cannot kill one).
 pub async fn unfinished_mutations(client: &CatalogClient, tables: &Tables) -> Result<Vec<String>, CatalogError> {
     #[derive(clickhouse::Row, serde::Deserialize)]
@@ -59,7 +60,7 @@ pub async fn unfinished_mutations(client: &CatalogClient, tables: &Tables) -> Re
             "SELECT concat(table, ' ', mutation_id) AS mutation FROM system.mutations WHERE database = {} AND \
              table IN ({}) AND is_done = 0 ORDER BY table, mutation_id",
             sql_string_literal(&tables.database),
-            tables.partitioned_names()
+            tables.row_table_names()
         ))
         .await?;
     Ok(rows.into_iter().map(|row| row.mutation).collect())
@@ -138,15 +139,6 @@ fn month_start_ns(month: u32) -> u64 {
         .map_or(0, |since| u64::try_from(since.as_nanos()).unwrap_or(u64::MAX))
 }
 
-/// The catalog and month of a partition as `system.parts` writes it: `('edge-7',202611)` (catalog names are
-/// letters, digits, `.`, `_` and `-`: nothing to unescape).
-fn parse_partition(text: &str) -> Option<(&str, u32)> {
-    let inner = text.trim().strip_prefix('(')?.strip_suffix(')')?;
-    let (catalog, month) = inner.rsplit_once(',')?;
-    let catalog = catalog.trim().strip_prefix('\'')?.strip_suffix('\'')?;
-    Some((catalog, month.trim().parse().ok()?))
-}
-
 impl RowPurge {
     pub fn new(client: CatalogClient, tables: Tables, catalog: &str) -> RowPurge {
         RowPurge { client, tables, catalog: catalog.to_string(), partitioned: false }
@@ -186,8 +178,8 @@ impl RowPurge {
     }
 
     /// This catalog's partitions (table name, month) of months before `month` (`YYYYMM`, the month of a due horizon:
-    /// the months before it lie wholly below the horizon) in `captures`, `by_version` and `by_id`, from
-    /// `system.parts`.
+    /// the months before it lie wholly below the horizon) in the tables of a row per capture
+    /// ([`Tables::row_table_names`]), from `system.parts`.
     pub async fn months_before(&self, month: u32) -> Result<Vec<(String, u32)>, CatalogError> {
         let parts: Vec<PartitionRow> = self
             .client
@@ -195,7 +187,7 @@ impl RowPurge {
                 "SELECT DISTINCT table, partition FROM system.parts WHERE database = {} AND table IN ({}) AND active \
                  ORDER BY table, partition",
                 sql_string_literal(&self.tables.database),
-                self.tables.partitioned_names()
+                self.tables.row_table_names()
             ))
             .await?;
         Ok(parts
@@ -379,12 +371,25 @@ impl RowPurge {
             format!("catalog = {} AND ({})", sql_string_literal(&self.catalog), groups.join(" OR "))
         };
         let statements = [
-            format!("ALTER TABLE {} DELETE WHERE {}", self.tables.captures, rows_below("capture_id")),
-            format!("ALTER TABLE {} DELETE WHERE {}", self.tables.by_version, rows_below("capture_id")),
-            format!("ALTER TABLE {} DELETE WHERE {}", self.tables.by_id, rows_below("UUIDNumToString(capture_id)")),
+            (&self.tables.captures, rows_below("capture_id")),
+            (&self.tables.by_time, rows_below("capture_id")),
+            (&self.tables.by_version, rows_below("capture_id")),
+            (&self.tables.by_id, rows_below("UUIDNumToString(capture_id)")),
         ];
-        for (index, statement) in statements.iter().enumerate() {
-            self.client.execute_large(statement, MAX_STATEMENT_BYTES, STATEMENT_TIMEOUT).await?;
+        for (index, (table, rows)) in statements.iter().enumerate() {
+            let removed = self
+                .client
+                .execute_large(
+                    &format!("ALTER TABLE {table} DELETE WHERE {rows}"),
+                    MAX_STATEMENT_BYTES,
+                    STATEMENT_TIMEOUT,
+                )
+                .await;
+            match removed {
+                // Kept on some servers only (see `super::schema::ensure_time_table`).
+                Err(error) if *table == &self.tables.by_time && error.is_unknown_table() => {}
+                other => other?,
+            }
             if index == 0 {
                 between();
             }
@@ -395,8 +400,6 @@ impl RowPurge {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_partition;
-
     #[test]
     fn a_month_starts_at_its_first_utc_midnight() {
         use super::month_start_ns;
@@ -405,14 +408,5 @@ mod tests {
         assert_eq!(month_start_ns(202401), 1_704_067_200 * second);
         assert_eq!(month_start_ns(202403), 1_709_251_200 * second, "after a leap February");
         assert_eq!(month_start_ns(210001), 4_102_444_800 * second);
-    }
-
-    #[test]
-    fn partitions_of_system_parts_are_read_as_catalog_and_month() {
-        assert_eq!(parse_partition("('edge-7',202611)"), Some(("edge-7", 202611)));
-        assert_eq!(parse_partition("('a.b_c', 197001)"), Some(("a.b_c", 197001)));
-        for other in ["tuple()", "202611", "('x')", "(x,202611)", "('x',)", ""] {
-            assert_eq!(parse_partition(other), None, "{other}");
-        }
     }
 }

@@ -47,6 +47,7 @@
 //!   from `by_version` at its version: about O(page) per page, about twice the statements once compacted. Every read is bounded by `catalog.read_max_memory` and the request timeout.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 use serde::Serialize;
 use uuid::Uuid;
@@ -344,6 +345,11 @@ struct TimeBounds {
 /// time: a capture with a far-off time, from a bad clock, widens the first window of both).
 const FIRST_WINDOW_FRACTION_ONE_STREAM: u64 = 64;
 const FIRST_WINDOW_FRACTION_ALL_STREAMS: u64 = 1024;
+/// A listing across streams knows roughly how many rows its catalog holds (its month partitions' rows in
+/// `system.parts`, duplicates and rows below the horizon included): its first window is then at most what holds this
+/// many pages at the catalog's mean density, so that it reads about the page, not 1/1024 of the catalog (10k rows at
+/// 10M captures, 100k at 100M).
+const FIRST_WINDOW_PAGES: u64 = 4;
 const WINDOW_GROWTH: u64 = 8;
 
 #[derive(clickhouse::Row, serde::Deserialize)]
@@ -634,11 +640,59 @@ pub struct CatalogReader {
     client: CatalogClient,
     tables: Tables,
     catalog: String,
+    /// The table a listing across streams reads: `by_time` where the catalog keeps it, else `captures` (read once,
+    /// shared by the clones).
+    across_streams: Arc<tokio::sync::OnceCell<String>>,
 }
 
 impl CatalogReader {
     pub fn new(client: CatalogClient, tables: Tables, catalog: &str) -> CatalogReader {
-        CatalogReader { client, tables, catalog: catalog.to_string() }
+        CatalogReader { client, tables, catalog: catalog.to_string(), across_streams: Arc::default() }
+    }
+
+    /// The table to read a listing from: `captures` for one stream (ordered by stream, then time), and for a listing
+    /// across streams `by_time` where the catalog keeps it ([`super::schema::ensure_time_table`]; elsewhere the
+    /// server reads `captures`' time-order projection, or the granules of every stream's window).
+    async fn listing_table(&self, stream: Option<&str>) -> Result<&str, CatalogError> {
+        if stream.is_some() || !self.client.server_version().keeps_time_table() {
+            return Ok(&self.tables.captures);
+        }
+        let table = self
+            .across_streams
+            .get_or_try_init(|| async {
+                let kept = super::schema::time_table_kept(&self.client, &self.tables).await?;
+                Ok::<_, CatalogError>(if kept { self.tables.by_time.clone() } else { self.tables.captures.clone() })
+            })
+            .await?;
+        Ok(table)
+    }
+
+    /// The rows of this catalog's month partitions of `table` ([`super::schema::PARTITION_BY`]), from
+    /// `system.parts`: None for a table not partitioned by month (made by an older capstore).
+    async fn rows_in_partitions(&self, table: &str) -> Result<Option<u64>, CatalogError> {
+        #[derive(clickhouse::Row, serde::Deserialize)]
+        struct PartitionRows {
+            partition: String,
+            rows: u64,
+        }
+        let (database, name) = table.split_once('.').unwrap_or(("", table));
+        let partitions: Vec<PartitionRows> = self
+            .client
+            .fetch_all(&format!(
+                "SELECT partition, toUInt64(sum(rows)) AS rows FROM system.parts WHERE database = {} AND table = {} \
+                 AND active GROUP BY partition",
+                sql_string_literal(database),
+                sql_string_literal(name)
+            ))
+            .await?;
+        let mut ours = 0;
+        for part in &partitions {
+            let Some((catalog, _)) = super::schema::parse_partition(&part.partition) else { return Ok(None) };
+            if catalog == self.catalog {
+                ours += part.rows;
+            }
+        }
+        Ok(Some(ours))
     }
 
     /// A reader of another catalog in the same tables.
@@ -875,8 +929,18 @@ impl CatalogReader {
         };
         let limit = query.limit.clamp(1, 100_000);
         let empty = Page { captures: Vec::new(), next_cursor: None, watermark, window_ns: 0 };
-        let (bounds, horizons) = tokio::join!(self.time_bounds(query.stream.as_deref()), self.horizons(watermark));
+        let table_and_rows = async {
+            let table = self.listing_table(query.stream.as_deref()).await?;
+            let rows = match query.stream {
+                Some(_) => None,
+                None => self.rows_in_partitions(table).await?,
+            };
+            Ok::<_, CatalogError>((table, rows))
+        };
+        let (bounds, horizons, table_and_rows) =
+            tokio::join!(self.time_bounds(query.stream.as_deref()), self.horizons(watermark), table_and_rows);
         let Some((first_ns, last_ns)) = bounds? else { return Ok(empty) };
+        let (table, catalog_rows) = table_and_rows?;
         // Nothing captured before the horizon is listed: the windows start there.
         let listed_from = first_ns.max(horizons?.before_at(watermark));
         let mut start = listed_from.max(query.since_ns.unwrap_or(0));
@@ -895,7 +959,12 @@ impl CatalogReader {
                 // for: a short `--since`/`--until` range (a 10 s window) is then read in one statement rather than
                 // in several growing ones, and no first window is wider than a whole listing's first window.
                 let whole = last_ns.saturating_add(1).saturating_sub(listed_from);
-                (whole / fraction).max(1)
+                let mut first = whole / fraction;
+                if let Some(rows) = catalog_rows.filter(|rows| *rows > 0) {
+                    let pages = u128::from(whole) * u128::from(limit * FIRST_WINDOW_PAGES) / u128::from(rows);
+                    first = first.min(u64::try_from(pages).unwrap_or(u64::MAX));
+                }
+                first.max(1)
             });
 
         let catalog = self.catalog_literal();
@@ -932,16 +1001,10 @@ impl CatalogReader {
             // not of the catalog's history.
             let visible = format!(
                 "(version, publish_id) IN (SELECT version, publish_id FROM {publishes} WHERE catalog = {catalog} AND \
-                 version IN (SELECT version FROM {captures} WHERE {in_window}))",
+                 version IN (SELECT version FROM {table} WHERE {in_window}))",
                 publishes = self.tables.publishes,
-                captures = self.tables.captures,
             );
-            let sql = locations_sql(
-                &self.tables.captures,
-                &format!("{in_window} AND {visible}"),
-                &having,
-                &format!(" LIMIT {needed}"),
-            );
+            let sql = locations_sql(table, &format!("{in_window} AND {visible}"), &having, &format!(" LIMIT {needed}"));
             let rows: Vec<CaptureLocation> = self.client.fetch_all(&sql).await?;
             windows_read += 1;
             let filled = rows.len() as u64 == needed;
@@ -1391,6 +1454,7 @@ impl CatalogReader {
             (&tables.captures, "publish_id"),
             (&tables.by_version, "publish_id"),
             (&tables.by_id, "UUIDNumToString(publish_id)"),
+            (&tables.by_time, "publish_id"),
             (&tables.packs, "publish_id"),
             (&tables.retired_packs, "publish_id"),
         ] {
@@ -1404,8 +1468,10 @@ impl CatalogReader {
                 ))
                 .await;
             match removed {
-                // Tables of a capstore older than `retired_packs`: nothing was retired.
-                Err(error) if table == &tables.retired_packs && error.is_unknown_table() => {}
+                // Tables of a capstore older than `retired_packs`: nothing was retired; `by_time` is kept on some
+                // servers only.
+                Err(error) if [&tables.retired_packs, &tables.by_time].contains(&table) && error.is_unknown_table() => {
+                }
                 other => other?,
             }
         }

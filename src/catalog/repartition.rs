@@ -29,8 +29,8 @@ use std::time::Duration;
 use super::client::{sql_string_literal, CatalogClient, CatalogError};
 use super::lease::server_now_ms_expr;
 use super::schema::{
-    by_id_view_writes_time, create_missing, created_object, ensure_schema, ensure_server_indexes, partitioned,
-    repartition_under_way, stamp_at_least, SchemaError, Tables, CAPTURE_COLUMNS, REPARTITION_COMPONENT,
+    by_id_view_writes_time, create_missing, created_object, ensure_schema, ensure_server_indexes, ensure_time_table,
+    partitioned, repartition_under_way, stamp_at_least, SchemaError, Tables, CAPTURE_COLUMNS, REPARTITION_COMPONENT,
     STAMPED_BY_HORIZON,
 };
 
@@ -128,7 +128,7 @@ pub async fn repartition(
         return Err(RepartitionError::ClaimedMeanwhile(catalog.clone()));
     }
     progress("swapping the tables");
-    for target in [&tables.by_version, &tables.by_id, &tables.time_bounds] {
+    for target in [&tables.by_version, &tables.by_id, &tables.time_bounds, &tables.by_time] {
         client.execute(&format!("DROP TABLE IF EXISTS {target}_view")).await?;
     }
     for table in names {
@@ -147,8 +147,10 @@ pub async fn repartition(
         client.execute(&format!("DROP TABLE IF EXISTS {}_view", tables.by_id)).await?;
         create_missing(client, tables).await?;
     }
-    // The new tables are made with the common DDL: the server's own indexes take an ALTER.
+    // The new tables are made with the common DDL: the server's own indexes take an ALTER. `by_time` (partitioned
+    // from the first, and holding every row already) gets its view on the new `captures` again.
     ensure_server_indexes(client, tables).await?;
+    ensure_time_table(client, tables).await?;
     set_mark(client, tables, false).await?;
     progress("done");
     Ok(report)

@@ -319,8 +319,8 @@ async fn reads(bench: &mut Bench<'_>, reader: &CatalogReader, tables: &Tables, c
                 "SELECT * FROM {captures} WHERE catalog = '{CATALOG}' AND stream = '{stream}' AND \
                  captured_at_ns >= {since} ORDER BY captured_at_ns LIMIT 100"
             ),
-            // No table is ordered by time across streams; by_version is, here, because versions follow time, and
-            // the page is the two versions from the first one on (a key range: 18.16 cannot stop a sort at a limit).
+            // by_version is ordered by time across streams here (versions follow time), and the page is the two
+            // versions from the first one on: a key range on any server (18.16 cannot stop a sort at a limit).
             None => {
                 let first_version = from_row / CAPTURES_PER_PUBLISH + 1;
                 format!(
