@@ -53,18 +53,30 @@ impl HttpDaemon {
         daemon
     }
 
+    /// Start the daemon again with `changes` (see [`HttpDaemon::restart`]), one of them a failpoint it reaches by
+    /// itself soon after its start; returns once it died there (it may die before /healthz ever answers).
+    async fn restart_until_failpoint(&mut self, changes: &[(&str, &str)], failpoint: &str) {
+        let failpoints = [("CAPSTORE_FAILPOINTS", failpoint)];
+        self.respawn(changes.iter().chain(&failpoints)).await;
+        died_at(self, failpoint).await;
+    }
+
     /// Start the daemon again on the same spool, catalog and bucket (after it died), with `changes` to its
     /// environment; returns once /healthz answers.
     async fn restart(&mut self, changes: &[(&str, &str)]) {
+        self.respawn(changes.iter()).await;
+        self.wait_for_http(&reqwest::Client::new()).await;
+    }
+
+    /// Once the daemon has died, start it again with `changes` to its environment.
+    async fn respawn<'a>(&mut self, changes: impl Iterator<Item = &'a (&'a str, &'a str)>) {
         let started = Instant::now();
         while self.daemon.exited().is_none() {
             assert!(started.elapsed() < Duration::from_secs(20), "the daemon did not die:\n{}", self.log());
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        let env = changes.iter().fold(self.env.clone(), |env, (key, value)| env.set(key, *value));
-        self.env = env;
+        self.env = changes.fold(self.env.clone(), |env, (key, value)| env.set(key, *value));
         self.daemon = self.env.start(self._dir.path().join("daemon.log"));
-        self.wait_for_http(&reqwest::Client::new()).await;
     }
 
     /// Returns once /healthz answers.
@@ -1973,10 +1985,7 @@ async fn a_horizon_killed_before_or_after_its_commit_or_between_its_drops_ends_l
     // Killed with the horizon's row written and no publishes row: nothing is hidden, no version is taken.
     let versions_before = catalog.watermark().await.unwrap();
     daemon.daemon.signal(nix::sys::signal::Signal::SIGTERM);
-    daemon
-        .restart(&[("CAPSTORE_CONFIG", config_path), ("CAPSTORE_FAILPOINTS", "after_horizon_row_before_commit")])
-        .await;
-    died_at(&mut daemon, "after_horizon_row_before_commit").await;
+    daemon.restart_until_failpoint(&[("CAPSTORE_CONFIG", config_path)], "after_horizon_row_before_commit").await;
     assert_eq!(
         catalog.horizons(u64::MAX).await.unwrap().before_at(u64::MAX),
         0,
@@ -1985,16 +1994,14 @@ async fn a_horizon_killed_before_or_after_its_commit_or_between_its_drops_ends_l
     assert!(catalog.get(old[0], None).await.unwrap().is_some());
     assert_eq!(catalog.watermark().await.unwrap(), versions_before);
     // Published again after the restart, and killed right after its commit, before anything else.
-    daemon.restart(&[("CAPSTORE_FAILPOINTS", "after_horizon_commit")]).await;
-    died_at(&mut daemon, "after_horizon_commit").await;
+    daemon.restart_until_failpoint(&[], "after_horizon_commit").await;
     let horizons = catalog.horizons(u64::MAX).await.unwrap();
     assert!(horizons.before_at(u64::MAX) > now_ns - 61 * DAY_NS, "committed: {horizons:?}");
     for id in &old {
         assert!(catalog.get(*id, None).await.unwrap().is_none(), "{id} is below the committed horizon");
     }
     // Killed after the first partition of the months below it was dropped: the restart drops the rest.
-    daemon.restart(&[("CAPSTORE_FAILPOINTS", "during_partition_drop")]).await;
-    died_at(&mut daemon, "during_partition_drop").await;
+    daemon.restart_until_failpoint(&[], "during_partition_drop").await;
     let horizon_month = month_of(server, horizons.before_at(u64::MAX));
     let below = |table: &str| {
         months_of(server, &database, table, &catalog_name).into_iter().filter(|month| *month < horizon_month).count()

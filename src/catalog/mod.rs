@@ -36,8 +36,8 @@ pub async fn connect(config: &Config) -> Result<(CatalogClient, Tables), schema:
     let client = CatalogClient::connect(&config.catalog).await?;
     let tables = Tables::from_config(&config.catalog);
     schema::ensure_schema(&client, &tables).await?;
-    // ensure_schema leaves every object in place.
-    client.require_objects(&tables.database, tables.objects());
+    // ensure_schema leaves every object this server keeps in place: every replica must hold them too.
+    client.require_objects(&tables.database, schema::objects_present(&client, &tables).await?);
     Ok((client, tables))
 }
 

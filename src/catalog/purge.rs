@@ -1,9 +1,10 @@
 //! Row removal: the catalog rows of deleted captures, removed from the tables once nothing may read them.
 //!
 //! A deletion only adds a row (a tombstone, see [`super::query`]): the deleted capture's rows stay in `captures`,
-//! `by_version` and `by_id`, hidden from every reader pinned at or above the tombstone, and a listing still reads
-//! past them. Once the deletion is older than `lifecycle.read_grace` (no reader may be pinned below it any more) and
-//! its bytes are erased (the compactor calls this only then), those rows are removed with `ALTER ... DELETE`.
+//! `by_version`, `by_id` (and `by_time`, see [`super::schema::ensure_time_table`]), hidden from every reader pinned at
+//! or above the tombstone, and a listing still reads past them. Once the deletion is older than `lifecycle.read_grace`
+//! (no reader may be pinned below it any more) and its bytes are erased (the compactor calls this only then), those
+//! rows are removed with `ALTER ... DELETE`.
 //!
 //! States of a deleted capture X here, by its rows in `by_id`:
 //! - *deleted*: X's newest row is a committed tombstone at version t, and rows below t remain (a post, moves,
@@ -287,7 +288,8 @@ impl RowPurge {
         }
     }
 
-    /// True while a mutation of `captures`, `by_version` or `by_id` (of any catalog sharing them) is still running.
+    /// True while a mutation of `captures`, `by_version`, `by_id` or `by_time` (of any catalog sharing them) is still
+    /// running.
     pub async fn in_flight(&self) -> Result<bool, CatalogError> {
         Ok(!unfinished_mutations(&self.client, &self.tables).await?.is_empty())
     }

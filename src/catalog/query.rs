@@ -41,7 +41,8 @@
 //! - `captures_of_version`: `by_version` at one version, O(captures of that version); `tail_page`: the publishes
 //!   after a position and one `by_version` range up to the version the page reaches, O(page) (a catching-up tail
 //!   plans a few pages from one read of `publishes` and reads them at once, in `super::tail`);
-//! - `list`: time windows of `captures` (see [`CatalogReader::list`]), each a primary-key range, visibility against
+//! - `list`: time windows of `captures` (across streams: of `by_time` where the server keeps it, see
+//!   [`CatalogReader::list`]), each a primary-key range, visibility against
 //!   the publishes at the versions of the window's rows, and one `by_id` lookup for the page's ids; the ids with a
 //!   newer row (a re-post, a deletion, or a compaction's move: after compaction that is most ids) have that row read
 //!   from `by_version` at its version: about O(page) per page, about twice the statements once compacted. Every read is bounded by `catalog.read_max_memory` and the request timeout.
@@ -640,8 +641,8 @@ pub struct CatalogReader {
     client: CatalogClient,
     tables: Tables,
     catalog: String,
-    /// The table a listing across streams reads: `by_time` where the catalog keeps it, else `captures` (read once,
-    /// shared by the clones).
+    /// `by_time`, once found kept: the table listings across streams read ([`CatalogReader::listing_table`]; shared
+    /// by the clones).
     across_streams: Arc<tokio::sync::OnceCell<String>>,
 }
 
@@ -652,19 +653,22 @@ impl CatalogReader {
 
     /// The table to read a listing from: `captures` for one stream (ordered by stream, then time), and for a listing
     /// across streams `by_time` where the catalog keeps it ([`super::schema::ensure_time_table`]; elsewhere the
-    /// server reads `captures`' time-order projection, or the granules of every stream's window).
-    async fn listing_table(&self, stream: Option<&str>) -> Result<&str, CatalogError> {
-        if stream.is_some() || !self.client.server_version().keeps_time_table() {
+    /// server reads `captures`' time-order projection, or the granules of every stream's window), unless a label
+    /// filter can use `captures`' label index ([`super::schema::LABEL_FILTER_INDEX`], which `by_time` lacks).
+    async fn listing_table(&self, query: &ListQuery) -> Result<&str, CatalogError> {
+        let server = self.client.server_version();
+        let label_index = !query.labels.is_empty() && server.has_skip_indexes();
+        if query.stream.is_some() || !server.keeps_time_table() || label_index {
             return Ok(&self.tables.captures);
         }
-        let table = self
-            .across_streams
-            .get_or_try_init(|| async {
-                let kept = super::schema::time_table_kept(&self.client, &self.tables).await?;
-                Ok::<_, CatalogError>(if kept { self.tables.by_time.clone() } else { self.tables.captures.clone() })
-            })
-            .await?;
-        Ok(table)
+        if let Some(table) = self.across_streams.get() {
+            return Ok(table);
+        }
+        // Only a kept table is remembered: one still filling is asked about again by the next listing.
+        if super::schema::time_table_kept(&self.client, &self.tables).await? {
+            return Ok(self.across_streams.get_or_init(|| async { self.tables.by_time.clone() }).await);
+        }
+        Ok(&self.tables.captures)
     }
 
     /// The rows of this catalog's month partitions of `table` ([`super::schema::PARTITION_BY`]), from
@@ -916,7 +920,8 @@ impl CatalogReader {
     /// One page of captures by stream, time range and labels, in (captured_at_ns, capture_id) order.
     ///
     /// A page reads time windows of `captures` one after the other, from the cursor on, until it is full: each window
-    /// is a primary-key range (exact with a stream; one range per stream without), and each next window is
+    /// is a primary-key range (exact with a stream; without one, exact in `by_time` or `captures`' time-order
+    /// projection where the server has one of them, else one range per stream), and each next window is
     /// [`WINDOW_GROWTH`] times as wide, so sparse stretches cost a few empty reads. The next page starts with the
     /// window that filled this one, halved when one window was enough (so windows settle at about a page), which
     /// keeps a page's cost about its size however long the catalog's history.
@@ -930,10 +935,14 @@ impl CatalogReader {
         let limit = query.limit.clamp(1, 100_000);
         let empty = Page { captures: Vec::new(), next_cursor: None, watermark, window_ns: 0 };
         let table_and_rows = async {
-            let table = self.listing_table(query.stream.as_deref()).await?;
-            let rows = match query.stream {
-                Some(_) => None,
-                None => self.rows_in_partitions(table).await?,
+            let table = self.listing_table(query).await?;
+            // Sizes the first window only: a failure leaves the size to the span.
+            let rows = match (&query.stream, &cursor) {
+                (None, None) => self.rows_in_partitions(table).await.unwrap_or_else(|error| {
+                    tracing::debug!(%error, "catalog: no row count for the first window");
+                    None
+                }),
+                _ => None,
             };
             Ok::<_, CatalogError>((table, rows))
         };

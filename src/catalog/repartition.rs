@@ -3,7 +3,8 @@
 //!
 //! ClickHouse cannot change how a table is partitioned, so `captures`, `by_version` and `by_id` are copied into new
 //! tables on the server and swapped in, while nothing writes: the command refuses while any catalog of the tables
-//! holds a live lease or a mutation of them is still running (a row removal a daemon began before it stopped: its
+//! holds a live lease or a mutation of them (or of `by_time`, which is partitioned from the first and stays) is still
+//! running (a row removal a daemon began before it stopped: its
 //! rows would reach the copies, where no later removal finds them again), and marks the tables as being
 //! repartitioned for its whole run (a `repartition` row in `schema`), which every daemon start and every reader
 //! refuses with a message naming the command. `by_id` is
@@ -29,7 +30,7 @@ use std::time::Duration;
 use super::client::{sql_string_literal, CatalogClient, CatalogError};
 use super::lease::server_now_ms_expr;
 use super::schema::{
-    by_id_view_writes_time, create_missing, created_object, ensure_schema, ensure_server_indexes, ensure_time_table,
+    by_id_view_writes_time, create_missing, create_time_table, created_object, ensure_schema, ensure_server_indexes,
     partitioned, repartition_under_way, stamp_at_least, SchemaError, Tables, CAPTURE_COLUMNS, REPARTITION_COMPONENT,
     STAMPED_BY_HORIZON,
 };
@@ -150,7 +151,9 @@ pub async fn repartition(
     // The new tables are made with the common DDL: the server's own indexes take an ALTER. `by_time` (partitioned
     // from the first, and holding every row already) gets its view on the new `captures` again.
     ensure_server_indexes(client, tables).await?;
-    ensure_time_table(client, tables).await?;
+    if client.server_version().keeps_time_table() {
+        create_time_table(client, tables).await?;
+    }
     set_mark(client, tables, false).await?;
     progress("done");
     Ok(report)

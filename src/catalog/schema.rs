@@ -23,28 +23,29 @@
 //! | `lease` | MergeTree | the publisher lease; plain MergeTree so merges never change what a decision reads |
 //! | `schema` | MergeTree | the schema version stamp |
 //!
-//! `by_version`, `by_id`, `time_bounds`, `watermark` and `intent_marks` are filled by materialized views on the INSERTs into `captures` and
-//! `publishes` (the server writes them inside the same INSERT), so every writer indexes what it writes, including a
-//! capstore of schema 1 that is still running while another upgrades the tables. They answer *where to look*; what
-//! is visible is still decided by `publishes` alone, so an index row of a publish that never committed is harmless,
-//! and a stale `watermark` only widens the range of `publishes` that is read.
+//! `by_version`, `by_id`, `by_time`, `time_bounds`, `watermark` and `intent_marks` are filled by materialized views on
+//! the INSERTs into `captures` and `publishes` (the server writes them inside the same INSERT), so every writer indexes
+//! what it writes, including a capstore of schema 1 that is still running while another upgrades the tables. They
+//! answer *where to look*; what is visible is still decided by `publishes` alone, so an index row of a publish that
+//! never committed is harmless, and a stale `watermark` only widens the range of `publishes` that is read.
 //!
 //! Newer servers keep indexes 18.16 cannot ([`Tables::server_indexes`], added to existing tables at a start by
 //! [`ensure_server_indexes`]): `captures` in time order across streams ([`TIME_ORDER_PROJECTION`]), so that a listing
 //! across streams reads the rows of its window, and a bloom filter of `by_id`'s ids ([`ID_FILTER_INDEX`]), so that a
 //! lookup by id reads the granules that hold it, not one of every part, and a bloom filter of `captures`' labels
-//! ([`LABEL_FILTER_INDEX`]), so that a listing by a rare label reads about its matches.
+//! ([`LABEL_FILTER_INDEX`]), so that a listing by a rare label reads about its matches. Servers without projections
+//! keep `by_time` instead of the first ([`ensure_time_table`]).
 //!
 //! With `catalog.cluster` set, every statement gets `ON CLUSTER <cluster>` and the engines become their Replicated
 //! forms with the conventional `{shard}`/`{replica}` macros.
 //!
-//! Partitions: `captures`, `by_version` and `by_id` are partitioned by catalog and UTC month of `captured_at_ns`
-//! ([`PARTITION_BY`]; a time past 2099 counts as December 2099), so that a retention horizon removes a whole month
-//! of one catalog with `DROP PARTITION`, which costs the same at any size, instead of mutations that rewrite data
-//! (see [`super::purge`]). The catalog is part of the key because the tables are shared: a month of one catalog
-//! can go while another keeps it. ClickHouse cannot partition a table that exists, so catalogs created by an older
-//! capstore keep their unpartitioned tables ([`partitioned`]); they get no horizons, and retention removes their
-//! rows one capture at a time as before.
+//! Partitions: `captures`, `by_version`, `by_id` and `by_time` are partitioned by catalog and UTC month of
+//! `captured_at_ns` ([`PARTITION_BY`]; a time past 2099 counts as December 2099), so that a retention horizon removes a
+//! whole month of one catalog with `DROP PARTITION`, which costs the same at any size, instead of mutations that
+//! rewrite data (see [`super::purge`]). The catalog is part of the key because the tables are shared: a month of one
+//! catalog can go while another keeps it. ClickHouse cannot partition a table that exists, so catalogs created by an
+//! older capstore keep their unpartitioned tables ([`partitioned`]; `by_time`, added later, is partitioned in every
+//! catalog); they get no horizons, and retention removes their rows one capture at a time as before.
 //!
 //! Versioning: [`SCHEMA_VERSION`] is written once into `schema`. A catalog stamped with a newer version than this build
 //! knows is refused (an older capstore must not write into tables it does not understand); an older stamp is upgraded
@@ -68,7 +69,7 @@ use crate::config::CatalogConfig;
 
 pub const SCHEMA_VERSION: u32 = 6;
 
-/// How `captures`, `by_version` and `by_id` are partitioned: by catalog and the UTC month (`YYYYMM`) of
+/// How `captures`, `by_version`, `by_id` and `by_time` are partitioned: by catalog and the UTC month (`YYYYMM`) of
 /// `captured_at_ns`, any time past 2099 in December 2099 (so that every time maps to a month in order: a partition
 /// below a month boundary holds only rows captured before it).
 pub const PARTITION_BY: &str =
@@ -133,11 +134,13 @@ impl Tables {
         }
     }
 
-    /// The names (in [`Tables::database`], without it) of every table and view the catalog has.
+    /// The names (in [`Tables::database`], without it) of every table and view the catalog may have: `by_time` and its
+    /// view on some servers only ([`ensure_time_table`]; [`objects_present`] keeps those a server holds).
     pub fn objects(&self) -> Vec<String> {
         let prefix = format!("{}.", self.database);
         self.ddl()
             .iter()
+            .chain(self.time_table_ddl().iter())
             .filter_map(|statement| created_object(statement).strip_prefix(&prefix).map(str::to_string))
             .collect()
     }
@@ -927,52 +930,40 @@ const TIME_TABLE_GRANULE_ROWS: u32 = 1024;
 pub const TIME_TABLE_COMPONENT: &str = "by_time";
 
 /// Keep `by_time`, `captures` in time order across streams, where the server cannot keep the time-order projection
-/// ([`TIME_ORDER_PROJECTION`]; 18.16): so that a listing across streams reads the rows of its window, not a granule
-/// of every stream's (at 10M captures in 100 streams, 180 ms where the window's rows take 5). It is a second copy of
-/// `captures` (a view writes it inside each INSERT into `captures`, one part more per publish), which row removals
-/// and month drops take rows from like the others ([`Tables::row_table_names`]). States:
+/// ([`TIME_ORDER_PROJECTION`]; before 24.8, 18.16 here): so that a listing across streams reads the rows of its
+/// window, not a granule of every stream's (at 10M captures in 100 streams, 120 ms where the window's rows take 3).
+/// It is a second copy of `captures` (a view writes it inside each INSERT into `captures`, one part more per
+/// publish), which row removals and month drops take rows from like the others ([`Tables::row_table_names`]).
+/// States:
 /// - *absent*: no table (created by an older capstore, or on a server with the projection): listings read
 ///   `captures`.
-/// - *filling*: the table and its view exist, and the mark does not: the view writes what is inserted from now on;
-///   the rows written before are copied (after waiting out the request timeout of any INSERT that started before the
-///   view existed, from a capstore that does not know it: three times ours), then the mark is written. A crash
-///   leaves it filling, and the next start copies again (a row copied twice is a duplicate every read collapses).
-///   Listings still read `captures`.
-/// - *kept*: the mark is written: listings across streams read `by_time` ([`time_table_kept`]). Only `capstore
-///   repartition` drops its view, while nothing writes, and this makes it again.
+/// - *filling*: the table and its view exist, and the mark does not: the view writes what is inserted from now on,
+///   and [`fill_time_table`] copies what was written before; then the mark is written. A crash leaves it filling,
+///   and the next start copies again (a row copied twice is a duplicate every read collapses). Listings still read
+///   `captures`.
+/// - *kept*: the mark is written: listings across streams read `by_time` ([`time_table_kept`]). `capstore
+///   repartition` drops the view while nothing writes and makes it again ([`create_time_table`]); a table or view
+///   found missing otherwise (dropped by hand) is made again and filled again, with a warning: rows inserted
+///   meanwhile were never written into it.
 pub(super) async fn ensure_time_table(client: &CatalogClient, tables: &Tables) -> Result<(), CatalogError> {
     if !client.server_version().keeps_time_table() {
         return Ok(());
     }
-    let present = present_objects(client, tables).await?;
-    let ddl = tables.time_table_ddl();
-    let kept = time_table_kept(client, tables).await?;
-    if kept && ddl.iter().all(|statement| present.contains(created_object(statement))) {
+    let (present, kept) = tokio::join!(present_objects(client, tables), time_table_kept(client, tables));
+    let (present, kept) = (present?, kept?);
+    let missing = tables.time_table_ddl().iter().any(|statement| !present.contains(created_object(statement)));
+    if kept && !missing {
         return Ok(());
     }
-    for statement in &ddl {
-        client.execute(statement).await?;
-    }
+    create_time_table(client, tables).await?;
     if kept {
-        return Ok(());
-    }
-    if client.fetch_count(&format!("SELECT count() FROM {}", tables.captures)).await? > 0 {
-        let settle = client.request_timeout() * 3;
-        tracing::info!(
-            ?settle,
-            "catalog: adding the time-ordered table; waiting for writes in flight, then copying \
-            every capture into it"
+        tracing::warn!(
+            table = %tables.by_time,
+            "catalog: the time-ordered table or its view was missing; copying every capture into it again"
         );
-        tokio::time::sleep(settle).await;
-        client
-            .execute_with_timeout(
-                &format!(
-                    "INSERT INTO {} ({CAPTURE_COLUMNS}) SELECT {CAPTURE_COLUMNS} FROM {}",
-                    tables.by_time, tables.captures
-                ),
-                BACKFILL_TIMEOUT,
-            )
-            .await?;
+    }
+    if !fill_time_table(client, tables).await? || kept {
+        return Ok(());
     }
     client
         .execute(&format!(
@@ -982,6 +973,53 @@ pub(super) async fn ensure_time_table(client: &CatalogClient, tables: &Tables) -
         ))
         .await?;
     Ok(())
+}
+
+/// Make `by_time` and its view where they are missing.
+pub(super) async fn create_time_table(client: &CatalogClient, tables: &Tables) -> Result<(), CatalogError> {
+    for statement in tables.time_table_ddl() {
+        client.execute(&statement).await?;
+    }
+    Ok(())
+}
+
+/// Copy every row of `captures` into `by_time` (whose view exists), on the server. An INSERT into `captures` that
+/// began before the view existed (from a capstore that does not know it) writes no row into `by_time`: when
+/// `captures` holds rows or an INSERT into it is running on this server, the copy waits three request timeouts
+/// first, longer than such an INSERT is let run. With replicated tables this replica first fetches every part of
+/// `captures` the others took; false (nothing copied, stays *filling*, a later start tries again) when it cannot
+/// within that time (a replica down): a start does not fail for the sake of a faster listing.
+async fn fill_time_table(client: &CatalogClient, tables: &Tables) -> Result<bool, CatalogError> {
+    let settle = client.request_timeout() * 3;
+    let rows = client.fetch_count(&format!("SELECT count() FROM {}", tables.captures)).await?;
+    let inserting = client
+        .fetch_count(&format!(
+            "SELECT count() FROM system.processes WHERE query LIKE {}",
+            sql_string_literal(&format!("INSERT INTO {}%", tables.captures))
+        ))
+        .await?;
+    if rows > 0 || inserting > 0 {
+        tracing::info!(?settle, rows, "catalog: adding the time-ordered table; waiting for inserts in flight");
+        tokio::time::sleep(settle).await;
+    }
+    if tables.is_replicated() {
+        let synced = client.execute_with_timeout(&format!("SYSTEM SYNC REPLICA {}", tables.captures), settle).await;
+        if let Err(error) = synced {
+            tracing::warn!(%error, "catalog: this replica has not fetched every part of captures; the time-ordered \
+                table stays unfilled (listings across streams read captures) until a later start");
+            return Ok(false);
+        }
+    }
+    client
+        .execute_with_timeout(
+            &format!(
+                "INSERT INTO {} ({CAPTURE_COLUMNS}) SELECT {CAPTURE_COLUMNS} FROM {}",
+                tables.by_time, tables.captures
+            ),
+            BACKFILL_TIMEOUT,
+        )
+        .await?;
+    Ok(true)
 }
 
 /// Whether `by_time` holds every row of `captures` (its mark is written, see [`ensure_time_table`]).
@@ -1099,7 +1137,12 @@ mod tests {
             let unique: std::collections::HashSet<&&str> = created.iter().collect();
             assert_eq!(unique.len(), ddl.len(), "{created:?}");
             let objects = tables.objects();
-            assert_eq!(objects.len(), ddl.len() - 1, "every table and view, not the database: {objects:?}");
+            assert_eq!(
+                objects.len(),
+                ddl.len() + 1,
+                "every table and view and by_time's, not the database: {objects:?}"
+            );
+            assert!(objects.contains(&"cs_by_time".to_string()) && objects.contains(&"cs_by_time_view".to_string()));
             assert!(objects.contains(&"cs_captures".to_string()) && objects.contains(&"cs_watermark_view".to_string()));
         }
     }
