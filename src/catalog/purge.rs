@@ -61,7 +61,7 @@ pub async fn unfinished_mutations(client: &CatalogClient, tables: &Tables) -> Re
             "SELECT concat(table, ' ', mutation_id) AS mutation FROM system.mutations WHERE database = {} AND \
              table IN ({}) AND is_done = 0 ORDER BY table, mutation_id",
             sql_string_literal(&tables.database),
-            tables.row_table_names()
+            tables.row_table_names(client.server_version())
         ))
         .await?;
     Ok(rows.into_iter().map(|row| row.mutation).collect())
@@ -188,7 +188,7 @@ impl RowPurge {
                 "SELECT DISTINCT table, partition FROM system.parts WHERE database = {} AND table IN ({}) AND active \
                  ORDER BY table, partition",
                 sql_string_literal(&self.tables.database),
-                self.tables.row_table_names()
+                self.tables.row_table_names(self.client.server_version())
             ))
             .await?;
         Ok(parts
@@ -372,26 +372,11 @@ impl RowPurge {
                 .collect();
             format!("catalog = {} AND ({})", sql_string_literal(&self.catalog), groups.join(" OR "))
         };
-        let statements = [
-            (&self.tables.captures, rows_below("capture_id")),
-            (&self.tables.by_time, rows_below("capture_id")),
-            (&self.tables.by_version, rows_below("capture_id")),
-            (&self.tables.by_id, rows_below("UUIDNumToString(capture_id)")),
-        ];
-        for (index, (table, rows)) in statements.iter().enumerate() {
-            let removed = self
-                .client
-                .execute_large(
-                    &format!("ALTER TABLE {table} DELETE WHERE {rows}"),
-                    MAX_STATEMENT_BYTES,
-                    STATEMENT_TIMEOUT,
-                )
-                .await;
-            match removed {
-                // Kept on some servers only (see `super::schema::ensure_time_table`).
-                Err(error) if *table == &self.tables.by_time && error.is_unknown_table() => {}
-                other => other?,
-            }
+        // `by_id` holds ids as 16 bytes: compared as text, like everywhere else.
+        for (index, table) in self.tables.row_tables(self.client.server_version()).into_iter().enumerate() {
+            let id_column = if table == &self.tables.by_id { "UUIDNumToString(capture_id)" } else { "capture_id" };
+            let statement = format!("ALTER TABLE {table} DELETE WHERE {}", rows_below(id_column));
+            self.client.execute_large(&statement, MAX_STATEMENT_BYTES, STATEMENT_TIMEOUT).await?;
             if index == 0 {
                 between();
             }

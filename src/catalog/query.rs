@@ -48,6 +48,7 @@
 //!   from `by_version` at its version: about O(page) per page, about twice the statements once compacted. Every read is bounded by `catalog.read_max_memory` and the request timeout.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use serde::Serialize;
@@ -641,14 +642,14 @@ pub struct CatalogReader {
     client: CatalogClient,
     tables: Tables,
     catalog: String,
-    /// `by_time`, once found kept: the table listings across streams read ([`CatalogReader::listing_table`]; shared
-    /// by the clones).
-    across_streams: Arc<tokio::sync::OnceCell<String>>,
+    /// Whether `by_time` was found kept: listings across streams read it from then on
+    /// ([`CatalogReader::listing_table`]; shared by the clones).
+    time_table_kept: Arc<AtomicBool>,
 }
 
 impl CatalogReader {
     pub fn new(client: CatalogClient, tables: Tables, catalog: &str) -> CatalogReader {
-        CatalogReader { client, tables, catalog: catalog.to_string(), across_streams: Arc::default() }
+        CatalogReader { client, tables, catalog: catalog.to_string(), time_table_kept: Arc::default() }
     }
 
     /// The table to read a listing from: `captures` for one stream (ordered by stream, then time), and for a listing
@@ -661,14 +662,14 @@ impl CatalogReader {
         if query.stream.is_some() || !server.keeps_time_table() || label_index {
             return Ok(&self.tables.captures);
         }
-        if let Some(table) = self.across_streams.get() {
-            return Ok(table);
-        }
         // Only a kept table is remembered: one still filling is asked about again by the next listing.
-        if super::schema::time_table_kept(&self.client, &self.tables).await? {
-            return Ok(self.across_streams.get_or_init(|| async { self.tables.by_time.clone() }).await);
+        if !self.time_table_kept.load(Ordering::Relaxed) {
+            if !super::schema::time_table_kept(&self.client, &self.tables).await? {
+                return Ok(&self.tables.captures);
+            }
+            self.time_table_kept.store(true, Ordering::Relaxed);
         }
-        Ok(&self.tables.captures)
+        Ok(&self.tables.by_time)
     }
 
     /// The rows of this catalog's month partitions of `table` ([`super::schema::PARTITION_BY`]), from
@@ -1459,14 +1460,10 @@ impl CatalogReader {
         let watermark = self.watermark().await?;
         let tables = &self.tables;
         // `by_id` holds publish ids as 16 bytes: compared as text, like everywhere else.
-        for (table, publish_id) in [
-            (&tables.captures, "publish_id"),
-            (&tables.by_version, "publish_id"),
-            (&tables.by_id, "UUIDNumToString(publish_id)"),
-            (&tables.by_time, "publish_id"),
-            (&tables.packs, "publish_id"),
-            (&tables.retired_packs, "publish_id"),
-        ] {
+        let mut orphans_in = tables.row_tables(self.client.server_version());
+        orphans_in.extend([&tables.packs, &tables.retired_packs]);
+        for table in orphans_in {
+            let publish_id = if table == &tables.by_id { "UUIDNumToString(publish_id)" } else { "publish_id" };
             let removed = self
                 .client
                 .execute(&format!(
@@ -1477,10 +1474,8 @@ impl CatalogReader {
                 ))
                 .await;
             match removed {
-                // Tables of a capstore older than `retired_packs`: nothing was retired; `by_time` is kept on some
-                // servers only.
-                Err(error) if [&tables.retired_packs, &tables.by_time].contains(&table) && error.is_unknown_table() => {
-                }
+                // Tables of a capstore older than `retired_packs`: nothing was retired.
+                Err(error) if table == &tables.retired_packs && error.is_unknown_table() => {}
                 other => other?,
             }
         }

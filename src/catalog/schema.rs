@@ -152,10 +152,18 @@ impl Tables {
         names_in_database(&[&self.captures, &self.by_version, &self.by_id])
     }
 
-    /// [`Tables::partitioned_names`] and `by_time` where the server keeps it ([`ensure_time_table`]; always
-    /// partitioned): every table that holds a row per capture, which row removals and month drops take rows from.
-    pub fn row_table_names(&self) -> String {
-        names_in_database(&[&self.captures, &self.by_version, &self.by_id, &self.by_time])
+    /// The names of [`Tables::row_tables`], as [`Tables::partitioned_names`] gives them: the tables row removals and
+    /// month drops take rows from.
+    pub fn row_table_names(&self, server: &ServerVersion) -> String {
+        names_in_database(&self.row_tables(server))
+    }
+
+    /// The tables holding a row per capture that `server` keeps, in the order a row removal goes through them
+    /// (`by_id`, which a removal batch is found by, last; see [`super::purge`]): `captures`, `by_time` where the
+    /// server keeps it ([`ensure_time_table`]), `by_version`, `by_id`.
+    pub fn row_tables(&self, server: &ServerVersion) -> Vec<&String> {
+        let by_time = server.keeps_time_table().then_some(&self.by_time);
+        [Some(&self.captures), by_time, Some(&self.by_version), Some(&self.by_id)].into_iter().flatten().collect()
     }
 
     /// True with `catalog.cluster`: the tables are replicated.

@@ -137,11 +137,7 @@ pub async fn purge_scale(options: &PurgeScaleOptions) -> anyhow::Result<Vec<Scal
         }
         let sent_ms = started.elapsed().as_secs_f64() * 1000.0;
         anyhow::ensure!(purged == deleted, "{purged} captures purged of {deleted}");
-        let mut row_tables = vec![&tables.captures, &tables.by_version, &tables.by_id];
-        if client.server_version().keeps_time_table() {
-            row_tables.push(&tables.by_time);
-        }
-        let done = mutations_done(&client, &tables, &row_tables, started).await?;
+        let done = mutations_done(&client, &tables, &tables.row_tables(client.server_version()), started).await?;
         let all_done_ms = started.elapsed().as_secs_f64() * 1000.0;
         row(format!("row removal of {deleted}: batches found ({batches}), ms"), finding.as_secs_f64() * 1000.0, None);
         row(format!("row removal of {deleted}: found and statements sent, ms"), sent_ms, None);
