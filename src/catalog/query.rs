@@ -54,7 +54,7 @@ use std::sync::Arc;
 use serde::Serialize;
 use uuid::Uuid;
 
-use super::client::{sql_string_literal, CatalogClient, CatalogError, ErrorKind};
+use super::client::{sql_string_literal, sql_uuid_num, CatalogClient, CatalogError, ErrorKind};
 use super::schema::{Tables, LABEL_PAIRS};
 
 /// Where a published capture is and what it is.
@@ -329,6 +329,19 @@ pub struct StreamBounds {
     pub last_ns: u64,
 }
 
+/// What a page reads before its first window ([`CatalogReader::page_setup`]).
+struct PageSetup {
+    watermark: u64,
+    /// The first and the last captured_at_ns of the rows the listing is of (see [`CatalogReader::time_bounds`]);
+    /// None when there are none.
+    bounds: Option<(u64, u64)>,
+    horizons: Horizons,
+    /// Whether `by_time` is marked kept (read only when the listing may read it and it was not known kept).
+    time_table_marked: bool,
+    /// The catalog's rows in its month partitions (a first page across streams only; None for other tables).
+    catalog_rows: Option<u64>,
+}
+
 #[derive(clickhouse::Row, serde::Deserialize)]
 struct TimeBounds {
     first_ns: u64,
@@ -429,6 +442,55 @@ impl std::fmt::Display for TailPosition {
         match self.after_id {
             None => write!(f, "{}", self.version),
             Some(id) => write!(f, "{}:{id}", self.version),
+        }
+    }
+}
+
+/// A page of the log as planned ([`CatalogReader::plan_tail`]): up to version `upto`, holding about `captures`
+/// (by its publishes' counts).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TailSpan {
+    pub upto: u64,
+    pub captures: u64,
+}
+
+/// A row of `by_version` with the publish that wrote it ([`CatalogReader::log_rows_as_stored`]).
+#[derive(clickhouse::Row, serde::Deserialize)]
+struct LogRow {
+    capture_id: String,
+    stream: String,
+    captured_at_ns: u64,
+    pack_id: String,
+    object_key: String,
+    record_offset: u64,
+    record_len: u64,
+    payload_offset: u64,
+    payload_len: u64,
+    crc32c: u32,
+    label_keys: Vec<String>,
+    label_values: Vec<String>,
+    content_type: String,
+    version: u64,
+    publish_id: String,
+}
+
+impl From<LogRow> for CaptureLocation {
+    fn from(row: LogRow) -> CaptureLocation {
+        CaptureLocation {
+            capture_id: row.capture_id,
+            stream: row.stream,
+            captured_at_ns: row.captured_at_ns,
+            pack_id: row.pack_id,
+            object_key: row.object_key,
+            record_offset: row.record_offset,
+            record_len: row.record_len,
+            payload_offset: row.payload_offset,
+            payload_len: row.payload_len,
+            crc32c: row.crc32c,
+            label_keys: row.label_keys,
+            label_values: row.label_values,
+            content_type: row.content_type,
+            version: row.version,
         }
     }
 }
@@ -645,31 +707,166 @@ pub struct CatalogReader {
     /// Whether `by_time` was found kept: listings across streams read it from then on
     /// ([`CatalogReader::listing_table`]; shared by the clones).
     time_table_kept: Arc<AtomicBool>,
+    /// Whether a page's setup is read in separate statements: tables older than schema 6 lack `horizons`, which the
+    /// one statement of [`CatalogReader::page_setup`] reads (shared by the clones).
+    setup_apart: Arc<AtomicBool>,
 }
 
 impl CatalogReader {
     pub fn new(client: CatalogClient, tables: Tables, catalog: &str) -> CatalogReader {
-        CatalogReader { client, tables, catalog: catalog.to_string(), time_table_kept: Arc::default() }
+        CatalogReader {
+            client,
+            tables,
+            catalog: catalog.to_string(),
+            time_table_kept: Arc::default(),
+            setup_apart: Arc::default(),
+        }
     }
 
-    /// The table to read a listing from: `captures` for one stream (ordered by stream, then time), and for a listing
-    /// across streams `by_time` where the catalog keeps it ([`super::schema::ensure_time_table`]; elsewhere the
-    /// server reads `captures`' time-order projection, or the granules of every stream's window), unless a label
-    /// filter can use `captures`' label index ([`super::schema::LABEL_FILTER_INDEX`], which `by_time` lacks).
-    async fn listing_table(&self, query: &ListQuery) -> Result<&str, CatalogError> {
+    /// Whether a listing reads `by_time` once the catalog keeps it: one across streams on a server that keeps it
+    /// ([`super::schema::ensure_time_table`]; elsewhere the server reads `captures`' time-order projection, or the
+    /// granules of every stream's window), unless a label filter can use `captures`' label index
+    /// ([`super::schema::LABEL_FILTER_INDEX`], which `by_time` lacks). One stream is read from `captures` (ordered by
+    /// stream, then time).
+    fn may_read_time_table(&self, query: &ListQuery) -> bool {
         let server = self.client.server_version();
         let label_index = !query.labels.is_empty() && server.has_skip_indexes();
-        if query.stream.is_some() || !server.keeps_time_table() || label_index {
-            return Ok(&self.tables.captures);
+        query.stream.is_none() && server.keeps_time_table() && !label_index
+    }
+
+    /// What a page needs before its first window, in one statement: the watermark (unless `pinned`), the time
+    /// bounds of the rows it lists from, the committed horizons, whether `by_time` is kept (when the listing may read
+    /// it and it is not known kept yet), and for a first page across streams the catalog's rows in its month
+    /// partitions (which size the first window). Tables without `horizons` (older than schema 6) are read apart
+    /// from then on.
+    async fn page_setup(&self, query: &ListQuery, pinned: Option<u64>) -> Result<PageSetup, CatalogError> {
+        #[derive(clickhouse::Row, serde::Deserialize)]
+        struct SetupRow {
+            /// [max version from the `watermark` table's version on, publishes counted]
+            setup_watermark: Vec<u64>,
+            /// [first_ns, last_ns, rows of `time_bounds`]
+            setup_bounds: Vec<u64>,
+            /// [versions, before_ns] of the committed horizons
+            setup_horizons: Vec<Vec<u64>>,
+            setup_time_table_marks: u64,
+            /// [the catalog's rows in month partitions, partitions of another kind]
+            setup_rows: Vec<u64>,
         }
-        // Only a kept table is remembered: one still filling is asked about again by the next listing.
-        if !self.time_table_kept.load(Ordering::Relaxed) {
-            if !super::schema::time_table_kept(&self.client, &self.tables).await? {
-                return Ok(&self.tables.captures);
+        let wants_mark = self.may_read_time_table(query) && !self.time_table_kept.load(Ordering::Relaxed);
+        let wants_rows = query.stream.is_none() && query.cursor.is_none();
+        if self.setup_apart.load(Ordering::Relaxed) {
+            return self.page_setup_apart(query, pinned, wants_mark, wants_rows).await;
+        }
+        let watermark = match pinned {
+            Some(watermark) => format!("[toUInt64({watermark}), toUInt64(1)]"),
+            None => format!("(SELECT [max(version), count()] FROM {})", self.publishes_from_watermark()),
+        };
+        let marks = match wants_mark {
+            true => format!(
+                "(SELECT count() FROM {} WHERE component = {})",
+                self.tables.schema,
+                sql_string_literal(super::schema::TIME_TABLE_COMPONENT)
+            ),
+            false => "toUInt64(0)".to_string(),
+        };
+        let rows = match wants_rows {
+            // The partitions of this catalog are written `('<catalog>',<YYYYMM>)` (see `parse_partition`).
+            true => {
+                let (database, name) = self.tables.captures.split_once('.').unwrap_or(("", &self.tables.captures));
+                let ours = format!("('{}',", self.catalog);
+                format!(
+                    "(SELECT [toUInt64(sumIf(rows, substring(partition, 1, {length}) = {ours})), \
+                     toUInt64(countIf(substring(partition, 1, 1) != '('))] FROM system.parts WHERE database = {} AND \
+                     table = {} AND active)",
+                    sql_string_literal(database),
+                    sql_string_literal(name),
+                    length = ours.len(),
+                    ours = sql_string_literal(&ours),
+                )
             }
+            false => "[toUInt64(0), toUInt64(1)]".to_string(),
+        };
+        let sql = format!(
+            "SELECT {watermark} AS setup_watermark, (SELECT [minMerge(first_at), maxMerge(last_at), count()] FROM \
+             {bounds}) AS setup_bounds, (SELECT [groupArray(version), groupArray(before_ns)] FROM ({horizons})) AS \
+             setup_horizons, {marks} AS setup_time_table_marks, {rows} AS setup_rows",
+            bounds = self.time_bounds_of(query.stream.as_deref()),
+            horizons = self.horizons_sql(u64::MAX),
+        );
+        let row = match self.client.fetch_all::<SetupRow>(&sql).await {
+            Ok(mut rows) => rows.pop().ok_or_else(|| {
+                CatalogError::new(ErrorKind::DefinitelyFailed, "a page's setup read no row".to_string())
+            })?,
+            Err(error) if error.is_unknown_table() => {
+                self.setup_apart.store(true, Ordering::Relaxed);
+                return self.page_setup_apart(query, pinned, wants_mark, wants_rows).await;
+            }
+            Err(error) => return Err(error),
+        };
+        let field = |values: &[u64], at: usize| values.get(at).copied().unwrap_or_default();
+        let watermark = match (pinned, field(&row.setup_watermark, 1)) {
+            (Some(watermark), _) => watermark,
+            (None, 1..) => field(&row.setup_watermark, 0),
+            (None, 0) => self.watermark_of_every_publish().await?,
+        };
+        let bounds =
+            (field(&row.setup_bounds, 2) > 0).then(|| (field(&row.setup_bounds, 0), field(&row.setup_bounds, 1)));
+        let (versions, befores) = match row.setup_horizons.as_slice() {
+            [versions, befores] => (versions.clone(), befores.clone()),
+            _ => Default::default(),
+        };
+        let horizons = Horizons { committed: versions.into_iter().zip(befores).collect() };
+        let catalog_rows = (wants_rows && field(&row.setup_rows, 1) == 0).then(|| field(&row.setup_rows, 0));
+        Ok(PageSetup { watermark, bounds, horizons, time_table_marked: row.setup_time_table_marks > 0, catalog_rows })
+    }
+
+    /// [`CatalogReader::page_setup`] in separate statements, for tables without `horizons`.
+    async fn page_setup_apart(
+        &self,
+        query: &ListQuery,
+        pinned: Option<u64>,
+        wants_mark: bool,
+        wants_rows: bool,
+    ) -> Result<PageSetup, CatalogError> {
+        let watermark = match pinned {
+            Some(watermark) => watermark,
+            None => self.watermark().await?,
+        };
+        let mark = async {
+            match wants_mark {
+                true => super::schema::time_table_kept(&self.client, &self.tables).await,
+                false => Ok(false),
+            }
+        };
+        let rows = async {
+            match wants_rows {
+                true => self.rows_in_partitions(&self.tables.captures).await,
+                false => Ok(None),
+            }
+        };
+        let (bounds, horizons, mark, rows) =
+            tokio::join!(self.time_bounds(query.stream.as_deref()), self.horizons(watermark), mark, rows);
+        // The row count only sizes a first window: without it the window is sized from the span.
+        let catalog_rows = rows.unwrap_or_else(|error| {
+            tracing::debug!(%error, "catalog: no row count for the first window");
+            None
+        });
+        Ok(PageSetup { watermark, bounds: bounds?, horizons: horizons?, time_table_marked: mark?, catalog_rows })
+    }
+
+    /// The table a listing reads its windows from (see [`CatalogReader::may_read_time_table`]): `by_time` once it is
+    /// found kept (remembered; one still filling is asked about again by the next listing), else `captures`.
+    fn listing_table(&self, query: &ListQuery, setup: &PageSetup) -> &str {
+        if !self.may_read_time_table(query) {
+            return &self.tables.captures;
+        }
+        if setup.time_table_marked {
             self.time_table_kept.store(true, Ordering::Relaxed);
         }
-        Ok(&self.tables.by_time)
+        match self.time_table_kept.load(Ordering::Relaxed) {
+            true => &self.tables.by_time,
+            false => &self.tables.captures,
+        }
     }
 
     /// The rows of this catalog's month partitions of `table` ([`super::schema::PARTITION_BY`]), from
@@ -738,20 +935,35 @@ impl CatalogReader {
     /// insert, so it is never ahead of a committed row, and it may lag only where a view's insert failed). Should it
     /// ever name a version `publishes` lacks, the whole catalog is read instead: the answer never depends on it.
     pub async fn watermark(&self) -> Result<u64, CatalogError> {
-        let catalog = self.catalog_literal();
         let rows: Vec<BoundedMax> = self
             .client
             .fetch_all(&format!(
-                "SELECT max(version) AS max_version, count() AS rows FROM {publishes} WHERE catalog = {catalog} AND \
-                 version >= (SELECT maxMerge(version) FROM {watermark} WHERE catalog = {catalog})",
-                publishes = self.tables.publishes,
-                watermark = self.tables.watermark,
+                "SELECT max(version) AS max_version, count() AS rows FROM {}",
+                self.publishes_from_watermark()
             ))
             .await?;
         // (Aliases are global in ClickHouse: `max(version) AS version` would capture the WHERE clause.)
         if let Some(BoundedMax { max_version, rows: 1.. }) = rows.first() {
             return Ok(*max_version);
         }
+        self.watermark_of_every_publish().await
+    }
+
+    /// The publishes of this catalog from the `watermark` table's version on: `FROM` and `WHERE` of a read of them.
+    fn publishes_from_watermark(&self) -> String {
+        format!(
+            "{publishes} WHERE catalog = {catalog} AND version >= (SELECT maxMerge(version) FROM {watermark} WHERE \
+             catalog = {catalog})",
+            publishes = self.tables.publishes,
+            watermark = self.tables.watermark,
+            catalog = self.catalog_literal(),
+        )
+    }
+
+    /// The highest committed version, from every publish of the catalog (should `watermark` ever name a version
+    /// `publishes` lacks).
+    async fn watermark_of_every_publish(&self) -> Result<u64, CatalogError> {
+        let catalog = self.catalog_literal();
         let rows: Vec<VersionRow> = self
             .client
             .fetch_all(&format!(
@@ -786,23 +998,25 @@ impl CatalogReader {
     /// The committed retention horizons at versions up to `through` (one primary-key read of the few rows of
     /// `horizons`; none in tables older than schema 6).
     pub async fn horizons(&self, through: u64) -> Result<Horizons, CatalogError> {
-        let catalog = self.catalog_literal();
-        let rows: Result<Vec<HorizonRow>, CatalogError> = self
-            .client
-            .fetch_all(&format!(
-                "SELECT version, before_ns FROM {horizons} WHERE catalog = {catalog} AND version <= {through} AND \
-                 (version, publish_id) IN (SELECT version, publish_id FROM {publishes} WHERE catalog = {catalog} AND \
-                 version IN (SELECT version FROM {horizons} WHERE catalog = {catalog} AND version <= {through})) \
-                 ORDER BY version",
-                horizons = self.tables.horizons,
-                publishes = self.tables.publishes,
-            ))
-            .await;
+        let rows: Result<Vec<HorizonRow>, CatalogError> = self.client.fetch_all(&self.horizons_sql(through)).await;
         match rows {
             Ok(rows) => Ok(Horizons { committed: rows.into_iter().map(|row| (row.version, row.before_ns)).collect() }),
             Err(error) if error.is_unknown_table() => Ok(Horizons::default()),
             Err(error) => Err(error),
         }
+    }
+
+    /// The committed horizons at versions up to `through`, in version order: `version, before_ns`.
+    fn horizons_sql(&self, through: u64) -> String {
+        format!(
+            "SELECT version, before_ns FROM {horizons} WHERE catalog = {catalog} AND version <= {through} AND \
+             (version, publish_id) IN (SELECT version, publish_id FROM {publishes} WHERE catalog = {catalog} AND \
+             version IN (SELECT version FROM {horizons} WHERE catalog = {catalog} AND version <= {through})) \
+             ORDER BY version",
+            horizons = self.tables.horizons,
+            publishes = self.tables.publishes,
+            catalog = self.catalog_literal(),
+        )
     }
 
     /// The latest visible location of `capture_id` at watermark `watermark_opt` (default: now); `None` when the
@@ -823,7 +1037,7 @@ impl CatalogReader {
     ) -> Result<Option<CaptureLocation>, CatalogError> {
         let catalog = self.catalog_literal();
         let id_text = sql_string_literal(&capture_id.to_string());
-        let id = format!("UUIDStringToNum({id_text})");
+        let id = sql_uuid_num(&capture_id.to_string());
         let pinned = watermark_opt.map(|watermark| format!(" AND version <= {watermark}")).unwrap_or_default();
         // One statement: the versions holding the id from `by_id`, checked against `publishes` at exactly those
         // versions, and the row of the newest (at or below a pinned watermark; without one the newest committed is
@@ -887,7 +1101,7 @@ impl CatalogReader {
         let mut newest: HashMap<Uuid, CaptureLocation> = HashMap::with_capacity(ids.len());
         for batch in ids.chunks(MULTI_GET_BATCH) {
             let texts: Vec<String> = batch.iter().map(|id| sql_string_literal(&id.to_string())).collect();
-            let nums: Vec<String> = texts.iter().map(|text| format!("UUIDStringToNum({text})")).collect();
+            let nums: Vec<String> = batch.iter().map(|id| sql_uuid_num(&id.to_string())).collect();
             let written = format!(
                 "SELECT version FROM {by_id} WHERE catalog = {catalog} AND capture_id IN ({nums}) AND \
                  version <= {watermark}",
@@ -928,31 +1142,16 @@ impl CatalogReader {
     /// keeps a page's cost about its size however long the catalog's history.
     pub async fn list(&self, query: &ListQuery) -> Result<Page, CatalogError> {
         let cursor = query.cursor.as_deref().map(Cursor::decode).transpose()?;
-        let watermark = match (&cursor, query.watermark) {
-            (Some(cursor), _) => cursor.watermark,
-            (None, Some(watermark)) => watermark,
-            (None, None) => self.watermark().await?,
-        };
+        let pinned = cursor.as_ref().map(|cursor| cursor.watermark).or(query.watermark);
+        let setup = self.page_setup(query, pinned).await?;
+        let watermark = setup.watermark;
         let limit = query.limit.clamp(1, 100_000);
-        let empty = Page { captures: Vec::new(), next_cursor: None, watermark, window_ns: 0 };
-        let table_and_rows = async {
-            let table = self.listing_table(query).await?;
-            // Sizes the first window only: a failure leaves the size to the span.
-            let rows = match (&query.stream, &cursor) {
-                (None, None) => self.rows_in_partitions(table).await.unwrap_or_else(|error| {
-                    tracing::debug!(%error, "catalog: no row count for the first window");
-                    None
-                }),
-                _ => None,
-            };
-            Ok::<_, CatalogError>((table, rows))
+        let table = self.listing_table(query, &setup);
+        let Some((first_ns, last_ns)) = setup.bounds else {
+            return Ok(Page { captures: Vec::new(), next_cursor: None, watermark, window_ns: 0 });
         };
-        let (bounds, horizons, table_and_rows) =
-            tokio::join!(self.time_bounds(query.stream.as_deref()), self.horizons(watermark), table_and_rows);
-        let Some((first_ns, last_ns)) = bounds? else { return Ok(empty) };
-        let (table, catalog_rows) = table_and_rows?;
         // Nothing captured before the horizon is listed: the windows start there.
-        let listed_from = first_ns.max(horizons?.before_at(watermark));
+        let listed_from = first_ns.max(setup.horizons.before_at(watermark));
         let mut start = listed_from.max(query.since_ns.unwrap_or(0));
         if let Some(cursor) = &cursor {
             start = start.max(cursor.captured_at_ns);
@@ -970,7 +1169,7 @@ impl CatalogReader {
                 // in several growing ones, and no first window is wider than a whole listing's first window.
                 let whole = last_ns.saturating_add(1).saturating_sub(listed_from);
                 let mut first = whole / fraction;
-                if let Some(rows) = catalog_rows.filter(|rows| *rows > 0) {
+                if let Some(rows) = setup.catalog_rows.filter(|rows| *rows > 0) {
                     let pages = u128::from(whole) * u128::from(limit * FIRST_WINDOW_PAGES) / u128::from(rows);
                     first = first.min(u64::try_from(pages).unwrap_or(u64::MAX));
                 }
@@ -1039,17 +1238,20 @@ impl CatalogReader {
     /// The first and the last captured_at_ns of the catalog's rows (of `stream`, when given), from `time_bounds`:
     /// bounds of every row ever written, committed or not. `None` when there are none.
     async fn time_bounds(&self, stream: Option<&str>) -> Result<Option<(u64, u64)>, CatalogError> {
-        let stream_condition = stream.map(|s| format!(" AND stream = {}", sql_string_literal(s))).unwrap_or_default();
         let rows: Vec<TimeBounds> = self
             .client
             .fetch_all(&format!(
-                "SELECT minMerge(first_at) AS first_ns, maxMerge(last_at) AS last_ns, count() AS rows FROM {} \
-                 WHERE catalog = {}{stream_condition}",
-                self.tables.time_bounds,
-                self.catalog_literal(),
+                "SELECT minMerge(first_at) AS first_ns, maxMerge(last_at) AS last_ns, count() AS rows FROM {}",
+                self.time_bounds_of(stream)
             ))
             .await?;
         Ok(rows.first().filter(|row| row.rows > 0).map(|row| (row.first_ns, row.last_ns)))
+    }
+
+    /// The rows of `time_bounds` of this catalog (of `stream`, when given): `FROM` and `WHERE` of a read of them.
+    fn time_bounds_of(&self, stream: Option<&str>) -> String {
+        let stream_condition = stream.map(|s| format!(" AND stream = {}", sql_string_literal(s))).unwrap_or_default();
+        format!("{} WHERE catalog = {}{stream_condition}", self.tables.time_bounds, self.catalog_literal())
     }
 
     /// Every stream of the catalog with the first and the last captured_at_ns of its rows (from `time_bounds`: rows
@@ -1129,7 +1331,7 @@ impl CatalogReader {
     ) -> Result<Vec<NewestVersion>, CatalogError> {
         let ids: Vec<String> = captures
             .iter()
-            .map(|capture| format!("UUIDStringToNum({})", sql_string_literal(&capture.capture_id)))
+            .map(|capture| sql_uuid_num(&capture.capture_id))
             .collect();
         self.client
             .fetch_all(&format!(
@@ -1143,13 +1345,18 @@ impl CatalogReader {
     }
 
     /// Committed publishes after version `after`, up to the watermark, in version order (for tailing consumers).
+    ///
+    /// Versions are gapless (I4), so the first `limit` after `after` are those up to `after + limit`: a key range of
+    /// `limit` versions, not every publish after `after` (a server without read-in-order, 18.16, reads all it
+    /// sorts).
     pub async fn publishes_after(&self, after: u64, limit: u64) -> Result<Vec<PublishRecord>, CatalogError> {
+        let limit = limit.clamp(1, 100_000);
         let sql = format!(
             "SELECT version, publish_id, holder, lease_term, packs, captures, published_at_ms FROM {} \
-             WHERE catalog = {} AND version > {after} ORDER BY version LIMIT {}",
+             WHERE catalog = {} AND version > {after} AND version <= {} ORDER BY version LIMIT {limit}",
             self.tables.publishes,
             self.catalog_literal(),
-            limit.clamp(1, 100_000)
+            after.saturating_add(limit),
         );
         self.client.fetch_all(&sql).await
     }
@@ -1169,22 +1376,22 @@ impl CatalogReader {
         limit: u64,
     ) -> Result<TailPage, CatalogError> {
         match self.plan_tail(from, through, limit, 1).await?.first() {
-            Some(&upto) => self.tail_span(from, upto, limit).await,
+            Some(&span) => self.tail_span(from, span, limit).await,
             None => Ok(TailPage::caught_up_at(from)),
         }
     }
 
-    /// The ends of up to `pages` consecutive pages of the log after `from` (each a version), by the capture counts
-    /// of the publishes after it: a page ends at the first version where its counts reach `limit` (or alone at a
-    /// version of more captures), the last at the last version read. Empty when nothing is published after `from`
-    /// (up to `through`). One read of `publishes` (more only while their counts fall short).
+    /// Up to `pages` consecutive pages of the log after `from`, by the capture counts of the publishes after it: a
+    /// page ends at the first version where its counts reach `limit` (or alone at a version of more captures), the
+    /// last at the last version read. Empty when nothing is published after `from` (up to `through`). One read of
+    /// `publishes` (more only while their counts fall short).
     pub(super) async fn plan_tail(
         &self,
         from: TailPosition,
         through: Option<u64>,
         limit: u64,
         pages: u64,
-    ) -> Result<Vec<u64>, CatalogError> {
+    ) -> Result<Vec<TailSpan>, CatalogError> {
         let limit = limit.clamp(1, TAIL_PAGE_MAX);
         let wanted = limit.saturating_mul(pages.max(1));
         // As many publishes as the pages can reach: most hold many captures, so read a few first and more only while
@@ -1206,47 +1413,65 @@ impl CatalogReader {
         };
         // Where the counts reach each page (an estimate: the first version may be partly read, and an id a producer
         // re-posted into the same pack is counted twice by its publish and listed once).
-        let mut ends = Vec::new();
+        let mut spans = Vec::new();
         let mut counted = 0;
         for publish in &publishes {
             counted += publish.captures;
             if counted >= limit {
-                ends.push(publish.version);
+                spans.push(TailSpan { upto: publish.version, captures: counted });
                 counted = 0;
-                if ends.len() as u64 == pages.max(1) {
-                    return Ok(ends);
+                if spans.len() as u64 == pages.max(1) {
+                    return Ok(spans);
                 }
             }
         }
-        if let Some(last) = publishes.last().filter(|last| ends.last() != Some(&last.version)) {
-            ends.push(last.version);
+        if let Some(last) = publishes.last().filter(|last| spans.last().map(|span| span.upto) != Some(last.version)) {
+            spans.push(TailSpan { upto: last.version, captures: counted });
         }
-        Ok(ends)
+        Ok(spans)
     }
 
-    /// The page of the log from `from` up to version `upto` (see [`CatalogReader::plan_tail`]), at most `limit`
+    /// The page of the log from `from` up to version `span.upto` (see [`CatalogReader::plan_tail`]), at most `limit`
     /// captures: one primary-key range of `by_version` (inside the first version, the ids after the position),
-    /// visible against the publishes of just those versions. Its `next` is right after `upto`, or after its last
-    /// capture when `limit` cut it short.
-    pub(super) async fn tail_span(&self, from: TailPosition, upto: u64, limit: u64) -> Result<TailPage, CatalogError> {
+    /// visible against the publishes of just those versions. Its `next` is right after `span.upto`, or after its
+    /// last capture when `limit` cut it short.
+    ///
+    /// A span planned to hold no more than a page is read as it lies and put in order here
+    /// ([`CatalogReader::log_rows_as_stored`]): a server without read-in-order (18.16) sorts a page of 20,000 rows
+    /// in about as long as it takes to read them. A bigger span, which a page cuts, is sorted by the server.
+    pub(super) async fn tail_span(
+        &self,
+        from: TailPosition,
+        span: TailSpan,
+        limit: u64,
+    ) -> Result<TailPage, CatalogError> {
         let limit = limit.clamp(1, TAIL_PAGE_MAX);
-        let after = from.version;
+        let (after, upto) = (from.version, span.upto);
         let inside_first = match from.after_id {
             Some(id) => format!(" AND (version > {} OR capture_id > '{id}')", after + 1),
             None => String::new(),
         };
-        let sql = format!(
-            "SELECT {LOCATION_COLUMNS} FROM {by_version} WHERE catalog = {catalog} AND \
-             version > {after} AND version <= {upto}{inside_first} AND {LOG_ROW} IN (SELECT version, \
-             publish_id, {LOG_PUBLISH} FROM {publishes} WHERE catalog = {catalog} AND version > {after} AND \
-             version <= {upto}) \
-             ORDER BY version, capture_id LIMIT 1 BY version, capture_id LIMIT {limit}",
-            by_version = self.tables.by_version,
-            publishes = self.tables.publishes,
-            catalog = self.catalog_literal(),
+        let range = format!(
+            "catalog = {catalog} AND version > {after} AND version <= {upto}{inside_first}",
+            catalog = self.catalog_literal()
         );
-        let (captures, horizons) =
-            tokio::try_join!(self.client.fetch_all::<CaptureLocation>(&sql), self.horizons(upto))?;
+        let captures = async {
+            if span.captures <= limit {
+                if let Some(captures) = self.log_rows_as_stored(&range, after, upto, limit).await? {
+                    return Ok(captures);
+                }
+            }
+            let sql = format!(
+                "SELECT {LOCATION_COLUMNS} FROM {by_version} WHERE {range} AND {LOG_ROW} IN (SELECT version, \
+                 publish_id, {LOG_PUBLISH} FROM {publishes} WHERE catalog = {catalog} AND version > {after} AND \
+                 version <= {upto}) ORDER BY version, capture_id LIMIT 1 BY version, capture_id LIMIT {limit}",
+                by_version = self.tables.by_version,
+                publishes = self.tables.publishes,
+                catalog = self.catalog_literal(),
+            );
+            self.client.fetch_all::<CaptureLocation>(&sql).await
+        };
+        let (captures, horizons) = tokio::try_join!(captures, self.horizons(upto))?;
         let next = match captures.last() {
             Some(last) if captures.len() as u64 == limit => TailPosition::after(last),
             _ => TailPosition::after_version(upto),
@@ -1255,6 +1480,65 @@ impl CatalogReader {
         // A horizon holds no capture, so no position is inside one: those up to `next` are on this page.
         let horizons = horizons.published_in(from.version, next.version).collect();
         Ok(TailPage { captures, horizons, from, next })
+    }
+
+    /// The entries of the log in `range` (a key range of `by_version` over the versions `after..=upto`) in tail order,
+    /// at most `limit`, read as the server stores them and then made what the sorted statement of
+    /// [`CatalogReader::tail_span`] returns: rows of committed publishes only ([`LOG_ROW`], checked against those
+    /// publishes, read beside them), in (version, capture_id) order, one row per (version, capture_id). None when
+    /// the range holds more rows than twice a page (orphans and rows written twice included): the caller sorts on
+    /// the server then.
+    async fn log_rows_as_stored(
+        &self,
+        range: &str,
+        after: u64,
+        upto: u64,
+        limit: u64,
+    ) -> Result<Option<Vec<CaptureLocation>>, CatalogError> {
+        #[derive(clickhouse::Row, serde::Deserialize)]
+        struct Committed {
+            version: u64,
+            publish_id: String,
+            packs: u64,
+        }
+        let most = limit.saturating_mul(2);
+        let rows_sql = format!(
+            "SELECT {LOCATION_COLUMNS}, publish_id FROM {by_version} WHERE {range} LIMIT {}",
+            most + 1,
+            by_version = self.tables.by_version,
+        );
+        let committed_sql = format!(
+            "SELECT version, publish_id, packs FROM {publishes} WHERE catalog = {catalog} AND version > {after} AND \
+             version <= {upto}",
+            publishes = self.tables.publishes,
+            catalog = self.catalog_literal(),
+        );
+        let (rows, committed) = tokio::try_join!(
+            self.client.fetch_all::<LogRow>(&rows_sql),
+            self.client.fetch_all::<Committed>(&committed_sql)
+        )?;
+        if rows.len() as u64 > most {
+            return Ok(None);
+        }
+        let mut publishes: HashMap<u64, Vec<(String, bool)>> = HashMap::new();
+        for publish in committed {
+            publishes.entry(publish.version).or_default().push((publish.publish_id, publish.packs > 0));
+        }
+        // `LOG_ROW IN (... LOG_PUBLISH ...)`: the row's (version, publish_id) committed, and an entry of the log.
+        let mut entries: Vec<CaptureLocation> = rows
+            .into_iter()
+            .filter(|row| {
+                let holds_captures = row.pack_id != DELETED_PACK_ID;
+                publishes.get(&row.version).is_some_and(|committed| {
+                    committed.iter().any(|(id, packs)| *id == row.publish_id && *packs == holds_captures)
+                })
+            })
+            .map(CaptureLocation::from)
+            .collect();
+        entries.sort_by(|a, b| (a.version, &a.capture_id).cmp(&(b.version, &b.capture_id)));
+        entries.dedup_by(|later, kept| later.version == kept.version && later.capture_id == kept.capture_id);
+        entries.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
+        Ok(Some(entries))
     }
 
     /// The captures published at exactly `version`, in (captured_at_ns, capture_id) order.
@@ -1433,7 +1717,7 @@ impl CatalogReader {
         let mut objects = std::collections::BTreeSet::new();
         for batch in ids.chunks(MULTI_GET_BATCH) {
             let texts: Vec<String> = batch.iter().map(|id| sql_string_literal(&id.to_string())).collect();
-            let nums: Vec<String> = texts.iter().map(|text| format!("UUIDStringToNum({text})")).collect();
+            let nums: Vec<String> = batch.iter().map(|id| sql_uuid_num(&id.to_string())).collect();
             let written = format!(
                 "SELECT version FROM {by_id} WHERE catalog = {catalog} AND capture_id IN ({nums})",
                 by_id = self.tables.by_id,
