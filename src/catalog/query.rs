@@ -454,47 +454,6 @@ pub struct TailSpan {
     pub captures: u64,
 }
 
-/// A row of `by_version` with the publish that wrote it ([`CatalogReader::log_rows_as_stored`]).
-#[derive(clickhouse::Row, serde::Deserialize)]
-struct LogRow {
-    capture_id: String,
-    stream: String,
-    captured_at_ns: u64,
-    pack_id: String,
-    object_key: String,
-    record_offset: u64,
-    record_len: u64,
-    payload_offset: u64,
-    payload_len: u64,
-    crc32c: u32,
-    label_keys: Vec<String>,
-    label_values: Vec<String>,
-    content_type: String,
-    version: u64,
-    publish_id: String,
-}
-
-impl From<LogRow> for CaptureLocation {
-    fn from(row: LogRow) -> CaptureLocation {
-        CaptureLocation {
-            capture_id: row.capture_id,
-            stream: row.stream,
-            captured_at_ns: row.captured_at_ns,
-            pack_id: row.pack_id,
-            object_key: row.object_key,
-            record_offset: row.record_offset,
-            record_len: row.record_len,
-            payload_offset: row.payload_offset,
-            payload_len: row.payload_len,
-            crc32c: row.crc32c,
-            label_keys: row.label_keys,
-            label_values: row.label_values,
-            content_type: row.content_type,
-            version: row.version,
-        }
-    }
-}
-
 /// One page of the log of publishes ([`CatalogReader::tail_page`]).
 #[derive(Debug, Clone)]
 pub struct TailPage {
@@ -1329,10 +1288,7 @@ impl CatalogReader {
         captures: &[CaptureLocation],
         watermark: u64,
     ) -> Result<Vec<NewestVersion>, CatalogError> {
-        let ids: Vec<String> = captures
-            .iter()
-            .map(|capture| sql_uuid_num(&capture.capture_id))
-            .collect();
+        let ids: Vec<String> = captures.iter().map(|capture| sql_uuid_num(&capture.capture_id)).collect();
         self.client
             .fetch_all(&format!(
                 "SELECT UUIDNumToString(capture_id) AS id, max(version) AS newest FROM {by_id} \
@@ -1436,9 +1392,9 @@ impl CatalogReader {
     /// visible against the publishes of just those versions. Its `next` is right after `span.upto`, or after its
     /// last capture when `limit` cut it short.
     ///
-    /// A span planned to hold no more than a page is read as it lies and put in order here
-    /// ([`CatalogReader::log_rows_as_stored`]): a server without read-in-order (18.16) sorts a page of 20,000 rows
-    /// in about as long as it takes to read them. A bigger span, which a page cuts, is sorted by the server.
+    /// A span planned to hold no more than a page is read as the server finds it and put in order here: a server
+    /// without read-in-order (18.16) sorts a page of 20,000 rows in about as long as it takes to read them, and the
+    /// rows mostly come in order already (each part is). A bigger span, which a page cuts, is sorted by the server.
     pub(super) async fn tail_span(
         &self,
         from: TailPosition,
@@ -1451,24 +1407,29 @@ impl CatalogReader {
             Some(id) => format!(" AND (version > {} OR capture_id > '{id}')", after + 1),
             None => String::new(),
         };
-        let range = format!(
-            "catalog = {catalog} AND version > {after} AND version <= {upto}{inside_first}",
-            catalog = self.catalog_literal()
+        let entries = format!(
+            "SELECT {LOCATION_COLUMNS} FROM {by_version} WHERE catalog = {catalog} AND version > {after} AND \
+             version <= {upto}{inside_first} AND {LOG_ROW} IN (SELECT version, publish_id, {LOG_PUBLISH} FROM \
+             {publishes} WHERE catalog = {catalog} AND version > {after} AND version <= {upto})",
+            by_version = self.tables.by_version,
+            publishes = self.tables.publishes,
+            catalog = self.catalog_literal(),
         );
         let captures = async {
             if span.captures <= limit {
-                if let Some(captures) = self.log_rows_as_stored(&range, after, upto, limit).await? {
-                    return Ok(captures);
+                // Room for rows written twice: a span of more rows than that is sorted by the server after all.
+                let most = limit.saturating_mul(2);
+                let mut rows: Vec<CaptureLocation> =
+                    self.client.fetch_all(&format!("{entries} LIMIT {}", most + 1)).await?;
+                if rows.len() as u64 <= most {
+                    // What `ORDER BY version, capture_id LIMIT 1 BY version, capture_id` makes of them.
+                    rows.sort_by(|a, b| (a.version, &a.capture_id).cmp(&(b.version, &b.capture_id)));
+                    rows.dedup_by(|later, kept| later.version == kept.version && later.capture_id == kept.capture_id);
+                    rows.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
+                    return Ok(rows);
                 }
             }
-            let sql = format!(
-                "SELECT {LOCATION_COLUMNS} FROM {by_version} WHERE {range} AND {LOG_ROW} IN (SELECT version, \
-                 publish_id, {LOG_PUBLISH} FROM {publishes} WHERE catalog = {catalog} AND version > {after} AND \
-                 version <= {upto}) ORDER BY version, capture_id LIMIT 1 BY version, capture_id LIMIT {limit}",
-                by_version = self.tables.by_version,
-                publishes = self.tables.publishes,
-                catalog = self.catalog_literal(),
-            );
+            let sql = format!("{entries} ORDER BY version, capture_id LIMIT 1 BY version, capture_id LIMIT {limit}");
             self.client.fetch_all::<CaptureLocation>(&sql).await
         };
         let (captures, horizons) = tokio::try_join!(captures, self.horizons(upto))?;
@@ -1480,65 +1441,6 @@ impl CatalogReader {
         // A horizon holds no capture, so no position is inside one: those up to `next` are on this page.
         let horizons = horizons.published_in(from.version, next.version).collect();
         Ok(TailPage { captures, horizons, from, next })
-    }
-
-    /// The entries of the log in `range` (a key range of `by_version` over the versions `after..=upto`) in tail order,
-    /// at most `limit`, read as the server stores them and then made what the sorted statement of
-    /// [`CatalogReader::tail_span`] returns: rows of committed publishes only ([`LOG_ROW`], checked against those
-    /// publishes, read beside them), in (version, capture_id) order, one row per (version, capture_id). None when
-    /// the range holds more rows than twice a page (orphans and rows written twice included): the caller sorts on
-    /// the server then.
-    async fn log_rows_as_stored(
-        &self,
-        range: &str,
-        after: u64,
-        upto: u64,
-        limit: u64,
-    ) -> Result<Option<Vec<CaptureLocation>>, CatalogError> {
-        #[derive(clickhouse::Row, serde::Deserialize)]
-        struct Committed {
-            version: u64,
-            publish_id: String,
-            packs: u64,
-        }
-        let most = limit.saturating_mul(2);
-        let rows_sql = format!(
-            "SELECT {LOCATION_COLUMNS}, publish_id FROM {by_version} WHERE {range} LIMIT {}",
-            most + 1,
-            by_version = self.tables.by_version,
-        );
-        let committed_sql = format!(
-            "SELECT version, publish_id, packs FROM {publishes} WHERE catalog = {catalog} AND version > {after} AND \
-             version <= {upto}",
-            publishes = self.tables.publishes,
-            catalog = self.catalog_literal(),
-        );
-        let (rows, committed) = tokio::try_join!(
-            self.client.fetch_all::<LogRow>(&rows_sql),
-            self.client.fetch_all::<Committed>(&committed_sql)
-        )?;
-        if rows.len() as u64 > most {
-            return Ok(None);
-        }
-        let mut publishes: HashMap<u64, Vec<(String, bool)>> = HashMap::new();
-        for publish in committed {
-            publishes.entry(publish.version).or_default().push((publish.publish_id, publish.packs > 0));
-        }
-        // `LOG_ROW IN (... LOG_PUBLISH ...)`: the row's (version, publish_id) committed, and an entry of the log.
-        let mut entries: Vec<CaptureLocation> = rows
-            .into_iter()
-            .filter(|row| {
-                let holds_captures = row.pack_id != DELETED_PACK_ID;
-                publishes.get(&row.version).is_some_and(|committed| {
-                    committed.iter().any(|(id, packs)| *id == row.publish_id && *packs == holds_captures)
-                })
-            })
-            .map(CaptureLocation::from)
-            .collect();
-        entries.sort_by(|a, b| (a.version, &a.capture_id).cmp(&(b.version, &b.capture_id)));
-        entries.dedup_by(|later, kept| later.version == kept.version && later.capture_id == kept.capture_id);
-        entries.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
-        Ok(Some(entries))
     }
 
     /// The captures published at exactly `version`, in (captured_at_ns, capture_id) order.
