@@ -666,8 +666,8 @@ pub struct CatalogReader {
     /// Whether `by_time` was found kept: listings across streams read it from then on
     /// ([`CatalogReader::listing_table`]; shared by the clones).
     time_table_kept: Arc<AtomicBool>,
-    /// Whether a page's setup is read in separate statements: tables older than schema 6 lack `horizons`, which the
-    /// one statement of [`CatalogReader::page_setup`] reads (shared by the clones).
+    /// Whether a page's setup is read in separate statements, since the server refused the one statement of
+    /// [`CatalogReader::page_setup`] (tables older than schema 6 lack `horizons`; shared by the clones).
     setup_apart: Arc<AtomicBool>,
 }
 
@@ -696,8 +696,8 @@ impl CatalogReader {
     /// What a page needs before its first window, in one statement: the watermark (unless `pinned`), the time
     /// bounds of the rows it lists from, the committed horizons, whether `by_time` is kept (when the listing may read
     /// it and it is not known kept yet), and for a first page across streams the catalog's rows in its month
-    /// partitions (which size the first window). Tables without `horizons` (older than schema 6) are read apart
-    /// from then on.
+    /// partitions (which size the first window). Where the server refuses the statement (tables older than schema
+    /// 6 lack `horizons`), they are read in separate statements from then on.
     async fn page_setup(&self, query: &ListQuery, pinned: Option<u64>) -> Result<PageSetup, CatalogError> {
         #[derive(clickhouse::Row, serde::Deserialize)]
         struct SetupRow {
@@ -756,7 +756,10 @@ impl CatalogReader {
             Ok(mut rows) => rows.pop().ok_or_else(|| {
                 CatalogError::new(ErrorKind::DefinitelyFailed, "a page's setup read no row".to_string())
             })?,
-            Err(error) if error.is_unknown_table() => {
+            // Refused by the server: tables without `horizons`, or a user not let read `system.parts` (which the
+            // separate statements do without).
+            Err(error) if error.server_code.is_some() => {
+                tracing::debug!(%error, "catalog: a page's setup is read in separate statements from now on");
                 self.setup_apart.store(true, Ordering::Relaxed);
                 return self.page_setup_apart(query, pinned, wants_mark, wants_rows).await;
             }
@@ -779,7 +782,8 @@ impl CatalogReader {
         Ok(PageSetup { watermark, bounds, horizons, time_table_marked: row.setup_time_table_marks > 0, catalog_rows })
     }
 
-    /// [`CatalogReader::page_setup`] in separate statements, for tables without `horizons`.
+    /// [`CatalogReader::page_setup`] in separate statements (tables without `horizons`, whose absence this
+    /// tolerates; the row count is allowed to fail).
     async fn page_setup_apart(
         &self,
         query: &ListQuery,
