@@ -1135,6 +1135,10 @@ async fn a_tail_read_ahead_hands_out_the_same_log_as_one_page_at_a_time_through_
     let entries = |pages: &[capstore::catalog::query::TailPage]| {
         pages.iter().flat_map(|page| &page.captures).map(|c| (c.version, c.capture_id.clone())).collect::<Vec<_>>()
     };
+    // A page that holds its span exactly (version 1: two captures) ends after the span, not inside it: the pages
+    // read ahead after it start where it ends.
+    let exact = reader.tail_page(TailPosition::after_version(0), None, 2).await.unwrap();
+    assert_eq!((exact.captures.len(), exact.next), (2, TailPosition::after_version(1)));
     // One page at a time, as before.
     let mut one_at_a_time = Vec::new();
     let mut position = TailPosition::after_version(0);

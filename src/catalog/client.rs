@@ -210,6 +210,11 @@ impl CatalogError {
         matches!(self.server_code, Some(60 | 81))
     }
 
+    /// The server refused the statement for the user's rights (ACCESS_DENIED).
+    pub fn is_access_denied(&self) -> bool {
+        self.server_code == Some(497)
+    }
+
     /// The server could not be connected to: nothing was sent (another replica may be tried at once).
     pub fn is_unreachable(&self) -> bool {
         self.source.as_ref().is_some_and(is_connect_failure)

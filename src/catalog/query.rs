@@ -334,12 +334,14 @@ struct PageSetup {
     watermark: u64,
     /// The first and the last captured_at_ns of the rows the listing is of (see [`CatalogReader::time_bounds`]);
     /// None when there are none.
-    bounds: Option<(u64, u64)>,
+    bounds_opt: Option<(u64, u64)>,
+    /// The committed horizons up to the watermark.
     horizons: Horizons,
     /// Whether `by_time` is marked kept (read only when the listing may read it and it was not known kept).
     time_table_marked: bool,
-    /// The catalog's rows in its month partitions (a first page across streams only; None for other tables).
-    catalog_rows: Option<u64>,
+    /// The catalog's rows in its month partitions (a first page across streams only; None for tables not
+    /// partitioned by month).
+    catalog_rows_opt: Option<u64>,
 }
 
 #[derive(clickhouse::Row, serde::Deserialize)]
@@ -379,10 +381,10 @@ struct CommittedVersion {
     publish_id: String,
 }
 
-/// Ids per superseded-version lookup: each appears twice in the statement as about 55 characters.
+/// Ids per superseded-version lookup: each appears once in the statement, as 16 bytes written in 66 characters.
 const SUPERSEDED_IDS_PER_QUERY: usize = 1000;
 
-/// Ids per multi-get statement: each appears three times in it (about 150 characters), well inside the server's
+/// Ids per multi-get statement: each appears three times in it (about 175 characters), well inside the server's
 /// max_query_size of 256 KiB.
 pub const MULTI_GET_BATCH: usize = 500;
 
@@ -446,12 +448,12 @@ impl std::fmt::Display for TailPosition {
     }
 }
 
-/// A page of the log as planned ([`CatalogReader::plan_tail`]): up to version `upto`, holding about `captures`
-/// (by its publishes' counts).
+/// A page of the log as planned ([`CatalogReader::plan_tail`]): up to version `upto`, holding about
+/// `counted_captures` (by its publishes' counts: an estimate, see there).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TailSpan {
     pub upto: u64,
-    pub captures: u64,
+    pub counted_captures: u64,
 }
 
 /// One page of the log of publishes ([`CatalogReader::tail_page`]).
@@ -698,53 +700,59 @@ impl CatalogReader {
     /// it and it is not known kept yet), and for a first page across streams the catalog's rows in its month
     /// partitions (which size the first window). Where the server refuses the statement (tables older than schema
     /// 6 lack `horizons`), they are read in separate statements from then on.
-    async fn page_setup(&self, query: &ListQuery, pinned: Option<u64>) -> Result<PageSetup, CatalogError> {
+    async fn page_setup(&self, query: &ListQuery, pinned_opt: Option<u64>) -> Result<PageSetup, CatalogError> {
+        /// Arrays, since a value of a scalar subquery may come back Nullable where the server has that type, and an
+        /// array cannot be.
         #[derive(clickhouse::Row, serde::Deserialize)]
         struct SetupRow {
-            /// [max version from the `watermark` table's version on, publishes counted]
+            /// [the highest version from the `watermark` table's version on, the publishes counted there]
             setup_watermark: Vec<u64>,
-            /// [first_ns, last_ns, rows of `time_bounds`]
+            /// [first_ns, last_ns, rows of `time_bounds` read]
             setup_bounds: Vec<u64>,
-            /// [versions, before_ns] of the committed horizons
+            /// [versions, before_ns] of the committed horizons, in version order
             setup_horizons: Vec<Vec<u64>>,
-            setup_time_table_marks: u64,
-            /// [the catalog's rows in month partitions, partitions of another kind]
+            /// [rows marking `by_time` kept]
+            setup_time_table_marks: Vec<u64>,
+            /// [the catalog's rows in its month partitions, partitions not by month]
             setup_rows: Vec<u64>,
         }
         let wants_mark = self.may_read_time_table(query) && !self.time_table_kept.load(Ordering::Relaxed);
         let wants_rows = query.stream.is_none() && query.cursor.is_none();
         if self.setup_apart.load(Ordering::Relaxed) {
-            return self.page_setup_apart(query, pinned, wants_mark, wants_rows).await;
+            return self.page_setup_apart(query, pinned_opt, wants_mark, wants_rows).await;
         }
-        let watermark = match pinned {
+        let watermark = match pinned_opt {
             Some(watermark) => format!("[toUInt64({watermark}), toUInt64(1)]"),
             None => format!("(SELECT [max(version), count()] FROM {})", self.publishes_from_watermark()),
         };
-        let marks = match wants_mark {
-            true => format!(
-                "(SELECT count() FROM {} WHERE component = {})",
+        let marks = if wants_mark {
+            format!(
+                "(SELECT [count()] FROM {} WHERE component = {})",
                 self.tables.schema,
                 sql_string_literal(super::schema::TIME_TABLE_COMPONENT)
-            ),
-            false => "toUInt64(0)".to_string(),
+            )
+        } else {
+            "[toUInt64(0)]".to_string()
         };
-        let rows = match wants_rows {
+        let rows = if wants_rows {
             // The partitions of this catalog are written `('<catalog>',<YYYYMM>)` (see `parse_partition`).
-            true => {
-                let (database, name) = self.tables.captures.split_once('.').unwrap_or(("", &self.tables.captures));
-                let ours = format!("('{}',", self.catalog);
-                format!(
-                    "(SELECT [toUInt64(sumIf(rows, substring(partition, 1, {length}) = {ours})), \
-                     toUInt64(countIf(substring(partition, 1, 1) != '('))] FROM system.parts WHERE database = {} AND \
-                     table = {} AND active)",
-                    sql_string_literal(database),
-                    sql_string_literal(name),
-                    length = ours.len(),
-                    ours = sql_string_literal(&ours),
-                )
-            }
-            false => "[toUInt64(0), toUInt64(1)]".to_string(),
+            let (database, name) = self.tables.captures.split_once('.').unwrap_or(("", &self.tables.captures));
+            let ours = format!("('{}',", self.catalog);
+            format!(
+                "(SELECT [toUInt64(sumIf(rows, substring(partition, 1, {length}) = {ours})), \
+                 toUInt64(countIf(substring(partition, 1, 1) != '('))] FROM system.parts WHERE database = {} AND \
+                 table = {} AND active)",
+                sql_string_literal(database),
+                sql_string_literal(name),
+                length = ours.len(),
+                ours = sql_string_literal(&ours),
+            )
+        } else {
+            "[toUInt64(0), toUInt64(1)]".to_string()
         };
+        // The watermark comes first: the server works the subqueries out from left to right, so the bounds and the
+        // horizons read after it hold everything up to it, as when they were read after it in statements of their
+        // own.
         let sql = format!(
             "SELECT {watermark} AS setup_watermark, (SELECT [minMerge(first_at), maxMerge(last_at), count()] FROM \
              {bounds}) AS setup_bounds, (SELECT [groupArray(version), groupArray(before_ns)] FROM ({horizons})) AS \
@@ -756,30 +764,49 @@ impl CatalogReader {
             Ok(mut rows) => rows.pop().ok_or_else(|| {
                 CatalogError::new(ErrorKind::DefinitelyFailed, "a page's setup read no row".to_string())
             })?,
-            // Refused by the server: tables without `horizons`, or a user not let read `system.parts` (which the
-            // separate statements do without).
-            Err(error) if error.server_code.is_some() => {
+            // Tables without `horizons`, or a user not let read `system.parts`: the separate statements do without
+            // either. (Any other error, such as a timeout, is the listing's.)
+            Err(error) if error.is_unknown_table() || error.is_access_denied() => {
                 tracing::debug!(%error, "catalog: a page's setup is read in separate statements from now on");
                 self.setup_apart.store(true, Ordering::Relaxed);
-                return self.page_setup_apart(query, pinned, wants_mark, wants_rows).await;
+                return self.page_setup_apart(query, pinned_opt, wants_mark, wants_rows).await;
             }
             Err(error) => return Err(error),
         };
-        let field = |values: &[u64], at: usize| values.get(at).copied().unwrap_or_default();
-        let watermark = match (pinned, field(&row.setup_watermark, 1)) {
+        let (
+            [highest, publishes_counted],
+            [first_ns, last_ns, bound_rows],
+            [versions, befores],
+            [marks],
+            [catalog_rows, partitions_not_by_month],
+        ) = (
+            row.setup_watermark.as_slice(),
+            row.setup_bounds.as_slice(),
+            row.setup_horizons.as_slice(),
+            row.setup_time_table_marks.as_slice(),
+            row.setup_rows.as_slice(),
+        )
+        else {
+            return Err(CatalogError::new(ErrorKind::DefinitelyFailed, "a page's setup read a row of another shape"));
+        };
+        if versions.len() != befores.len() {
+            return Err(CatalogError::new(ErrorKind::DefinitelyFailed, "the horizons read do not pair up"));
+        }
+        let watermark = match (pinned_opt, *publishes_counted) {
             (Some(watermark), _) => watermark,
-            (None, 1..) => field(&row.setup_watermark, 0),
-            (None, 0) => self.watermark_of_every_publish().await?,
+            (None, 1..) => *highest,
+            // The `watermark` table names a version `publishes` lacks: everything read again, in order.
+            (None, 0) => return self.page_setup_apart(query, None, wants_mark, wants_rows).await,
         };
-        let bounds =
-            (field(&row.setup_bounds, 2) > 0).then(|| (field(&row.setup_bounds, 0), field(&row.setup_bounds, 1)));
-        let (versions, befores) = match row.setup_horizons.as_slice() {
-            [versions, befores] => (versions.clone(), befores.clone()),
-            _ => Default::default(),
-        };
-        let horizons = Horizons { committed: versions.into_iter().zip(befores).collect() };
-        let catalog_rows = (wants_rows && field(&row.setup_rows, 1) == 0).then(|| field(&row.setup_rows, 0));
-        Ok(PageSetup { watermark, bounds, horizons, time_table_marked: row.setup_time_table_marks > 0, catalog_rows })
+        let committed =
+            versions.iter().copied().zip(befores.iter().copied()).filter(|(version, _)| *version <= watermark);
+        Ok(PageSetup {
+            watermark,
+            bounds_opt: (*bound_rows > 0).then_some((*first_ns, *last_ns)),
+            horizons: Horizons { committed: committed.collect() },
+            time_table_marked: *marks > 0,
+            catalog_rows_opt: (wants_rows && *partitions_not_by_month == 0).then_some(*catalog_rows),
+        })
     }
 
     /// [`CatalogReader::page_setup`] in separate statements (tables without `horizons`, whose absence this
@@ -787,34 +814,40 @@ impl CatalogReader {
     async fn page_setup_apart(
         &self,
         query: &ListQuery,
-        pinned: Option<u64>,
+        pinned_opt: Option<u64>,
         wants_mark: bool,
         wants_rows: bool,
     ) -> Result<PageSetup, CatalogError> {
-        let watermark = match pinned {
+        let watermark = match pinned_opt {
             Some(watermark) => watermark,
             None => self.watermark().await?,
         };
         let mark = async {
-            match wants_mark {
-                true => super::schema::time_table_kept(&self.client, &self.tables).await,
-                false => Ok(false),
+            if !wants_mark {
+                return Ok(false);
             }
+            super::schema::time_table_kept(&self.client, &self.tables).await
         };
         let rows = async {
-            match wants_rows {
-                true => self.rows_in_partitions(&self.tables.captures).await,
-                false => Ok(None),
+            if !wants_rows {
+                return Ok(None);
             }
+            self.rows_in_partitions(&self.tables.captures).await
         };
         let (bounds, horizons, mark, rows) =
             tokio::join!(self.time_bounds(query.stream.as_deref()), self.horizons(watermark), mark, rows);
         // The row count only sizes a first window: without it the window is sized from the span.
-        let catalog_rows = rows.unwrap_or_else(|error| {
+        let catalog_rows_opt = rows.unwrap_or_else(|error| {
             tracing::debug!(%error, "catalog: no row count for the first window");
             None
         });
-        Ok(PageSetup { watermark, bounds: bounds?, horizons: horizons?, time_table_marked: mark?, catalog_rows })
+        Ok(PageSetup {
+            watermark,
+            bounds_opt: bounds?,
+            horizons: horizons?,
+            time_table_marked: mark?,
+            catalog_rows_opt,
+        })
     }
 
     /// The table a listing reads its windows from (see [`CatalogReader::may_read_time_table`]): `by_time` once it is
@@ -1105,12 +1138,12 @@ impl CatalogReader {
     /// keeps a page's cost about its size however long the catalog's history.
     pub async fn list(&self, query: &ListQuery) -> Result<Page, CatalogError> {
         let cursor = query.cursor.as_deref().map(Cursor::decode).transpose()?;
-        let pinned = cursor.as_ref().map(|cursor| cursor.watermark).or(query.watermark);
-        let setup = self.page_setup(query, pinned).await?;
+        let pinned_opt = cursor.as_ref().map(|cursor| cursor.watermark).or(query.watermark);
+        let setup = self.page_setup(query, pinned_opt).await?;
         let watermark = setup.watermark;
         let limit = query.limit.clamp(1, 100_000);
         let table = self.listing_table(query, &setup);
-        let Some((first_ns, last_ns)) = setup.bounds else {
+        let Some((first_ns, last_ns)) = setup.bounds_opt else {
             return Ok(Page { captures: Vec::new(), next_cursor: None, watermark, window_ns: 0 });
         };
         // Nothing captured before the horizon is listed: the windows start there.
@@ -1132,7 +1165,7 @@ impl CatalogReader {
                 // in several growing ones, and no first window is wider than a whole listing's first window.
                 let whole = last_ns.saturating_add(1).saturating_sub(listed_from);
                 let mut first = whole / fraction;
-                if let Some(rows) = setup.catalog_rows.filter(|rows| *rows > 0) {
+                if let Some(rows) = setup.catalog_rows_opt.filter(|rows| *rows > 0) {
                     let pages = u128::from(whole) * u128::from(limit * FIRST_WINDOW_PAGES) / u128::from(rows);
                     first = first.min(u64::try_from(pages).unwrap_or(u64::MAX));
                 }
@@ -1378,7 +1411,7 @@ impl CatalogReader {
         for publish in &publishes {
             counted += publish.captures;
             if counted >= limit {
-                spans.push(TailSpan { upto: publish.version, captures: counted });
+                spans.push(TailSpan { upto: publish.version, counted_captures: counted });
                 counted = 0;
                 if spans.len() as u64 == pages.max(1) {
                     return Ok(spans);
@@ -1386,7 +1419,7 @@ impl CatalogReader {
             }
         }
         if let Some(last) = publishes.last().filter(|last| spans.last().map(|span| span.upto) != Some(last.version)) {
-            spans.push(TailSpan { upto: last.version, captures: counted });
+            spans.push(TailSpan { upto: last.version, counted_captures: counted });
         }
         Ok(spans)
     }
@@ -1419,26 +1452,31 @@ impl CatalogReader {
             publishes = self.tables.publishes,
             catalog = self.catalog_literal(),
         );
+        // One entry more than a page, if the span holds it: then the page is cut after its last entry, and only then
+        // (a span of exactly a page is read whole, and the next page starts after it).
+        let one_more = limit + 1;
         let captures = async {
-            if span.captures <= limit {
+            if span.counted_captures <= limit {
                 // Room for rows written twice: a span of more rows than that is sorted by the server after all.
-                let most = limit.saturating_mul(2);
+                let rows_read = limit.saturating_mul(2);
                 let mut rows: Vec<CaptureLocation> =
-                    self.client.fetch_all(&format!("{entries} LIMIT {}", most + 1)).await?;
-                if rows.len() as u64 <= most {
+                    self.client.fetch_all(&format!("{entries} LIMIT {}", rows_read + 1)).await?;
+                if rows.len() as u64 <= rows_read {
                     // What `ORDER BY version, capture_id LIMIT 1 BY version, capture_id` makes of them.
                     rows.sort_by(|a, b| (a.version, &a.capture_id).cmp(&(b.version, &b.capture_id)));
                     rows.dedup_by(|later, kept| later.version == kept.version && later.capture_id == kept.capture_id);
-                    rows.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
+                    rows.truncate(usize::try_from(one_more).unwrap_or(usize::MAX));
                     return Ok(rows);
                 }
             }
-            let sql = format!("{entries} ORDER BY version, capture_id LIMIT 1 BY version, capture_id LIMIT {limit}");
+            let sql = format!("{entries} ORDER BY version, capture_id LIMIT 1 BY version, capture_id LIMIT {one_more}");
             self.client.fetch_all::<CaptureLocation>(&sql).await
         };
-        let (captures, horizons) = tokio::try_join!(captures, self.horizons(upto))?;
+        let (mut captures, horizons) = tokio::try_join!(captures, self.horizons(upto))?;
+        let cut = captures.len() as u64 > limit;
+        captures.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
         let next = match captures.last() {
-            Some(last) if captures.len() as u64 == limit => TailPosition::after(last),
+            Some(last) if cut => TailPosition::after(last),
             _ => TailPosition::after_version(upto),
         };
         let captures = captures.into_iter().map(|capture| horizons.in_log(capture)).collect();
