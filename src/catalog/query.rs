@@ -344,6 +344,12 @@ struct PageSetup {
     catalog_rows_opt: Option<u64>,
 }
 
+/// The catalog's rows in month partitions ([`CatalogReader::partition_rows_sql`]): None in a table not partitioned
+/// by month, whose count would not be the catalog's.
+fn rows_in_month_partitions(catalog_rows: u64, partitions_not_by_month: u64) -> Option<u64> {
+    (partitions_not_by_month == 0).then_some(catalog_rows)
+}
+
 #[derive(clickhouse::Row, serde::Deserialize)]
 struct TimeBounds {
     first_ns: u64,
@@ -726,27 +732,12 @@ impl CatalogReader {
             None => format!("(SELECT [max(version), count()] FROM {})", self.publishes_from_watermark()),
         };
         let marks = if wants_mark {
-            format!(
-                "(SELECT [count()] FROM {} WHERE component = {})",
-                self.tables.schema,
-                sql_string_literal(super::schema::TIME_TABLE_COMPONENT)
-            )
+            format!("(SELECT [count()] FROM {})", super::schema::time_table_marks(&self.tables))
         } else {
             "[toUInt64(0)]".to_string()
         };
         let rows = if wants_rows {
-            // The partitions of this catalog are written `('<catalog>',<YYYYMM>)` (see `parse_partition`).
-            let (database, name) = self.tables.captures.split_once('.').unwrap_or(("", &self.tables.captures));
-            let ours = format!("('{}',", self.catalog);
-            format!(
-                "(SELECT [toUInt64(sumIf(rows, substring(partition, 1, {length}) = {ours})), \
-                 toUInt64(countIf(substring(partition, 1, 1) != '('))] FROM system.parts WHERE database = {} AND \
-                 table = {} AND active)",
-                sql_string_literal(database),
-                sql_string_literal(name),
-                length = ours.len(),
-                ours = sql_string_literal(&ours),
-            )
+            format!("({})", self.partition_rows_sql())
         } else {
             "[toUInt64(0), toUInt64(1)]".to_string()
         };
@@ -805,7 +796,7 @@ impl CatalogReader {
             bounds_opt: (*bound_rows > 0).then_some((*first_ns, *last_ns)),
             horizons: Horizons { committed: committed.collect() },
             time_table_marked: *marks > 0,
-            catalog_rows_opt: (wants_rows && *partitions_not_by_month == 0).then_some(*catalog_rows),
+            catalog_rows_opt: rows_in_month_partitions(*catalog_rows, *partitions_not_by_month).filter(|_| wants_rows),
         })
     }
 
@@ -832,7 +823,19 @@ impl CatalogReader {
             if !wants_rows {
                 return Ok(None);
             }
-            self.rows_in_partitions(&self.tables.captures).await
+            #[derive(clickhouse::Row, serde::Deserialize)]
+            struct PartitionRows {
+                /// [the catalog's rows in its month partitions, partitions not by month]
+                setup_rows: Vec<u64>,
+            }
+            let sql = format!("SELECT ({}) AS setup_rows", self.partition_rows_sql());
+            let rows: Vec<PartitionRows> = self.client.fetch_all(&sql).await?;
+            match rows.first().map(|row| row.setup_rows.as_slice()) {
+                Some(&[catalog_rows, partitions_not_by_month]) => {
+                    Ok(rows_in_month_partitions(catalog_rows, partitions_not_by_month))
+                }
+                _ => Err(CatalogError::new(ErrorKind::DefinitelyFailed, "the row count read a row of another shape")),
+            }
         };
         let (bounds, horizons, mark, rows) =
             tokio::join!(self.time_bounds(query.stream.as_deref()), self.horizons(watermark), mark, rows);
@@ -865,32 +868,22 @@ impl CatalogReader {
         }
     }
 
-    /// The rows of this catalog's month partitions of `table` ([`super::schema::PARTITION_BY`]), from
-    /// `system.parts`: None for a table not partitioned by month (made by an older capstore).
-    async fn rows_in_partitions(&self, table: &str) -> Result<Option<u64>, CatalogError> {
-        #[derive(clickhouse::Row, serde::Deserialize)]
-        struct PartitionRows {
-            partition: String,
-            rows: u64,
-        }
-        let (database, name) = table.split_once('.').unwrap_or(("", table));
-        let partitions: Vec<PartitionRows> = self
-            .client
-            .fetch_all(&format!(
-                "SELECT partition, toUInt64(sum(rows)) AS rows FROM system.parts WHERE database = {} AND table = {} \
-                 AND active GROUP BY partition",
-                sql_string_literal(database),
-                sql_string_literal(name)
-            ))
-            .await?;
-        let mut ours = 0;
-        for part in &partitions {
-            let Some((catalog, _)) = super::schema::parse_partition(&part.partition) else { return Ok(None) };
-            if catalog == self.catalog {
-                ours += part.rows;
-            }
-        }
-        Ok(Some(ours))
+    /// `[this catalog's rows in the month partitions of captures, partitions of captures not by month]`, from one
+    /// read of `system.parts` (duplicates and rows below the horizon included). The partitions of
+    /// [`super::schema::PARTITION_BY`] are written `('<catalog>',<YYYYMM>)` there (see
+    /// [`super::schema::parse_partition`]); an older capstore's table has one of another kind.
+    fn partition_rows_sql(&self) -> String {
+        let (database, name) = self.tables.captures.split_once('.').unwrap_or(("", &self.tables.captures));
+        let ours = format!("('{}',", self.catalog);
+        format!(
+            "SELECT [toUInt64(sumIf(rows, substring(partition, 1, {length}) = {ours})), \
+             toUInt64(countIf(substring(partition, 1, 1) != '('))] FROM system.parts WHERE database = {} AND \
+             table = {} AND active",
+            sql_string_literal(database),
+            sql_string_literal(name),
+            length = ours.len(),
+            ours = sql_string_literal(&ours),
+        )
     }
 
     /// A reader of another catalog in the same tables.

@@ -1032,14 +1032,13 @@ async fn fill_time_table(client: &CatalogClient, tables: &Tables) -> Result<bool
 
 /// Whether `by_time` holds every row of `captures` (its mark is written, see [`ensure_time_table`]).
 pub async fn time_table_kept(client: &CatalogClient, tables: &Tables) -> Result<bool, CatalogError> {
-    let marks = client
-        .fetch_count(&format!(
-            "SELECT count() FROM {} WHERE component = {}",
-            tables.schema,
-            sql_string_literal(TIME_TABLE_COMPONENT)
-        ))
-        .await?;
+    let marks = client.fetch_count(&format!("SELECT count() FROM {}", time_table_marks(tables))).await?;
     Ok(marks > 0)
+}
+
+/// The rows of `schema` marking `by_time` kept: `FROM` and `WHERE` of a read of them.
+pub(super) fn time_table_marks(tables: &Tables) -> String {
+    format!("{} WHERE component = {}", tables.schema, sql_string_literal(TIME_TABLE_COMPONENT))
 }
 
 /// The schema a deletion needs stamped before its rows are written (see the module doc).
