@@ -676,6 +676,14 @@ async fn a_publish_whose_reply_is_lost_is_decided_by_read_back_with_gapless_vers
     assert!(matches!(result, Err(PublishError::OutcomeUnknown(_))), "{result:?}");
     assert_eq!(handle.state(), LeaseState::Quarantined, "an unknown outcome quarantines the lease");
     proxy.pass();
+    // The reply was lost, not the statement: on a loaded server it may still be finishing when the client gives up.
+    let ran = tokio::time::timeout(TTL * 3, async {
+        while catalog.committed_versions().is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(ran.is_ok(), "the publish never committed");
     assert_eq!(catalog.committed_versions(), vec![1], "the statement ran although its reply was lost");
 
     wait_for_state(&handle, LeaseState::Held, TTL * 3).await;
