@@ -1032,6 +1032,65 @@ async fn listings_page_through_dense_sparse_and_empty_stretches_of_time_in_order
     assert!(hour.window_ns() >= until - since, "read in more than one window: {}", hour.window_ns());
 }
 
+for_each_version!(a_first_page_of_a_dense_stream_reads_a_window_of_about_four_pages_not_a_fraction_of_its_span);
+async fn a_first_page_of_a_dense_stream_reads_a_window_of_about_four_pages_not_a_fraction_of_its_span(
+    server: &'static ClickHouseServer,
+) {
+    let catalog = catalog(server, false).await;
+    let name = &catalog.config.catalog_name;
+    // `dense`: 100,000 captures one µs apart, labelled site=a. `late`: ten captures spread over 99 ms, then 10,000 in
+    // the last millisecond, so its end is a thousand times as dense as its start.
+    let publish_id = Uuid::now_v7();
+    server
+        .query(&format!(
+            "INSERT INTO {} (catalog, stream, captured_at_ns, capture_id, version, publish_id, label_keys, label_values) \
+             SELECT '{name}', 'dense', 1000000000 + number * 1000, toString(generateUUIDv4()), 1, '{publish_id}', \
+             ['site'], ['a'] FROM numbers(100000)",
+            catalog.tables.captures
+        ))
+        .unwrap();
+    server
+        .query(&format!(
+            "INSERT INTO {} (catalog, stream, captured_at_ns, capture_id, version, publish_id) \
+             SELECT '{name}', 'late', if(number < 10, 1000000000 + number * 10000000, 1100000000 + number * 100), \
+             toString(generateUUIDv4()), 1, '{publish_id}' FROM numbers(10010)",
+            catalog.tables.captures
+        ))
+        .unwrap();
+    catalog.commit_row(1, publish_id);
+    let reader = catalog.reader();
+
+    // The stream's span is 100 ms, so 1/64 of it (the first window without a density sample) holds 1,563 captures.
+    // Its last 1/1024 holds 98: the first window is sized to about 400 (4 pages), and the next page's window is half
+    // the one that filled this page at once.
+    let dense = ListQuery { stream: Some("dense".into()), limit: 100, ..Default::default() };
+    let page = reader.list(&dense).await.unwrap();
+    let times: Vec<u64> = page.captures.iter().map(|c| c.captured_at_ns).collect();
+    assert_eq!(times, (0..100).map(|n| 1_000_000_000 + n * 1000).collect::<Vec<u64>>());
+    assert!(
+        (100_000..250_000).contains(&page.window_ns()),
+        "the first window held about four pages, not 1/64 of the span: next window {} ns",
+        page.window_ns()
+    );
+    // A label's matches may be any part of the stream's rows: its first window stays 1/64 of the span.
+    let labelled = ListQuery { labels: BTreeMap::from([("site".into(), "a".into())]), ..dense.clone() };
+    let page = reader.list(&labelled).await.unwrap();
+    assert_eq!(page.captures.len(), 100);
+    assert_eq!(page.window_ns(), 99_999_001 / 64 / 2, "a label filter keeps the span's fraction");
+
+    // Sized by its dense end, the first window of `late` holds none of its start: windows grow until the page is
+    // full, and every capture is listed once, in order.
+    let expected: Vec<u64> =
+        (0..10).map(|n| 1_000_000_000 + n * 10_000_000).chain((10..10_010).map(|n| 1_100_000_000 + n * 100)).collect();
+    let late = ListQuery { stream: Some("late".into()), limit: 20, ..Default::default() };
+    let page = reader.list(&late).await.unwrap();
+    let times: Vec<u64> = page.captures.iter().map(|c| c.captured_at_ns).collect();
+    assert_eq!(times, expected[..20]);
+    let listed: Vec<u64> =
+        list_all(&reader, ListQuery { limit: 7, ..late }).await.into_iter().map(|(at, _)| at).collect();
+    assert_eq!(listed, expected);
+}
+
 for_each_version!(tail_without_follow_prints_every_committed_capture_once_past_a_thousand_publishes);
 async fn tail_without_follow_prints_every_committed_capture_once_past_a_thousand_publishes(
     server: &'static ClickHouseServer,

@@ -339,15 +339,21 @@ struct PageSetup {
     horizons: Horizons,
     /// Whether `by_time` is marked kept (read only when the listing may read it and it was not known kept).
     time_table_marked: bool,
-    /// The catalog's rows in its month partitions (a first page across streams only; None for tables not
-    /// partitioned by month).
-    catalog_rows_opt: Option<u64>,
+    /// The rows a first page's window is sized by ([`CatalogReader::density_sample_sql`]): None on later pages,
+    /// and where the count would not be of the listing's rows.
+    sampled_rows_opt: Option<u64>,
 }
 
-/// The catalog's rows in month partitions ([`CatalogReader::partition_rows_sql`]): None in a table not partitioned
-/// by month, whose count would not be the catalog's.
-fn rows_in_month_partitions(catalog_rows: u64, partitions_not_by_month: u64) -> Option<u64> {
-    (partitions_not_by_month == 0).then_some(catalog_rows)
+/// The time a stream's density sample counts rows in ([`CatalogReader::density_sample_sql`]), from the bounds
+/// `time_bounds` gives: its last `(last - first + 1) / DENSITY_SAMPLE_FRACTION` ns and its last instant.
+fn density_sample_span(first_ns: u64, last_ns: u64) -> u64 {
+    (last_ns.saturating_add(1).saturating_sub(first_ns) / DENSITY_SAMPLE_FRACTION).saturating_add(1)
+}
+
+/// The rows of a density sample ([`CatalogReader::density_sample_sql`]), unless something made them not the
+/// listing's (partitions of `captures` not by month, whose rows would not be the catalog's).
+fn sampled_rows(rows: u64, not_the_listings: u64) -> Option<u64> {
+    (not_the_listings == 0).then_some(rows)
 }
 
 #[derive(clickhouse::Row, serde::Deserialize)]
@@ -368,11 +374,17 @@ struct TimeBounds {
 /// time: a capture with a far-off time, from a bad clock, widens the first window of both).
 const FIRST_WINDOW_FRACTION_ONE_STREAM: u64 = 64;
 const FIRST_WINDOW_FRACTION_ALL_STREAMS: u64 = 1024;
-/// A listing across streams knows roughly how many rows its catalog holds (its month partitions' rows in
-/// `system.parts`, duplicates and rows below the horizon included): its first window is then at most what holds this
-/// many pages at the catalog's mean density, so that it reads about the page, not 1/1024 of the catalog (10k rows at
-/// 10M captures, 100k at 100M).
+/// A first page knows roughly how dense the rows it lists are: across streams, the catalog's rows over its whole
+/// span (its month partitions' rows in `system.parts`, duplicates and rows below the horizon included); in one stream
+/// without a label filter, the stream's rows in the last [`DENSITY_SAMPLE_FRACTION`] of its span. Its first window is
+/// then at most what holds this many pages at that density, so that it reads about the page, not 1/1024 of the
+/// catalog (10k rows at 10M captures, 100k at 100M) or 1/64 of the stream (16k rows of a stream of 1M).
 const FIRST_WINDOW_PAGES: u64 = 4;
+/// The part of a stream's span, at its end, whose rows a first page of the stream counts ([`FIRST_WINDOW_PAGES`]):
+/// a count of one key column over a primary-key range, a sixteenth of the rows of the window it sizes. (The end,
+/// since a retention horizon moves its start.) A label filter keeps the span's fraction, as the matches of a label
+/// are fewer than the stream's rows by a factor nothing here knows.
+const DENSITY_SAMPLE_FRACTION: u64 = 1024;
 const WINDOW_GROWTH: u64 = 8;
 
 #[derive(clickhouse::Row, serde::Deserialize)]
@@ -703,8 +715,8 @@ impl CatalogReader {
 
     /// What a page needs before its first window, in one statement: the watermark (unless `pinned`), the time
     /// bounds of the rows it lists from, the committed horizons, whether `by_time` is kept (when the listing may read
-    /// it and it is not known kept yet), and for a first page across streams the catalog's rows in its month
-    /// partitions (which size the first window). Where the server refuses the statement (tables older than schema
+    /// it and it is not known kept yet), and for a first page the rows that size its first window
+    /// ([`CatalogReader::density_sample_sql`]). Where the server refuses the statement (tables older than schema
     /// 6 lack `horizons`), they are read in separate statements from then on.
     async fn page_setup(&self, query: &ListQuery, pinned_opt: Option<u64>) -> Result<PageSetup, CatalogError> {
         /// Arrays, since a value of a scalar subquery may come back Nullable where the server has that type, and an
@@ -719,13 +731,13 @@ impl CatalogReader {
             setup_horizons: Vec<Vec<u64>>,
             /// [rows marking `by_time` kept]
             setup_time_table_marks: Vec<u64>,
-            /// [the catalog's rows in its month partitions, partitions not by month]
-            setup_rows: Vec<u64>,
+            /// [rows of the density sample, and whether they are not the listing's]
+            setup_sample: Vec<u64>,
         }
         let wants_mark = self.may_read_time_table(query) && !self.time_table_kept.load(Ordering::Relaxed);
-        let wants_rows = query.stream.is_none() && query.cursor.is_none();
+        let sample_opt = self.density_sample_sql(query);
         if self.setup_apart.load(Ordering::Relaxed) {
-            return self.page_setup_apart(query, pinned_opt, wants_mark, wants_rows).await;
+            return self.page_setup_apart(query, pinned_opt, wants_mark).await;
         }
         let watermark = match pinned_opt {
             Some(watermark) => format!("[toUInt64({watermark}), toUInt64(1)]"),
@@ -736,10 +748,9 @@ impl CatalogReader {
         } else {
             "[toUInt64(0)]".to_string()
         };
-        let rows = if wants_rows {
-            format!("({})", self.partition_rows_sql())
-        } else {
-            "[toUInt64(0), toUInt64(1)]".to_string()
+        let sample = match &sample_opt {
+            Some(sample) => format!("({sample})"),
+            None => "[toUInt64(0), toUInt64(1)]".to_string(),
         };
         // The watermark comes first: the server works the subqueries out from left to right, so the bounds and the
         // horizons read after it hold everything up to it, as when they were read after it in statements of their
@@ -747,7 +758,7 @@ impl CatalogReader {
         let sql = format!(
             "SELECT {watermark} AS setup_watermark, (SELECT [minMerge(first_at), maxMerge(last_at), count()] FROM \
              {bounds}) AS setup_bounds, (SELECT [groupArray(version), groupArray(before_ns)] FROM ({horizons})) AS \
-             setup_horizons, {marks} AS setup_time_table_marks, {rows} AS setup_rows",
+             setup_horizons, {marks} AS setup_time_table_marks, {sample} AS setup_sample",
             bounds = self.time_bounds_of(query.stream.as_deref()),
             horizons = self.horizons_sql(u64::MAX),
         );
@@ -760,7 +771,7 @@ impl CatalogReader {
             Err(error) if error.is_unknown_table() || error.is_access_denied() => {
                 tracing::debug!(%error, "catalog: a page's setup is read in separate statements from now on");
                 self.setup_apart.store(true, Ordering::Relaxed);
-                return self.page_setup_apart(query, pinned_opt, wants_mark, wants_rows).await;
+                return self.page_setup_apart(query, pinned_opt, wants_mark).await;
             }
             Err(error) => return Err(error),
         };
@@ -769,13 +780,13 @@ impl CatalogReader {
             [first_ns, last_ns, bound_rows],
             [versions, befores],
             [marks],
-            [catalog_rows, partitions_not_by_month],
+            [rows_sampled, not_the_listings],
         ) = (
             row.setup_watermark.as_slice(),
             row.setup_bounds.as_slice(),
             row.setup_horizons.as_slice(),
             row.setup_time_table_marks.as_slice(),
-            row.setup_rows.as_slice(),
+            row.setup_sample.as_slice(),
         )
         else {
             return Err(CatalogError::new(ErrorKind::DefinitelyFailed, "a page's setup read a row of another shape"));
@@ -787,7 +798,7 @@ impl CatalogReader {
             (Some(watermark), _) => watermark,
             (None, 1..) => *highest,
             // The `watermark` table names a version `publishes` lacks: everything read again, in order.
-            (None, 0) => return self.page_setup_apart(query, None, wants_mark, wants_rows).await,
+            (None, 0) => return self.page_setup_apart(query, None, wants_mark).await,
         };
         let committed =
             versions.iter().copied().zip(befores.iter().copied()).filter(|(version, _)| *version <= watermark);
@@ -796,18 +807,17 @@ impl CatalogReader {
             bounds_opt: (*bound_rows > 0).then_some((*first_ns, *last_ns)),
             horizons: Horizons { committed: committed.collect() },
             time_table_marked: *marks > 0,
-            catalog_rows_opt: rows_in_month_partitions(*catalog_rows, *partitions_not_by_month).filter(|_| wants_rows),
+            sampled_rows_opt: sampled_rows(*rows_sampled, *not_the_listings).filter(|_| sample_opt.is_some()),
         })
     }
 
     /// [`CatalogReader::page_setup`] in separate statements (tables without `horizons`, whose absence this
-    /// tolerates; the row count is allowed to fail).
+    /// tolerates; the density sample is allowed to fail).
     async fn page_setup_apart(
         &self,
         query: &ListQuery,
         pinned_opt: Option<u64>,
         wants_mark: bool,
-        wants_rows: bool,
     ) -> Result<PageSetup, CatalogError> {
         let watermark = match pinned_opt {
             Some(watermark) => watermark,
@@ -819,28 +829,23 @@ impl CatalogReader {
             }
             super::schema::time_table_kept(&self.client, &self.tables).await
         };
-        let rows = async {
-            if !wants_rows {
-                return Ok(None);
-            }
+        let sample = async {
+            let Some(sample) = self.density_sample_sql(query) else { return Ok(None) };
             #[derive(clickhouse::Row, serde::Deserialize)]
-            struct PartitionRows {
-                /// [the catalog's rows in its month partitions, partitions not by month]
-                setup_rows: Vec<u64>,
+            struct Sample {
+                /// [rows of the density sample, and whether they are not the listing's]
+                setup_sample: Vec<u64>,
             }
-            let sql = format!("SELECT ({}) AS setup_rows", self.partition_rows_sql());
-            let rows: Vec<PartitionRows> = self.client.fetch_all(&sql).await?;
-            match rows.first().map(|row| row.setup_rows.as_slice()) {
-                Some(&[catalog_rows, partitions_not_by_month]) => {
-                    Ok(rows_in_month_partitions(catalog_rows, partitions_not_by_month))
-                }
+            let rows: Vec<Sample> = self.client.fetch_all(&format!("SELECT ({sample}) AS setup_sample")).await?;
+            match rows.first().map(|row| row.setup_sample.as_slice()) {
+                Some(&[rows, not_the_listings]) => Ok(sampled_rows(rows, not_the_listings)),
                 _ => Err(CatalogError::new(ErrorKind::DefinitelyFailed, "the row count read a row of another shape")),
             }
         };
-        let (bounds, horizons, mark, rows) =
-            tokio::join!(self.time_bounds(query.stream.as_deref()), self.horizons(watermark), mark, rows);
-        // The row count only sizes a first window: without it the window is sized from the span.
-        let catalog_rows_opt = rows.unwrap_or_else(|error| {
+        let (bounds, horizons, mark, sample) =
+            tokio::join!(self.time_bounds(query.stream.as_deref()), self.horizons(watermark), mark, sample);
+        // The sample only sizes a first window: without it the window is sized from the span.
+        let sampled_rows_opt = sample.unwrap_or_else(|error| {
             tracing::debug!(%error, "catalog: no row count for the first window");
             None
         });
@@ -849,7 +854,7 @@ impl CatalogReader {
             bounds_opt: bounds?,
             horizons: horizons?,
             time_table_marked: mark?,
-            catalog_rows_opt,
+            sampled_rows_opt,
         })
     }
 
@@ -866,6 +871,31 @@ impl CatalogReader {
             true => &self.tables.by_time,
             false => &self.tables.captures,
         }
+    }
+
+    /// The statement that counts the rows a first page's window is sized by ([`FIRST_WINDOW_PAGES`]), as `[rows,
+    /// whether they are not the listing's]`: across streams, [`CatalogReader::partition_rows_sql`]; in one stream
+    /// without a label filter, its rows (duplicates included) in the last [`DENSITY_SAMPLE_FRACTION`] of the span
+    /// its `time_bounds` give, [`density_sample_span`] ns. None on a later page, which has the window its cursor
+    /// carries, and for a label filter.
+    fn density_sample_sql(&self, query: &ListQuery) -> Option<String> {
+        if query.cursor.is_some() {
+            return None;
+        }
+        let Some(stream) = &query.stream else { return Some(self.partition_rows_sql()) };
+        if !query.labels.is_empty() {
+            return None;
+        }
+        // (`toUInt64` of the difference: unsigned minus is signed in ClickHouse, and a time past 2262 overflows it.)
+        Some(format!(
+            "SELECT [count(), toUInt64(0)] FROM {captures} WHERE catalog = {catalog} AND stream = {stream} AND \
+             captured_at_ns >= (SELECT toUInt64(maxMerge(last_at) - intDiv(maxMerge(last_at) + 1 - \
+             minMerge(first_at), {DENSITY_SAMPLE_FRACTION})) FROM {bounds})",
+            captures = self.tables.captures,
+            catalog = self.catalog_literal(),
+            stream = sql_string_literal(stream),
+            bounds = self.time_bounds_of(Some(stream)),
+        ))
     }
 
     /// `[this catalog's rows in the month partitions of captures, partitions of captures not by month]`, from one
@@ -1158,8 +1188,12 @@ impl CatalogReader {
                 // in several growing ones, and no first window is wider than a whole listing's first window.
                 let whole = last_ns.saturating_add(1).saturating_sub(listed_from);
                 let mut first = whole / fraction;
-                if let Some(rows) = setup.catalog_rows_opt.filter(|rows| *rows > 0) {
-                    let pages = u128::from(whole) * u128::from(limit * FIRST_WINDOW_PAGES) / u128::from(rows);
+                if let Some(rows) = setup.sampled_rows_opt.filter(|rows| *rows > 0) {
+                    let sampled_ns = match query.stream {
+                        Some(_) => density_sample_span(first_ns, last_ns),
+                        None => whole,
+                    };
+                    let pages = u128::from(sampled_ns) * u128::from(limit * FIRST_WINDOW_PAGES) / u128::from(rows);
                     first = first.min(u64::try_from(pages).unwrap_or(u64::MAX));
                 }
                 first.max(1)
