@@ -1569,6 +1569,22 @@ async fn a_relocation_moves_captures_in_one_fenced_version_and_every_reader_sees
     assert_eq!(places(reader.list(&labelled).await.unwrap()), at_new, "with a label filter");
     let everything = ListQuery { limit: 100, ..Default::default() };
     assert_eq!(places(reader.list(&everything).await.unwrap()), at_new, "without a stream");
+    // Paged one capture at a time, by cursors (a later page reads its window at once, `by_id` asked beside it about
+    // the window's ids, past the page's one included): each at its new place, once.
+    for query in [&stream, &everything] {
+        let mut query = ListQuery { limit: 1, ..query.clone() };
+        let mut paged = Vec::new();
+        loop {
+            let page = reader.list(&query).await.unwrap();
+            let next_cursor = page.next_cursor.clone();
+            paged.extend(places(page));
+            match next_cursor {
+                Some(cursor) => query.cursor = Some(cursor),
+                None => break,
+            }
+        }
+        assert_eq!(paged, at_new, "paged by cursors, {:?}", query.stream);
+    }
     let old_places = vec![
         (a.to_string(), first.summary.pack_id.to_string()),
         (b.to_string(), first.summary.pack_id.to_string()),

@@ -41,11 +41,12 @@
 //! - `captures_of_version`: `by_version` at one version, O(captures of that version); `tail_page`: the publishes
 //!   after a position and one `by_version` range up to the version the page reaches, O(page) (a catching-up tail
 //!   plans a few pages from one read of `publishes` and reads them at once, in `super::tail`);
-//! - `list`: time windows of `captures` (across streams: of `by_time` where the server keeps it, see
-//!   [`CatalogReader::list`]), each a primary-key range, visibility against
-//!   the publishes at the versions of the window's rows, and one `by_id` lookup for the page's ids; the ids with a
-//!   newer row (a re-post, a deletion, or a compaction's move: after compaction that is most ids) have that row read
-//!   from `by_version` at its version: about O(page) per page, about twice the statements once compacted. Every read is bounded by `catalog.read_max_memory` and the request timeout.
+//! - `list`: a setup statement on a first page (a later page has what it needs in its cursor), then time windows
+//!   of `captures` (across streams: of `by_time` where the server keeps it, see [`CatalogReader::list`]), each a
+//!   primary-key range, visibility against the publishes at the versions of the window's rows, and beside each
+//!   window, in parallel, a `by_id` lookup for the window's ids; the ids with a newer row (a re-post, a deletion, or
+//!   a compaction's move: after compaction that is most ids) have that row read from `by_version` at its version:
+//!   about O(page) per page, one round trip for a later page, one more once compacted. Every read is bounded by `catalog.read_max_memory` and the request timeout.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -344,6 +345,18 @@ struct PageSetup {
     sampled_rows_opt: Option<u64>,
 }
 
+/// Where a page reads its windows ([`CatalogReader::list`]): from `start` to `end`, the first `window` wide.
+struct PageSpan<'a> {
+    watermark: u64,
+    /// `captures` or `by_time` ([`CatalogReader::listing_table`]).
+    table: &'a str,
+    start: u64,
+    /// Exclusive: the end of the range asked for and, once `end_known`, of the rows the listing is of.
+    end: u64,
+    end_known: bool,
+    window: u64,
+}
+
 /// The time a stream's density sample counts rows in ([`CatalogReader::density_sample_sql`]), from the bounds
 /// `time_bounds` gives: its last `(last - first + 1) / DENSITY_SAMPLE_FRACTION` ns and its last instant.
 fn density_sample_span(first_ns: u64, last_ns: u64) -> u64 {
@@ -398,9 +411,6 @@ struct CommittedVersion {
     version: u64,
     publish_id: String,
 }
-
-/// Ids per superseded-version lookup: each appears once in the statement, as 16 bytes written in 66 characters.
-const SUPERSEDED_IDS_PER_QUERY: usize = 1000;
 
 /// Ids per multi-get statement: each appears three times in it (about 175 characters), well inside the server's
 /// max_query_size of 256 KiB.
@@ -1159,45 +1169,30 @@ impl CatalogReader {
     /// [`WINDOW_GROWTH`] times as wide, so sparse stretches cost a few empty reads. The next page starts with the
     /// window that filled this one, halved when one window was enough (so windows settle at about a page), which
     /// keeps a page's cost about its size however long the catalog's history.
+    ///
+    /// A first page reads its setup ([`CatalogReader::page_setup`]) before its first window. A later page has what
+    /// its first window needs in its cursor (the watermark, where it starts, the window), so it reads that window at
+    /// once, and the setup only when the window falls short (for the end of the rows, where the windows stop). Beside
+    /// each window, in parallel, `by_id` is asked which of the window's ids have a newer version
+    /// ([`CatalogReader::ids_written_again`]): a page is one round trip once the cursor has it going.
     pub async fn list(&self, query: &ListQuery) -> Result<Page, CatalogError> {
         let cursor = query.cursor.as_deref().map(Cursor::decode).transpose()?;
-        let pinned_opt = cursor.as_ref().map(|cursor| cursor.watermark).or(query.watermark);
-        let setup = self.page_setup(query, pinned_opt).await?;
-        let watermark = setup.watermark;
         let limit = query.limit.clamp(1, 100_000);
-        let table = self.listing_table(query, &setup);
-        let Some((first_ns, last_ns)) = setup.bounds_opt else {
-            return Ok(Page { captures: Vec::new(), next_cursor: None, watermark, window_ns: 0 });
-        };
-        // Nothing captured before the horizon is listed: the windows start there.
-        let listed_from = first_ns.max(setup.horizons.before_at(watermark));
-        let mut start = listed_from.max(query.since_ns.unwrap_or(0));
-        if let Some(cursor) = &cursor {
-            start = start.max(cursor.captured_at_ns);
-        }
-        let end = last_ns.saturating_add(1).min(query.until_ns.unwrap_or(u64::MAX));
-        let mut window =
-            cursor.as_ref().map(|cursor| cursor.window_ns).filter(|window| *window > 0).unwrap_or_else(|| {
-                let fraction = if query.stream.is_some() {
-                    FIRST_WINDOW_FRACTION_ONE_STREAM
-                } else {
-                    FIRST_WINDOW_FRACTION_ALL_STREAMS
-                };
-                // A fraction of the time a whole listing of the stream (or catalog) covers, not of the range asked
-                // for: a short `--since`/`--until` range (a 10 s window) is then read in one statement rather than
-                // in several growing ones, and no first window is wider than a whole listing's first window.
-                let whole = last_ns.saturating_add(1).saturating_sub(listed_from);
-                let mut first = whole / fraction;
-                if let Some(rows) = setup.sampled_rows_opt.filter(|rows| *rows > 0) {
-                    let sampled_ns = match query.stream {
-                        Some(_) => density_sample_span(first_ns, last_ns),
-                        None => whole,
-                    };
-                    let pages = u128::from(sampled_ns) * u128::from(limit * FIRST_WINDOW_PAGES) / u128::from(rows);
-                    first = first.min(u64::try_from(pages).unwrap_or(u64::MAX));
+        let mut span = match cursor.as_ref().and_then(|cursor| self.later_page_span(query, cursor)) {
+            Some(span) => span,
+            None => {
+                let pinned_opt = cursor.as_ref().map(|cursor| cursor.watermark).or(query.watermark);
+                let setup = self.page_setup(query, pinned_opt).await?;
+                match self.first_window_span(query, cursor.as_ref(), &setup, limit) {
+                    Some(span) => span,
+                    None => {
+                        let watermark = setup.watermark;
+                        return Ok(Page { captures: Vec::new(), next_cursor: None, watermark, window_ns: 0 });
+                    }
                 }
-                first.max(1)
-            });
+            }
+        };
+        let watermark = span.watermark;
 
         let catalog = self.catalog_literal();
         let mut conditions = vec![format!("catalog = {catalog}"), format!("version <= {watermark}")];
@@ -1223,39 +1218,132 @@ impl CatalogReader {
             None => String::new(),
         };
         let mut candidates: Vec<CaptureLocation> = Vec::new();
+        let mut written_again: HashMap<String, u64> = HashMap::new();
         let mut windows_read = 0;
-        while start < end && (candidates.len() as u64) < limit {
-            let window_end = start.saturating_add(window).min(end);
+        while span.start < span.end && (candidates.len() as u64) < limit {
+            let window_end = span.start.saturating_add(span.window).min(span.end);
             let needed = limit - candidates.len() as u64;
-            let in_window =
-                format!("{} AND captured_at_ns >= {start} AND captured_at_ns < {window_end}", conditions.join(" AND "));
+            let in_window = format!(
+                "{} AND captured_at_ns >= {} AND captured_at_ns < {window_end}",
+                conditions.join(" AND "),
+                span.start
+            );
             // Visibility against the publishes at the versions this window holds: a set of about the window's size,
             // not of the catalog's history.
             let visible = format!(
                 "(version, publish_id) IN (SELECT version, publish_id FROM {publishes} WHERE catalog = {catalog} AND \
                  version IN (SELECT version FROM {table} WHERE {in_window}))",
                 publishes = self.tables.publishes,
+                table = span.table,
             );
-            let sql = locations_sql(table, &format!("{in_window} AND {visible}"), &having, &format!(" LIMIT {needed}"));
-            let rows: Vec<CaptureLocation> = self.client.fetch_all(&sql).await?;
+            let sql =
+                locations_sql(span.table, &format!("{in_window} AND {visible}"), &having, &format!(" LIMIT {needed}"));
+            let (rows, again) = tokio::try_join!(
+                self.client.fetch_all::<CaptureLocation>(&sql),
+                self.ids_written_again(span.table, &in_window, watermark)
+            )?;
             windows_read += 1;
             let filled = rows.len() as u64 == needed;
             candidates.extend(rows);
+            written_again.extend(again.into_iter().map(|row| (row.id, row.newest)));
             if filled {
                 break;
             }
-            start = window_end;
-            window = window.saturating_mul(WINDOW_GROWTH);
+            span.start = window_end;
+            span.window = span.window.saturating_mul(WINDOW_GROWTH);
+            if !span.end_known {
+                self.find_end(query, &mut span).await?;
+            }
         }
         let page_full = candidates.len() as u64 == limit;
-        let next_window = if windows_read == 1 { (window / 2).max(1) } else { window };
+        let next_window = if windows_read == 1 { (span.window / 2).max(1) } else { span.window };
         let next_cursor = match candidates.last() {
             Some(last) if page_full => Some(Cursor::after(watermark, last, next_window).encode()),
             _ => None,
         };
         // The cursor is the last candidate's, so a page shortened here still goes on where it should.
-        let captures = self.newest_of(candidates, watermark, &query.labels).await?;
+        let captures = self.newest_of(candidates, &written_again, watermark, &query.labels).await?;
         Ok(Page { captures, next_cursor, watermark, window_ns: next_window })
+    }
+
+    /// Where a later page reads, from its cursor alone: at the cursor's watermark, from its position on, in its
+    /// window, up to the end of the range asked for (the end of the rows is found only if the window falls short).
+    /// None where the cursor does not have it all: one of an older build (no window), or a listing that may read
+    /// `by_time` while this reader does not know yet whether the catalog keeps it.
+    fn later_page_span(&self, query: &ListQuery, cursor: &Cursor) -> Option<PageSpan<'_>> {
+        if cursor.window_ns == 0 {
+            return None;
+        }
+        let table = match self.may_read_time_table(query) {
+            false => &self.tables.captures,
+            true if self.time_table_kept.load(Ordering::Relaxed) => &self.tables.by_time,
+            true => return None,
+        };
+        // (The cursor's position is at or after the horizons committed up to its watermark: its page started there.)
+        Some(PageSpan {
+            watermark: cursor.watermark,
+            table,
+            start: cursor.captured_at_ns.max(query.since_ns.unwrap_or(0)),
+            end: query.until_ns.unwrap_or(u64::MAX),
+            end_known: false,
+            window: cursor.window_ns,
+        })
+    }
+
+    /// Where a page reads, from its setup: from the first row it lists (after the horizon, the range's start and
+    /// the cursor), to the end of the rows or of the range asked for, starting with the cursor's window or, on a
+    /// first page, one sized as [`FIRST_WINDOW_FRACTION_ONE_STREAM`] and [`FIRST_WINDOW_PAGES`] say. None when the
+    /// listing has no rows at all.
+    fn first_window_span(
+        &self,
+        query: &ListQuery,
+        cursor: Option<&Cursor>,
+        setup: &PageSetup,
+        limit: u64,
+    ) -> Option<PageSpan<'_>> {
+        let table = self.listing_table(query, setup);
+        let (first_ns, last_ns) = setup.bounds_opt?;
+        // Nothing captured before the horizon is listed: the windows start there.
+        let listed_from = first_ns.max(setup.horizons.before_at(setup.watermark));
+        let mut start = listed_from.max(query.since_ns.unwrap_or(0));
+        if let Some(cursor) = cursor {
+            start = start.max(cursor.captured_at_ns);
+        }
+        let end = last_ns.saturating_add(1).min(query.until_ns.unwrap_or(u64::MAX));
+        let window = cursor.map(|cursor| cursor.window_ns).filter(|window| *window > 0).unwrap_or_else(|| {
+            let fraction = if query.stream.is_some() {
+                FIRST_WINDOW_FRACTION_ONE_STREAM
+            } else {
+                FIRST_WINDOW_FRACTION_ALL_STREAMS
+            };
+            // A fraction of the time a whole listing of the stream (or catalog) covers, not of the range asked
+            // for: a short `--since`/`--until` range (a 10 s window) is then read in one statement rather than
+            // in several growing ones, and no first window is wider than a whole listing's first window.
+            let whole = last_ns.saturating_add(1).saturating_sub(listed_from);
+            let mut first = whole / fraction;
+            if let Some(rows) = setup.sampled_rows_opt.filter(|rows| *rows > 0) {
+                let sampled_ns = match query.stream {
+                    Some(_) => density_sample_span(first_ns, last_ns),
+                    None => whole,
+                };
+                let pages = u128::from(sampled_ns) * u128::from(limit * FIRST_WINDOW_PAGES) / u128::from(rows);
+                first = first.min(u64::try_from(pages).unwrap_or(u64::MAX));
+            }
+            first.max(1)
+        });
+        Some(PageSpan { watermark: setup.watermark, table, start, end, end_known: true, window })
+    }
+
+    /// Bound a later page's windows by the end of the rows it lists, once its first window fell short: from the
+    /// setup at its watermark (the end of no rows at all stops the windows where they are).
+    async fn find_end(&self, query: &ListQuery, span: &mut PageSpan<'_>) -> Result<(), CatalogError> {
+        let setup = self.page_setup(query, Some(span.watermark)).await?;
+        span.end = match setup.bounds_opt {
+            Some((_, last_ns)) => span.end.min(last_ns.saturating_add(1)),
+            None => span.start,
+        };
+        span.end_known = true;
+        Ok(())
     }
 
     /// The first and the last captured_at_ns of the catalog's rows (of `stream`, when given), from `time_bounds`:
@@ -1294,36 +1382,27 @@ impl CatalogReader {
     /// is listed as that version if it is a move of the capture to another place (a compaction's, written to the
     /// index tables only: same stream and time, and still carrying `labels`), and left out otherwise (a re-post into
     /// another stream or with other labels or another time is listed where its own row is, and a deletion is not
-    /// listed), so that `list` returns what `get` returns. First one lookup in `by_id` for the page's ids, of every
-    /// version written (committed or not): an id with nothing newer than its candidate cannot be superseded, and
-    /// until compaction has moved them that is almost every id. Only the ids with a newer row are read from
-    /// `by_version` at their newest committed version (a newer row may be an orphan, which must not hide the
-    /// capture).
+    /// listed), so that `list` returns what `get` returns. `written_again` holds the newest version `by_id` has of
+    /// each id of the windows read that has more than one ([`CatalogReader::ids_written_again`], of every version
+    /// written, committed or not): an id with nothing newer than its candidate cannot be superseded, and until
+    /// compaction has moved them that is almost every id. Only the ids with a newer row are read from `by_version`
+    /// at their newest committed version (a newer row may be an orphan, which must not hide the capture).
     async fn newest_of(
         &self,
         candidates: Vec<CaptureLocation>,
+        written_again: &HashMap<String, u64>,
         watermark: u64,
         labels: &BTreeMap<String, String>,
     ) -> Result<Vec<CaptureLocation>, CatalogError> {
-        let mut newest: HashMap<Uuid, CaptureLocation> = HashMap::new();
-        let mut horizons_opt: Option<Horizons> = None;
-        // In slices of ids: a statement must stay under the server's max_query_size (256 KiB).
-        for slice in candidates.chunks(SUPERSEDED_IDS_PER_QUERY) {
-            let written: HashMap<String, u64> =
-                self.newest_versions(slice, watermark).await?.into_iter().map(|row| (row.id, row.newest)).collect();
-            let suspects: Vec<Uuid> = slice
-                .iter()
-                .filter(|capture| written.get(&capture.capture_id).is_some_and(|newest| *newest > capture.version))
-                .filter_map(|capture| Uuid::parse_str(&capture.capture_id).ok())
-                .collect();
-            if !suspects.is_empty() {
-                newest.extend(self.newest_rows_at(&suspects, watermark).await?);
-                if horizons_opt.is_none() {
-                    horizons_opt = Some(self.horizons(watermark).await?);
-                }
-            }
-        }
-        let horizons = horizons_opt.unwrap_or_default();
+        let suspects: Vec<Uuid> = candidates
+            .iter()
+            .filter(|capture| written_again.get(&capture.capture_id).is_some_and(|newest| *newest > capture.version))
+            .filter_map(|capture| Uuid::parse_str(&capture.capture_id).ok())
+            .collect();
+        let (mut newest, horizons) = match suspects.is_empty() {
+            true => (HashMap::new(), Horizons::default()),
+            false => tokio::try_join!(self.newest_rows_at(&suspects, watermark), self.horizons(watermark))?,
+        };
         Ok(candidates
             .into_iter()
             .filter_map(|capture| {
@@ -1345,21 +1424,28 @@ impl CatalogReader {
             .collect())
     }
 
-    /// The newest version at or below `watermark` that `by_id` holds for each capture of `captures` (committed or
-    /// not).
-    async fn newest_versions(
+    /// The ids of a window's rows (`in_window`, a condition on `table`) that `by_id` holds more than one version of
+    /// at or below `watermark` (committed or not), with the newest: the only ids a newer row may supersede
+    /// ([`CatalogReader::newest_of`]). An id written once has only the row the window holds. A primary-key read of
+    /// `by_id` for the window's ids (UUIDv7 ids of a time window are close together there), whose answer is about
+    /// nothing until compaction moves captures. Read beside the window, not after it, since it does not need the
+    /// window's answer: the window's rows past the page's limit are asked about too, which costs a read of their
+    /// ids, not a round trip.
+    async fn ids_written_again(
         &self,
-        captures: &[CaptureLocation],
+        table: &str,
+        in_window: &str,
         watermark: u64,
     ) -> Result<Vec<NewestVersion>, CatalogError> {
-        let ids: Vec<String> = captures.iter().map(|capture| sql_uuid_num(&capture.capture_id)).collect();
+        // (`id_num` in the inner query: an alias named like the column would capture the WHERE clause.)
         self.client
             .fetch_all(&format!(
-                "SELECT UUIDNumToString(capture_id) AS id, max(version) AS newest FROM {by_id} \
-                 WHERE catalog = {catalog} AND capture_id IN ({ids}) AND version <= {watermark} GROUP BY capture_id",
+                "SELECT UUIDNumToString(id_num) AS id, newest FROM (SELECT capture_id AS id_num, max(version) AS \
+                 newest FROM {by_id} WHERE catalog = {catalog} AND capture_id IN (SELECT UUIDStringToNum(capture_id) \
+                 FROM {table} WHERE {in_window}) AND version <= {watermark} GROUP BY capture_id HAVING \
+                 min(version) < newest)",
                 by_id = self.tables.by_id,
                 catalog = self.catalog_literal(),
-                ids = ids.join(", "),
             ))
             .await
     }

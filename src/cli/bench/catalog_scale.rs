@@ -11,6 +11,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
 use serde::Serialize;
 use uuid::Uuid;
 
@@ -337,6 +338,30 @@ async fn reads(bench: &mut Bench<'_>, reader: &CatalogReader, tables: &Tables, c
             ..Default::default()
         };
         bench.measure(name, Some(ideal), || page(reader, &query, 100)).await?;
+        if from_row == 0 {
+            continue;
+        }
+        // The page after that one, by its cursor, as a client paging through a listing reads it; its ideal is the
+        // same primary-key read as the page before's, from that page's last row on.
+        let before = reader.list(&query).await?;
+        let last = before.captures.last().context("a page after 1M rows is empty")?;
+        let next = ListQuery { cursor: before.next_cursor.clone(), ..query.clone() };
+        anyhow::ensure!(next.cursor.is_some(), "{name}: no cursor after a full page");
+        let ideal = match stream {
+            Some(stream) => format!(
+                "SELECT * FROM {captures} WHERE catalog = '{CATALOG}' AND stream = '{stream}' AND \
+                 captured_at_ns > {} ORDER BY captured_at_ns LIMIT 100",
+                last.captured_at_ns
+            ),
+            None => format!(
+                "SELECT * FROM {by_version} WHERE catalog = '{CATALOG}' AND version >= {} AND version < {} ORDER BY \
+                 version LIMIT 100",
+                last.version,
+                last.version + 2
+            ),
+        };
+        let next_name = name.replace("page after 1M rows", "the next page, by its cursor");
+        bench.measure(&next_name, Some(ideal), || page(reader, &next, 100)).await?;
     }
     let labelled = ListQuery {
         stream: Some(stream.to_string()),
