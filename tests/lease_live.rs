@@ -1023,13 +1023,12 @@ async fn listings_page_through_dense_sparse_and_empty_stretches_of_time_in_order
     assert_eq!(window, expected_window);
     assert_eq!(window.len(), 50 + 10, "the 50 at the shared instant and the first ten days");
     // A page of an hour around the shared instant is read in one window, a fraction of the whole history's span
-    // (13 hours here), not in windows growing from a fraction of the hour (3.5 s, 28 s, 4 min, 30 min). The next
-    // page's window is half the one that filled a page at once, else the last one read.
+    // (13 hours here), not in windows growing from a fraction of the hour (3.5 s, 28 s, 4 min, 30 min).
     let (since, until) = (40_000_000_000_000_000 - 1_800_000_000_000, 40_000_000_000_000_000 + 1_800_000_000_000);
     let hour_query = ListQuery { since_ns: Some(since), until_ns: Some(until), limit: 10, ..Default::default() };
     let hour = reader.list(&hour_query).await.unwrap();
     assert_eq!(hour.captures.len(), 10);
-    assert!(hour.window_ns() >= until - since, "read in more than one window: {}", hour.window_ns());
+    assert!(hour.first_window_ns() >= until - since, "read in more than one window: {}", hour.first_window_ns());
 }
 
 for_each_version!(a_first_page_of_a_dense_stream_reads_a_window_of_about_four_pages_not_a_fraction_of_its_span);
@@ -1061,22 +1060,23 @@ async fn a_first_page_of_a_dense_stream_reads_a_window_of_about_four_pages_not_a
     let reader = catalog.reader();
 
     // The stream's span is 100 ms, so 1/64 of it (the first window without a density sample) holds 1,563 captures.
-    // Its last 1/1024 holds 98: the first window is sized to about 400 (4 pages), and the next page's window is half
-    // the one that filled this page at once.
+    // Its last 1/1024 holds 98: the first window is sized to about 400 (4 pages), and the next page's window to
+    // twice the time this page's 100 took.
     let dense = ListQuery { stream: Some("dense".into()), limit: 100, ..Default::default() };
     let page = reader.list(&dense).await.unwrap();
     let times: Vec<u64> = page.captures.iter().map(|c| c.captured_at_ns).collect();
     assert_eq!(times, (0..100).map(|n| 1_000_000_000 + n * 1000).collect::<Vec<u64>>());
     assert!(
-        (100_000..250_000).contains(&page.window_ns()),
-        "the first window held about four pages, not 1/64 of the span: next window {} ns",
-        page.window_ns()
+        (200_000..500_000).contains(&page.first_window_ns()),
+        "the first window held about four pages, not 1/64 of the span: {} ns",
+        page.first_window_ns()
     );
+    assert_eq!(page.window_ns(), 2 * 99_001, "the next window holds two pages at the density just read");
     // A label's matches may be any part of the stream's rows: its first window stays 1/64 of the span.
     let labelled = ListQuery { labels: BTreeMap::from([("site".into(), "a".into())]), ..dense.clone() };
     let page = reader.list(&labelled).await.unwrap();
     assert_eq!(page.captures.len(), 100);
-    assert_eq!(page.window_ns(), 99_999_001 / 64 / 2, "a label filter keeps the span's fraction");
+    assert_eq!(page.first_window_ns(), 99_999_001 / 64, "a label filter keeps the span's fraction");
 
     // Sized by its dense end, the first window of `late` holds none of its start: windows grow until the page is
     // full, and every capture is listed once, in order.

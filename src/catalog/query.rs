@@ -251,12 +251,20 @@ pub struct Page {
     /// The time window the next page starts with (carried in its cursor).
     #[serde(skip)]
     window_ns: u64,
+    /// The time window this page started with.
+    #[serde(skip)]
+    first_window_ns: u64,
 }
 
 impl Page {
-    /// The time window the next page starts with: half the window this page was read in when one window filled it.
+    /// The time window the next page starts with: [`NEXT_WINDOW_PAGES`] times the time this page's rows took.
     pub fn window_ns(&self) -> u64 {
         self.window_ns
+    }
+
+    /// The time window this page started with: its cursor's, or on a first page the one its setup sized.
+    pub fn first_window_ns(&self) -> u64 {
+        self.first_window_ns
     }
 
     /// The page cut after the last capture that keeps its JSON within about `max_bytes` (one capture at least), with
@@ -283,7 +291,7 @@ impl Page {
         let next_cursor = frontier.map(|(captured_at_ns, capture_id)| {
             Cursor { watermark, captured_at_ns, capture_id, window_ns: 1 }.encode()
         });
-        Page { captures, next_cursor, watermark, window_ns: 1 }
+        Page { captures, next_cursor, watermark, window_ns: 1, first_window_ns: 1 }
     }
 
     /// Where the next page starts, as (captured_at_ns, capture_id): every capture of the selection at or before it
@@ -399,6 +407,12 @@ const FIRST_WINDOW_PAGES: u64 = 4;
 /// are fewer than the stream's rows by a factor nothing here knows.
 const DENSITY_SAMPLE_FRACTION: u64 = 1024;
 const WINDOW_GROWTH: u64 = 8;
+/// A later page starts with a window of this many times the time the page before's rows took (its cursor carries
+/// it): the density just read, with room for it to thin out, so that a later page is almost always one window (one
+/// round trip: a window that falls short costs the read of the end of the rows and a wider window after it), and
+/// reads about twice its rows. (It was half the window that filled the page before, which fell short every few pages
+/// where the first window held under two pages.)
+const NEXT_WINDOW_PAGES: u64 = 2;
 
 #[derive(clickhouse::Row, serde::Deserialize)]
 struct NewestVersion {
@@ -1166,9 +1180,9 @@ impl CatalogReader {
     /// A page reads time windows of `captures` one after the other, from the cursor on, until it is full: each window
     /// is a primary-key range (exact with a stream; without one, exact in `by_time` or `captures`' time-order
     /// projection where the server has one of them, else one range per stream), and each next window is
-    /// [`WINDOW_GROWTH`] times as wide, so sparse stretches cost a few empty reads. The next page starts with the
-    /// window that filled this one, halved when one window was enough (so windows settle at about a page), which
-    /// keeps a page's cost about its size however long the catalog's history.
+    /// [`WINDOW_GROWTH`] times as wide, so sparse stretches cost a few empty reads. The next page starts with a
+    /// window sized by the density this one read ([`NEXT_WINDOW_PAGES`]), which keeps a page's cost about its size
+    /// however long the catalog's history.
     ///
     /// A first page reads its setup ([`CatalogReader::page_setup`]) before its first window. A later page has what
     /// its first window needs in its cursor (the watermark, where it starts, the window), so it reads that window at
@@ -1187,7 +1201,13 @@ impl CatalogReader {
                     Some(span) => span,
                     None => {
                         let watermark = setup.watermark;
-                        return Ok(Page { captures: Vec::new(), next_cursor: None, watermark, window_ns: 0 });
+                        return Ok(Page {
+                            captures: Vec::new(),
+                            next_cursor: None,
+                            watermark,
+                            window_ns: 0,
+                            first_window_ns: 0,
+                        });
                     }
                 }
             }
@@ -1217,9 +1237,9 @@ impl CatalogReader {
             ),
             None => String::new(),
         };
+        let (page_start, first_window_ns) = (span.start, span.window);
         let mut candidates: Vec<CaptureLocation> = Vec::new();
         let mut written_again: HashMap<String, u64> = HashMap::new();
-        let mut windows_read = 0;
         while span.start < span.end && (candidates.len() as u64) < limit {
             let window_end = span.start.saturating_add(span.window).min(span.end);
             let needed = limit - candidates.len() as u64;
@@ -1242,7 +1262,6 @@ impl CatalogReader {
                 self.client.fetch_all::<CaptureLocation>(&sql),
                 self.ids_written_again(span.table, &in_window, watermark)
             )?;
-            windows_read += 1;
             let filled = rows.len() as u64 == needed;
             candidates.extend(rows);
             written_again.extend(again.into_iter().map(|row| (row.id, row.newest)));
@@ -1256,14 +1275,19 @@ impl CatalogReader {
             }
         }
         let page_full = candidates.len() as u64 == limit;
-        let next_window = if windows_read == 1 { (span.window / 2).max(1) } else { span.window };
+        // The next page's window: the time this page's rows took, times NEXT_WINDOW_PAGES.
+        let next_window = match candidates.last() {
+            Some(last) => last.captured_at_ns.saturating_sub(page_start).saturating_add(1),
+            None => span.window,
+        }
+        .saturating_mul(NEXT_WINDOW_PAGES);
         let next_cursor = match candidates.last() {
             Some(last) if page_full => Some(Cursor::after(watermark, last, next_window).encode()),
             _ => None,
         };
         // The cursor is the last candidate's, so a page shortened here still goes on where it should.
         let captures = self.newest_of(candidates, &written_again, watermark, &query.labels).await?;
-        Ok(Page { captures, next_cursor, watermark, window_ns: next_window })
+        Ok(Page { captures, next_cursor, watermark, window_ns: next_window, first_window_ns })
     }
 
     /// Where a later page reads, from its cursor alone: at the cursor's watermark, from its position on, in its
@@ -1846,7 +1870,13 @@ mod tests {
             content_type: String::new(),
             version: 1,
         };
-        let page = Page { captures: (0..10).map(capture).collect(), next_cursor: None, watermark: 7, window_ns: 5 };
+        let page = Page {
+            captures: (0..10).map(capture).collect(),
+            next_cursor: None,
+            watermark: 7,
+            window_ns: 5,
+            first_window_ns: 5,
+        };
         let row_bytes = serde_json::to_vec(&page.captures[0]).unwrap().len() + 1;
         let cut = page.clone().cut_to_bytes(row_bytes * 3 + row_bytes / 2);
         assert_eq!(cut.captures.len(), 3);
