@@ -1029,6 +1029,10 @@ async fn listings_page_through_dense_sparse_and_empty_stretches_of_time_in_order
     let hour = reader.list(&hour_query).await.unwrap();
     assert_eq!(hour.captures.len(), 10);
     assert!(hour.first_window_ns() >= until - since, "read in more than one window: {}", hour.first_window_ns());
+    // Those ten share one instant, so they took no time: the next page's window is still at least an eighth of the
+    // window that filled the page, not 2 ns.
+    assert!(hour.captures.iter().all(|capture| capture.captured_at_ns == 40_000_000_000_000_000));
+    assert!(hour.window_ns() >= hour.first_window_ns() / 8, "{} ns", hour.window_ns());
 }
 
 for_each_version!(a_first_page_of_a_dense_stream_reads_a_window_of_about_four_pages_not_a_fraction_of_its_span);

@@ -41,12 +41,14 @@
 //! - `captures_of_version`: `by_version` at one version, O(captures of that version); `tail_page`: the publishes
 //!   after a position and one `by_version` range up to the version the page reaches, O(page) (a catching-up tail
 //!   plans a few pages from one read of `publishes` and reads them at once, in `super::tail`);
-//! - `list`: a setup statement on a first page (a later page has what it needs in its cursor), then time windows
+//! - `list`: a setup statement on a first page (a later page has what its first window needs in its cursor, and
+//!   reads the horizons beside that window, the setup only if it falls short), then time windows
 //!   of `captures` (across streams: of `by_time` where the server keeps it, see [`CatalogReader::list`]), each a
 //!   primary-key range, visibility against the publishes at the versions of the window's rows, and beside each
 //!   window, in parallel, a `by_id` lookup for the window's ids; the ids with a newer row (a re-post, a deletion, or
 //!   a compaction's move: after compaction that is most ids) have that row read from `by_version` at its version:
-//!   about O(page) per page, one round trip for a later page, one more once compacted. Every read is bounded by `catalog.read_max_memory` and the request timeout.
+//!   about O(page) per page, one round trip for a later page whose first window fills it, one more once
+//!   compacted. Every read is bounded by `catalog.read_max_memory` and the request timeout.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -1188,30 +1190,39 @@ impl CatalogReader {
     /// its first window needs in its cursor (the watermark, where it starts, the window), so it reads that window at
     /// once, and the setup only when the window falls short (for the end of the rows, where the windows stop). Beside
     /// each window, in parallel, `by_id` is asked which of the window's ids have a newer version
-    /// ([`CatalogReader::ids_written_again`]): a page is one round trip once the cursor has it going.
+    /// ([`CatalogReader::newest_versions_in_window`]). A later page whose first window fills it is one round trip
+    /// (the window, `by_id` and the horizons, which its cursor's position is checked against, read side by side).
     pub async fn list(&self, query: &ListQuery) -> Result<Page, CatalogError> {
         let cursor = query.cursor.as_deref().map(Cursor::decode).transpose()?;
         let limit = query.limit.clamp(1, 100_000);
-        let mut span = match cursor.as_ref().and_then(|cursor| self.later_page_span(query, cursor)) {
-            Some(span) => span,
-            None => {
-                let pinned_opt = cursor.as_ref().map(|cursor| cursor.watermark).or(query.watermark);
-                let setup = self.page_setup(query, pinned_opt).await?;
-                match self.first_window_span(query, cursor.as_ref(), &setup, limit) {
-                    Some(span) => span,
-                    None => {
-                        let watermark = setup.watermark;
-                        return Ok(Page {
-                            captures: Vec::new(),
-                            next_cursor: None,
-                            watermark,
-                            window_ns: 0,
-                            first_window_ns: 0,
-                        });
-                    }
-                }
+        if let Some(span) = cursor.as_ref().and_then(|cursor| self.later_page_span(query, cursor)) {
+            if let Some(page) = self.read_windows(query, cursor.as_ref(), span, limit, true).await? {
+                return Ok(page);
             }
+            // The cursor's position is below a horizon committed at its watermark (a cursor of a build before
+            // horizons, or one made up): read from the setup, which starts at the horizon.
+        }
+        let pinned_opt = cursor.as_ref().map(|cursor| cursor.watermark).or(query.watermark);
+        let setup = self.page_setup(query, pinned_opt).await?;
+        let Some(span) = self.first_window_span(query, cursor.as_ref(), &setup, limit) else {
+            let watermark = setup.watermark;
+            return Ok(Page { captures: Vec::new(), next_cursor: None, watermark, window_ns: 0, first_window_ns: 0 });
         };
+        let page = self.read_windows(query, cursor.as_ref(), span, limit, false).await?;
+        page.ok_or_else(|| CatalogError::new(ErrorKind::DefinitelyFailed, "a page's windows were not read"))
+    }
+
+    /// The page read in windows over `span` (see [`CatalogReader::list`]). With `check_horizon` (a later page, whose
+    /// span starts where its cursor says), the horizons are read beside the first window: None when one committed
+    /// at the watermark is past the span's start, which nothing of the page may be read below.
+    async fn read_windows(
+        &self,
+        query: &ListQuery,
+        cursor: Option<&Cursor>,
+        mut span: PageSpan<'_>,
+        limit: u64,
+        check_horizon: bool,
+    ) -> Result<Option<Page>, CatalogError> {
         let watermark = span.watermark;
 
         let catalog = self.catalog_literal();
@@ -1229,7 +1240,7 @@ impl CatalogReader {
             }
             conditions.push(format!("has(label_keys, {key}) AND label_values[indexOf(label_keys, {key})] = {value}"));
         }
-        let having = match &cursor {
+        let having = match cursor {
             Some(cursor) => format!(
                 " HAVING at_v > {at} OR (at_v = {at} AND capture_id > {id})",
                 at = cursor.captured_at_ns,
@@ -1239,7 +1250,8 @@ impl CatalogReader {
         };
         let (page_start, first_window_ns) = (span.start, span.window);
         let mut candidates: Vec<CaptureLocation> = Vec::new();
-        let mut written_again: HashMap<String, u64> = HashMap::new();
+        let mut newest_written: HashMap<String, u64> = HashMap::new();
+        let mut horizon_unchecked = check_horizon;
         while span.start < span.end && (candidates.len() as u64) < limit {
             let window_end = span.start.saturating_add(span.window).min(span.end);
             let needed = limit - candidates.len() as u64;
@@ -1258,13 +1270,23 @@ impl CatalogReader {
             );
             let sql =
                 locations_sql(span.table, &format!("{in_window} AND {visible}"), &having, &format!(" LIMIT {needed}"));
-            let (rows, again) = tokio::try_join!(
+            let check_horizon = std::mem::take(&mut horizon_unchecked);
+            let (rows, newest, horizon_ns) = tokio::try_join!(
                 self.client.fetch_all::<CaptureLocation>(&sql),
-                self.ids_written_again(span.table, &in_window, watermark)
+                self.newest_versions_in_window(span.table, &in_window, watermark),
+                async {
+                    match check_horizon {
+                        true => self.horizons(watermark).await.map(|horizons| horizons.before_at(watermark)),
+                        false => Ok(0),
+                    }
+                }
             )?;
+            if horizon_ns > page_start {
+                return Ok(None);
+            }
             let filled = rows.len() as u64 == needed;
             candidates.extend(rows);
-            written_again.extend(again.into_iter().map(|row| (row.id, row.newest)));
+            newest_written.extend(newest.into_iter().map(|row| (row.id, row.newest)));
             if filled {
                 break;
             }
@@ -1275,19 +1297,21 @@ impl CatalogReader {
             }
         }
         let page_full = candidates.len() as u64 == limit;
-        // The next page's window: the time this page's rows took, times NEXT_WINDOW_PAGES.
-        let next_window = match candidates.last() {
+        // The next page's window: the time this page's rows took, times NEXT_WINDOW_PAGES, and at least a
+        // WINDOW_GROWTH-th of the window that filled it (rows at one instant took no time: the next window must
+        // not shrink to nothing).
+        let taken = match candidates.last() {
             Some(last) => last.captured_at_ns.saturating_sub(page_start).saturating_add(1),
             None => span.window,
-        }
-        .saturating_mul(NEXT_WINDOW_PAGES);
+        };
+        let next_window = taken.saturating_mul(NEXT_WINDOW_PAGES).max(span.window / WINDOW_GROWTH).max(1);
         let next_cursor = match candidates.last() {
             Some(last) if page_full => Some(Cursor::after(watermark, last, next_window).encode()),
             _ => None,
         };
         // The cursor is the last candidate's, so a page shortened here still goes on where it should.
-        let captures = self.newest_of(candidates, &written_again, watermark, &query.labels).await?;
-        Ok(Page { captures, next_cursor, watermark, window_ns: next_window, first_window_ns })
+        let captures = self.newest_of(candidates, &newest_written, watermark, &query.labels).await?;
+        Ok(Some(Page { captures, next_cursor, watermark, window_ns: next_window, first_window_ns }))
     }
 
     /// Where a later page reads, from its cursor alone: at the cursor's watermark, from its position on, in its
@@ -1303,7 +1327,8 @@ impl CatalogReader {
             true if self.time_table_kept.load(Ordering::Relaxed) => &self.tables.by_time,
             true => return None,
         };
-        // (The cursor's position is at or after the horizons committed up to its watermark: its page started there.)
+        // (The horizons are not known here: a cursor's position is at or after those committed up to its watermark
+        // when a page of this build made it, and `read_windows` checks it against them beside the first window.)
         Some(PageSpan {
             watermark: cursor.watermark,
             table,
@@ -1406,21 +1431,21 @@ impl CatalogReader {
     /// is listed as that version if it is a move of the capture to another place (a compaction's, written to the
     /// index tables only: same stream and time, and still carrying `labels`), and left out otherwise (a re-post into
     /// another stream or with other labels or another time is listed where its own row is, and a deletion is not
-    /// listed), so that `list` returns what `get` returns. `written_again` holds the newest version `by_id` has of
-    /// each id of the windows read that has more than one ([`CatalogReader::ids_written_again`], of every version
-    /// written, committed or not): an id with nothing newer than its candidate cannot be superseded, and until
+    /// listed), so that `list` returns what `get` returns. `newest_written` holds the newest version `by_id` has of
+    /// each id of the windows read ([`CatalogReader::newest_versions_in_window`], of every version written,
+    /// committed or not): an id with nothing newer than its candidate cannot be superseded, and until
     /// compaction has moved them that is almost every id. Only the ids with a newer row are read from `by_version`
     /// at their newest committed version (a newer row may be an orphan, which must not hide the capture).
     async fn newest_of(
         &self,
         candidates: Vec<CaptureLocation>,
-        written_again: &HashMap<String, u64>,
+        newest_written: &HashMap<String, u64>,
         watermark: u64,
         labels: &BTreeMap<String, String>,
     ) -> Result<Vec<CaptureLocation>, CatalogError> {
         let suspects: Vec<Uuid> = candidates
             .iter()
-            .filter(|capture| written_again.get(&capture.capture_id).is_some_and(|newest| *newest > capture.version))
+            .filter(|capture| newest_written.get(&capture.capture_id).is_some_and(|newest| *newest > capture.version))
             .filter_map(|capture| Uuid::parse_str(&capture.capture_id).ok())
             .collect();
         let (mut newest, horizons) = match suspects.is_empty() {
@@ -1448,14 +1473,15 @@ impl CatalogReader {
             .collect())
     }
 
-    /// The ids of a window's rows (`in_window`, a condition on `table`) that `by_id` holds more than one version of
-    /// at or below `watermark` (committed or not), with the newest: the only ids a newer row may supersede
-    /// ([`CatalogReader::newest_of`]). An id written once has only the row the window holds. A primary-key read of
-    /// `by_id` for the window's ids (UUIDv7 ids of a time window are close together there), whose answer is about
-    /// nothing until compaction moves captures. Read beside the window, not after it, since it does not need the
-    /// window's answer: the window's rows past the page's limit are asked about too, which costs a read of their
-    /// ids, not a round trip.
-    async fn ids_written_again(
+    /// The newest version `by_id` holds at or below `watermark` (committed or not) of each id of a window's rows
+    /// (`in_window`, a condition on `table`): an id whose newest is above its listed row's version may be superseded
+    /// ([`CatalogReader::newest_of`]). A primary-key read of `by_id` for the window's ids (UUIDv7 ids of a time
+    /// window are close together there). Read beside the window, not after it, since it does not need the window's
+    /// answer: the window's rows past the page's limit are asked about too (a window holds a few pages), which costs
+    /// a read of their ids, not a round trip. Every id is answered, not only those with more than one version in
+    /// `by_id`: a purge's row removal may have taken the listed row's version out of `by_id` (a mutation of its own)
+    /// while `captures` still holds it, and the newer row must still hide it.
+    async fn newest_versions_in_window(
         &self,
         table: &str,
         in_window: &str,
@@ -1466,8 +1492,7 @@ impl CatalogReader {
             .fetch_all(&format!(
                 "SELECT UUIDNumToString(id_num) AS id, newest FROM (SELECT capture_id AS id_num, max(version) AS \
                  newest FROM {by_id} WHERE catalog = {catalog} AND capture_id IN (SELECT UUIDStringToNum(capture_id) \
-                 FROM {table} WHERE {in_window}) AND version <= {watermark} GROUP BY capture_id HAVING \
-                 min(version) < newest)",
+                 FROM {table} WHERE {in_window}) AND version <= {watermark} GROUP BY capture_id)",
                 by_id = self.tables.by_id,
                 catalog = self.catalog_literal(),
             ))
