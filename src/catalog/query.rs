@@ -887,16 +887,19 @@ impl CatalogReader {
     /// The table a listing reads its windows from (see [`CatalogReader::may_read_time_table`]): `by_time` once it is
     /// found kept (remembered; one still filling is asked about again by the next listing), else `captures`.
     fn listing_table(&self, query: &ListQuery, setup: &PageSetup) -> &str {
-        if !self.may_read_time_table(query) {
-            return &self.tables.captures;
-        }
-        if setup.time_table_marked {
+        if setup.time_table_marked && self.may_read_time_table(query) {
             self.time_table_kept.store(true, Ordering::Relaxed);
         }
-        match self.time_table_kept.load(Ordering::Relaxed) {
-            true => &self.tables.by_time,
-            false => &self.tables.captures,
+        self.known_listing_table(query).unwrap_or(&self.tables.captures)
+    }
+
+    /// The table a listing reads its windows from, as far as this reader knows without a setup: None while the
+    /// listing may read `by_time` and it is not known kept yet.
+    fn known_listing_table(&self, query: &ListQuery) -> Option<&str> {
+        if !self.may_read_time_table(query) {
+            return Some(&self.tables.captures);
         }
+        self.time_table_kept.load(Ordering::Relaxed).then_some(&self.tables.by_time)
     }
 
     /// The statement that counts the rows a first page's window is sized by ([`FIRST_WINDOW_PAGES`]), as `[rows,
@@ -1196,11 +1199,7 @@ impl CatalogReader {
         let cursor = query.cursor.as_deref().map(Cursor::decode).transpose()?;
         let limit = query.limit.clamp(1, 100_000);
         if let Some(span) = cursor.as_ref().and_then(|cursor| self.later_page_span(query, cursor)) {
-            if let Some(page) = self.read_windows(query, cursor.as_ref(), span, limit, true).await? {
-                return Ok(page);
-            }
-            // The cursor's position is below a horizon committed at its watermark (a cursor of a build before
-            // horizons, or one made up): read from the setup, which starts at the horizon.
+            return self.read_windows(query, cursor.as_ref(), span, limit, true).await;
         }
         let pinned_opt = cursor.as_ref().map(|cursor| cursor.watermark).or(query.watermark);
         let setup = self.page_setup(query, pinned_opt).await?;
@@ -1208,13 +1207,13 @@ impl CatalogReader {
             let watermark = setup.watermark;
             return Ok(Page { captures: Vec::new(), next_cursor: None, watermark, window_ns: 0, first_window_ns: 0 });
         };
-        let page = self.read_windows(query, cursor.as_ref(), span, limit, false).await?;
-        page.ok_or_else(|| CatalogError::new(ErrorKind::DefinitelyFailed, "a page's windows were not read"))
+        self.read_windows(query, cursor.as_ref(), span, limit, false).await
     }
 
     /// The page read in windows over `span` (see [`CatalogReader::list`]). With `check_horizon` (a later page, whose
-    /// span starts where its cursor says), the horizons are read beside the first window: None when one committed
-    /// at the watermark is past the span's start, which nothing of the page may be read below.
+    /// span starts where its cursor says), the horizons are read beside the first window; should one committed at
+    /// the watermark be past the span's start (a cursor of a build before horizons, or one made up), that window's
+    /// rows are dropped and the windows start again at the horizon, as a page from the setup would.
     async fn read_windows(
         &self,
         query: &ListQuery,
@@ -1222,7 +1221,7 @@ impl CatalogReader {
         mut span: PageSpan<'_>,
         limit: u64,
         check_horizon: bool,
-    ) -> Result<Option<Page>, CatalogError> {
+    ) -> Result<Page, CatalogError> {
         let watermark = span.watermark;
 
         let catalog = self.catalog_literal();
@@ -1248,7 +1247,7 @@ impl CatalogReader {
             ),
             None => String::new(),
         };
-        let (page_start, first_window_ns) = (span.start, span.window);
+        let (mut page_start, first_window_ns) = (span.start, span.window);
         let mut candidates: Vec<CaptureLocation> = Vec::new();
         let mut newest_written: HashMap<String, u64> = HashMap::new();
         let mut horizon_unchecked = check_horizon;
@@ -1282,7 +1281,8 @@ impl CatalogReader {
                 }
             )?;
             if horizon_ns > page_start {
-                return Ok(None);
+                (span.start, page_start) = (horizon_ns, horizon_ns);
+                continue;
             }
             let filled = rows.len() as u64 == needed;
             candidates.extend(rows);
@@ -1311,7 +1311,7 @@ impl CatalogReader {
         };
         // The cursor is the last candidate's, so a page shortened here still goes on where it should.
         let captures = self.newest_of(candidates, &newest_written, watermark, &query.labels).await?;
-        Ok(Some(Page { captures, next_cursor, watermark, window_ns: next_window, first_window_ns }))
+        Ok(Page { captures, next_cursor, watermark, window_ns: next_window, first_window_ns })
     }
 
     /// Where a later page reads, from its cursor alone: at the cursor's watermark, from its position on, in its
@@ -1322,11 +1322,7 @@ impl CatalogReader {
         if cursor.window_ns == 0 {
             return None;
         }
-        let table = match self.may_read_time_table(query) {
-            false => &self.tables.captures,
-            true if self.time_table_kept.load(Ordering::Relaxed) => &self.tables.by_time,
-            true => return None,
-        };
+        let table = self.known_listing_table(query)?;
         // (The horizons are not known here: a cursor's position is at or after those committed up to its watermark
         // when a page of this build made it, and `read_windows` checks it against them beside the first window.)
         Some(PageSpan {
