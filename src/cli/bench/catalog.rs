@@ -83,13 +83,18 @@ pub async fn catalog_publish(options: &CatalogBenchOptions) -> anyhow::Result<Ve
 
 /// One pack of `rows` synthetic capture rows in one stream, with one label.
 pub(super) fn synthetic_pack(rows: u64) -> PackDescriptor {
+    synthetic_pack_at(rows, 1_700_000_000_000_000_000)
+}
+
+/// [`synthetic_pack`] whose captures are `first_captured_at_ns` and the next `rows - 1` ns.
+pub(super) fn synthetic_pack_at(rows: u64, first_captured_at_ns: u64) -> PackDescriptor {
     let pack_id = Uuid::now_v7();
     let entries: Vec<IndexEntry> = (0..rows)
         .map(|n| IndexEntry {
             meta: CaptureMeta {
                 capture_id: Uuid::now_v7(),
                 stream: "bench/stream".into(),
-                captured_at_ns: 1_700_000_000_000_000_000 + n,
+                captured_at_ns: first_captured_at_ns + n,
                 labels: BTreeMap::from([("site".to_string(), "berlin".to_string())]),
                 content_type: None,
                 source_name: None,

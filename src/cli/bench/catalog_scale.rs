@@ -23,7 +23,7 @@ use capstore::catalog::tail::TailPages;
 use capstore::catalog::{CatalogClient, Tables};
 use capstore::config::Config;
 
-use super::catalog::{publish_until_committed, synthetic_pack};
+use super::catalog::{publish_until_committed, synthetic_pack, synthetic_pack_at};
 use super::median;
 use crate::cli::read_cmd::TAIL_CAPTURES_PER_READ;
 
@@ -508,8 +508,10 @@ async fn publishes(bench: &mut Bench<'_>, config: &Config, tables: &Tables, coun
         let lease = keeper.start(config.start_wait(), &mut shutdown_rx).await?;
         let publisher = Publisher::new(bench.client.clone(), tables.clone(), &catalog, lease.handle().clone());
         let mut runs = Vec::with_capacity(count);
-        for _ in 0..count.max(1) {
-            let pack = synthetic_pack(CAPTURES_PER_PUBLISH);
+        for publish in 0..count.max(1) as u64 {
+            // Captured after the synthetic history, a second apart, as a producer's captures come in now: at its
+            // start they would make every later run's first pages read a few thousand captures of one instant.
+            let pack = synthetic_pack_at(CAPTURES_PER_PUBLISH, FIRST_NS + SPAN_NS + publish * 1_000_000_000);
             let started = Instant::now();
             publish_until_committed(&publisher, &pack).await?;
             runs.push(started.elapsed().as_secs_f64() * 1000.0);
