@@ -1309,6 +1309,48 @@ async fn a_capture_re_posted_into_another_stream_is_listed_only_where_its_newest
     assert_eq!(everything.captures.len(), 2, "each capture once without a stream filter too");
 }
 
+for_each_version!(a_re_post_past_the_rows_by_id_is_asked_about_beside_the_window_is_still_found);
+/// `by_id` is asked beside a window about its first rows only, as many as the page needs and a margin: a capture
+/// further on (here behind the rows of a publish that never committed, which are no captures) whose newest version is
+/// elsewhere must still be left out, by the check after the window.
+async fn a_re_post_past_the_rows_by_id_is_asked_about_beside_the_window_is_still_found(
+    server: &'static ClickHouseServer,
+) {
+    let catalog = catalog(server, false).await;
+    let mut all: Vec<Uuid> = (0..100).map(|_| Uuid::now_v7()).collect();
+    all.sort_by_key(|id| id.to_string());
+    // Every row at one instant (one window), in capture_id order: 60 of an orphan publish at version 1, then the 40
+    // captures of the one that committed it.
+    let (orphans, ids) = all.split_at(60);
+    let (committed, orphan, re_post) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
+    for id in orphans {
+        catalog.insert_capture_row(*id, "cam/a", 100, 1, orphan);
+    }
+    for id in ids {
+        catalog.insert_capture_row(*id, "cam/a", 100, 1, committed);
+    }
+    catalog.commit_row(1, committed);
+    // The 34th capture is re-posted into cam/b: 93 rows come before it in cam/a, past the 35 + 8 + 16 asked about.
+    let moved = ids[33];
+    catalog.insert_capture_row(moved, "cam/b", 100, 2, re_post);
+    catalog.commit_row(2, re_post);
+    let reader = catalog.reader();
+    let query = ListQuery { stream: Some("cam/a".into()), limit: 35, ..Default::default() };
+    let page = reader.list(&query).await.unwrap();
+    let listed: Vec<(String, u64)> = page.captures.iter().map(|c| (c.capture_id.clone(), c.version)).collect();
+    // (The page is the first 35 in cam/a's rows, less the one whose newest version is elsewhere.)
+    let expected: Vec<(String, u64)> =
+        ids.iter().take(35).filter(|id| **id != moved).map(|id| (id.to_string(), 1)).collect();
+    assert_eq!(listed, expected, "the re-posted capture left cam/a; the others are listed, the orphans are not");
+    let rest = reader.list(&ListQuery { cursor: page.next_cursor.clone(), ..query }).await.unwrap();
+    let rest: Vec<String> = rest.captures.iter().map(|c| c.capture_id.clone()).collect();
+    let expected_rest: Vec<String> = ids.iter().skip(35).map(Uuid::to_string).collect();
+    assert_eq!(rest, expected_rest);
+    let in_b =
+        reader.list(&ListQuery { stream: Some("cam/b".into()), limit: 100, ..Default::default() }).await.unwrap();
+    assert_eq!(in_b.captures.iter().map(|c| c.capture_id.clone()).collect::<Vec<_>>(), vec![moved.to_string()]);
+}
+
 for_each_version!(gc_removes_orphan_rows_from_every_table_and_keeps_every_committed_capture_readable);
 async fn gc_removes_orphan_rows_from_every_table_and_keeps_every_committed_capture_readable(
     server: &'static ClickHouseServer,
