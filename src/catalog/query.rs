@@ -47,8 +47,8 @@
 //!   of `captures` (across streams: of `by_time` where the server keeps it, see [`CatalogReader::list`]), each a
 //!   primary-key range, visibility against the publishes at the versions of the window's rows, and beside each
 //!   window, in parallel, a `by_id` lookup for the ids of the window's first rows (about the page's); the ids with a
-//!   newer row (a re-post, a deletion, or a compaction's move: after compaction that is most ids), and any not looked
-//!   up, have their newest row read from `by_version` at its version:
+//!   newer row (a re-post, a deletion, or a compaction's move: after compaction that is most ids), and any it did not
+//!   answer, have their newest row read from `by_version` at its version:
 //!   about O(page) per page, one round trip for a later page whose first window fills it, one more once
 //!   compacted. Every read is bounded by `catalog.read_max_memory` and the request timeout.
 
@@ -420,7 +420,7 @@ const NEXT_WINDOW_PAGES: u64 = 2;
 /// The rows of a window `by_id` is asked about beside it ([`CatalogReader::newest_versions_of_first_rows`]): the
 /// rows the page still needs, a fourth more and 16, for the rows before the page's last that are not its captures
 /// (older versions of them, copies from unmerged parts, orphans). A page with more of those than the margin has its
-/// last candidates checked after the window, one round trip more.
+/// last candidates asked about after the window, by id ([`CatalogReader::newest_versions_of`]).
 const CHECKED_ROWS_MARGIN_FRACTION: u64 = 4;
 const CHECKED_ROWS_MARGIN: u64 = 16;
 
@@ -439,6 +439,9 @@ struct CommittedVersion {
 /// Ids per multi-get statement: each appears three times in it (about 175 characters), well inside the server's
 /// max_query_size of 256 KiB.
 pub const MULTI_GET_BATCH: usize = 500;
+/// Statements of [`MULTI_GET_BATCH`] ids a read of many ids runs at once (a multi-get, a page's candidates checked
+/// after its window): a page of 10,000 is 20 batches.
+const CONCURRENT_BATCHES: usize = 4;
 
 /// The rows of `by_version` that are entries of the log of publishes (`tail`, exports by version): committed, and
 /// not a move. A publish of packs (`packs > 0`) holds captures (`pack_id` set); a publish of none holds deletions
@@ -694,9 +697,10 @@ impl Cursor {
 /// those after the cursor's position (`after_cursor`, a condition on the newest rows; empty on a first page), at most
 /// `limit`. Each capture's newest row is found by sorting the window's rows by (capture_id, version descending) and
 /// keeping the first of each id (`LIMIT 1 BY`); rows of one version are copies of one row (unmerged parts, a
-/// replica's copy). On 18.16 that takes about 0.6x the time and memory of an `argMax` of each column grouped by id (a
+/// replica's copy), and should two ever differ in time, the earliest is kept, as `tail` keeps it. On 18.16 that takes about 0.6x the time and memory of an `argMax` of each column grouped by id (a
 /// window of 40,000 rows: 63 ms and 42 MB against 105 ms and 68 MB). The cursor is applied to the newest rows only:
-/// before them, an older row of a capture re-posted with an earlier time would be listed after the cursor.
+/// applied to every row, it would keep an older row of a capture whose newest row is before the cursor (a re-post
+/// with an earlier time), which the check after the window would then drop, leaving the page short.
 fn window_rows_sql(table: &str, conditions: &str, after_cursor: &str, limit: u64) -> String {
     let after_cursor = match after_cursor {
         "" => String::new(),
@@ -704,7 +708,7 @@ fn window_rows_sql(table: &str, conditions: &str, after_cursor: &str, limit: u64
     };
     format!(
         "SELECT {LOCATION_COLUMNS} FROM (SELECT {LOCATION_COLUMNS} FROM {table} WHERE {conditions} ORDER BY \
-         capture_id, version DESC LIMIT 1 BY capture_id){after_cursor} ORDER BY captured_at_ns, capture_id LIMIT {limit}"
+         capture_id, version DESC, captured_at_ns LIMIT 1 BY capture_id){after_cursor} ORDER BY captured_at_ns, capture_id LIMIT {limit}"
     )
 }
 
@@ -1144,44 +1148,55 @@ impl CatalogReader {
     }
 
     /// The newest committed row of each of `ids` as a reader pinned at `watermark` sees them, horizons not applied.
+    /// Batches of [`MULTI_GET_BATCH`] ids, [`CONCURRENT_BATCHES`] at a time.
     async fn newest_rows_at(
         &self,
         ids: &[Uuid],
         watermark: u64,
     ) -> Result<HashMap<Uuid, CaptureLocation>, CatalogError> {
-        let catalog = self.catalog_literal();
+        use futures::{StreamExt, TryStreamExt};
+        // (Batches owned, not borrowed: a closure over borrowed slices makes the future not `Send` for every
+        // lifetime, which `tokio::spawn` of a caller needs.)
+        let batches: Vec<Vec<Uuid>> = ids.chunks(MULTI_GET_BATCH).map(<[Uuid]>::to_vec).collect();
+        let batches: Vec<Vec<CaptureLocation>> = futures::stream::iter(batches)
+            .map(|batch| async move { self.committed_rows_of(&batch, watermark).await })
+            .buffer_unordered(CONCURRENT_BATCHES)
+            .try_collect()
+            .await?;
         let mut newest: HashMap<Uuid, CaptureLocation> = HashMap::with_capacity(ids.len());
-        for batch in ids.chunks(MULTI_GET_BATCH) {
-            let texts: Vec<String> = batch.iter().map(|id| sql_string_literal(&id.to_string())).collect();
-            let nums: Vec<String> = batch.iter().map(|id| sql_uuid_num(&id.to_string())).collect();
-            let written = format!(
-                "SELECT version FROM {by_id} WHERE catalog = {catalog} AND capture_id IN ({nums}) AND \
-                 version <= {watermark}",
-                by_id = self.tables.by_id,
-                nums = nums.join(", ")
-            );
-            let rows: Vec<CaptureLocation> = self
-                .client
-                .fetch_all(&format!(
-                    "SELECT {LOCATION_COLUMNS} FROM {by_version} WHERE catalog = {catalog} AND version IN ({written}) \
-                     AND capture_id IN ({texts}) AND (version, publish_id) IN (SELECT version, publish_id FROM \
-                     {publishes} WHERE catalog = {catalog} AND version IN ({written}))",
-                    by_version = self.tables.by_version,
-                    publishes = self.tables.publishes,
-                    texts = texts.join(", "),
-                ))
-                .await?;
-            for row in rows {
-                let Ok(id) = Uuid::parse_str(&row.capture_id) else { continue };
-                match newest.get(&id) {
-                    Some(kept) if kept.version >= row.version => {}
-                    _ => {
-                        newest.insert(id, row);
-                    }
+        for row in batches.into_iter().flatten() {
+            let Ok(id) = Uuid::parse_str(&row.capture_id) else { continue };
+            match newest.get(&id) {
+                Some(kept) if kept.version >= row.version => {}
+                _ => {
+                    newest.insert(id, row);
                 }
             }
         }
         Ok(newest)
+    }
+
+    /// The committed rows of `ids` at or below `watermark`, every version: the versions `by_id` holds for them, their
+    /// rows in `by_version` at those versions, kept where (version, publish_id) is committed. One statement.
+    async fn committed_rows_of(&self, ids: &[Uuid], watermark: u64) -> Result<Vec<CaptureLocation>, CatalogError> {
+        let catalog = self.catalog_literal();
+        let texts: Vec<String> = ids.iter().map(|id| sql_string_literal(&id.to_string())).collect();
+        let nums: Vec<String> = ids.iter().map(|id| sql_uuid_num(&id.to_string())).collect();
+        let written = format!(
+            "SELECT version FROM {by_id} WHERE catalog = {catalog} AND capture_id IN ({nums}) AND version <= {watermark}",
+            by_id = self.tables.by_id,
+            nums = nums.join(", ")
+        );
+        self.client
+            .fetch_all(&format!(
+                "SELECT {LOCATION_COLUMNS} FROM {by_version} WHERE catalog = {catalog} AND version IN ({written}) AND \
+                 capture_id IN ({texts}) AND (version, publish_id) IN (SELECT version, publish_id FROM {publishes} \
+                 WHERE catalog = {catalog} AND version IN ({written}))",
+                by_version = self.tables.by_version,
+                publishes = self.tables.publishes,
+                texts = texts.join(", "),
+            ))
+            .await
     }
 
     /// One page of captures by stream, time range and labels, in (captured_at_ns, capture_id) order.
@@ -1308,6 +1323,17 @@ impl CatalogReader {
             if !span.end_known {
                 self.find_end(query, &mut span).await?;
             }
+        }
+        // The candidates past the rows `by_id` was asked about beside their window (more rows that are not the
+        // page's than the margin: a publish's orphan copies, many older versions), asked about now, by id.
+        let unanswered: Vec<&str> = candidates
+            .iter()
+            .map(|capture| capture.capture_id.as_str())
+            .filter(|id| !newest_written.contains_key(*id))
+            .collect();
+        if !unanswered.is_empty() {
+            let answers = self.newest_versions_of(&unanswered, watermark).await?;
+            newest_written.extend(answers.into_iter().map(|row| (row.id, row.newest)));
         }
         let page_full = candidates.len() as u64 == limit;
         // The next page's window: the time this page's rows took, times NEXT_WINDOW_PAGES, and at least a
@@ -1443,7 +1469,7 @@ impl CatalogReader {
     /// listed), so that `list` returns what `get` returns. `newest_written` holds the newest version `by_id` has of
     /// each id of the windows' first rows ([`CatalogReader::newest_versions_of_first_rows`], of every version
     /// written, committed or not): an id with nothing newer than its candidate cannot be superseded, and until
-    /// compaction has moved them that is almost every id. Only the ids with a newer row, and those not asked about,
+    /// compaction has moved them that is almost every id. Only the ids with a newer row, and those it did not answer,
     /// are read from `by_version` at their newest committed version (a newer row may be an orphan, which must not
     /// hide the capture; an id with none is listed as it is).
     async fn newest_of(
@@ -1492,25 +1518,47 @@ impl CatalogReader {
     /// is ordered by id, so in one stream of many the read covers every stream's ids of the time the rows span: it
     /// grows with that time, not with the rows asked about, and all of a window's ids cost several times the page's
     /// (on 26.9, 460 ms for the 12,500 ids of a stream's window of 100 streams). A candidate whose id is not answered
-    /// (past the rows asked about) is checked after the window instead. Every id asked about is answered, not only
-    /// those with more than one version in `by_id`: a purge's row removal may have taken the listed row's version out
-    /// of `by_id` (a mutation of its own) while `captures` still holds it, and the newer row must still hide it.
+    /// (past the rows asked about) is asked about after the window, by id ([`CatalogReader::newest_versions_of`]). Every id asked about that `by_id` holds at or
+    /// below the watermark is answered, not only those with more than one version there: a purge's row removal may
+    /// have taken the listed row's version out of `by_id` (a mutation of its own) while `captures` still holds it, and
+    /// the newer row must still hide it.
     async fn newest_versions_of_first_rows(
         &self,
         table: &str,
         first_rows: &str,
         watermark: u64,
     ) -> Result<Vec<NewestVersion>, CatalogError> {
+        let ids = format!("SELECT UUIDStringToNum(capture_id) FROM {table} WHERE {first_rows}");
+        self.client.fetch_all(&self.newest_versions_sql(&ids, watermark)).await
+    }
+
+    /// [`CatalogReader::newest_versions_of_first_rows`] for the candidates it did not answer, by their ids:
+    /// [`MULTI_GET_BATCH`] literal ids a statement, [`CONCURRENT_BATCHES`] at a time.
+    async fn newest_versions_of(&self, ids: &[&str], watermark: u64) -> Result<Vec<NewestVersion>, CatalogError> {
+        use futures::{StreamExt, TryStreamExt};
+        let batches: Vec<String> = ids
+            .chunks(MULTI_GET_BATCH)
+            .map(|batch| batch.iter().map(|id| sql_uuid_num(id)).collect::<Vec<_>>().join(", "))
+            .collect();
+        let answers: Vec<Vec<NewestVersion>> = futures::stream::iter(batches)
+            .map(|ids| async move { self.client.fetch_all(&self.newest_versions_sql(&ids, watermark)).await })
+            .buffer_unordered(CONCURRENT_BATCHES)
+            .try_collect()
+            .await?;
+        Ok(answers.into_iter().flatten().collect())
+    }
+
+    /// The newest version `by_id` holds at or below `watermark` of each of `ids` (a subquery or a list of
+    /// `FixedString(16)` values): `id, newest`.
+    fn newest_versions_sql(&self, ids: &str, watermark: u64) -> String {
         // (`id_num` in the inner query: an alias named like the column would capture the WHERE clause.)
-        self.client
-            .fetch_all(&format!(
-                "SELECT UUIDNumToString(id_num) AS id, newest FROM (SELECT capture_id AS id_num, max(version) AS \
-                 newest FROM {by_id} WHERE catalog = {catalog} AND capture_id IN (SELECT UUIDStringToNum(capture_id) \
-                 FROM {table} WHERE {first_rows}) AND version <= {watermark} GROUP BY capture_id)",
-                by_id = self.tables.by_id,
-                catalog = self.catalog_literal(),
-            ))
-            .await
+        format!(
+            "SELECT UUIDNumToString(id_num) AS id, newest FROM (SELECT capture_id AS id_num, max(version) AS newest \
+             FROM {by_id} WHERE catalog = {catalog} AND capture_id IN ({ids}) AND version <= {watermark} GROUP BY \
+             capture_id)",
+            by_id = self.tables.by_id,
+            catalog = self.catalog_literal(),
+        )
     }
 
     /// Committed publishes after version `after`, up to the watermark, in version order (for tailing consumers).
