@@ -677,14 +677,18 @@ async fn a_publish_whose_reply_is_lost_is_decided_by_read_back_with_gapless_vers
     assert_eq!(handle.state(), LeaseState::Quarantined, "an unknown outcome quarantines the lease");
     proxy.pass();
     // The reply was lost, not the statement: on a loaded server it may still be finishing when the client gives up.
-    let ran = tokio::time::timeout(TTL * 3, async {
+    // It runs under `max_execution_time = publish_timeout` (1 s here), so on a server loaded enough (the whole suite
+    // on two cores) the server may also stop it: then it never lands, and read-back must find nothing.
+    let landed = tokio::time::timeout(TTL * 3, async {
         while catalog.committed_versions().is_empty() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     })
-    .await;
-    assert!(ran.is_ok(), "the publish never committed");
-    assert_eq!(catalog.committed_versions(), vec![1], "the statement ran although its reply was lost");
+    .await
+    .is_ok();
+    if landed {
+        assert_eq!(catalog.committed_versions(), vec![1], "the statement ran although its reply was lost");
+    }
 
     wait_for_state(&handle, LeaseState::Held, TTL * 3).await;
     let outcome = loop {
@@ -696,7 +700,15 @@ async fn a_publish_whose_reply_is_lost_is_decided_by_read_back_with_gapless_vers
             Err(other) => panic!("{other}"),
         }
     };
-    assert_eq!(outcome, PublishOutcome::AlreadyPublished, "read-back found the earlier publish");
+    if landed {
+        assert_eq!(outcome, PublishOutcome::AlreadyPublished, "read-back found the earlier publish");
+    } else {
+        assert!(
+            matches!(outcome, PublishOutcome::Committed { version: 1, .. }),
+            "read-back found no earlier publish, and the batch took version 1: {outcome:?}"
+        );
+    }
+    assert_eq!(catalog.committed_versions(), vec![1]);
     let next = loop {
         match publisher.publish_batch(&[one_capture_pack()]).await {
             Ok(PublishOutcome::Committed { version, .. }) => break version,
