@@ -47,8 +47,8 @@
 //!   of `captures` (across streams: of `by_time` where the server keeps it, see [`CatalogReader::list`]), each a
 //!   primary-key range, visibility against the publishes at the versions of the window's rows, and beside each
 //!   window, in parallel, a `by_id` lookup for the ids of the window's first rows (about the page's); the ids with a
-//!   newer row (a re-post, a deletion, or a compaction's move: after compaction that is most ids), and any it did not
-//!   answer, have their newest row read from `by_version` at its version:
+//!   newer row (a re-post, a deletion, or a compaction's move: after compaction that is most ids) have their newest
+//!   row read from `by_version` at its version (a candidate past the rows looked up is looked up after the window):
 //!   about O(page) per page, one round trip for a later page whose first window fills it, one more once
 //!   compacted. Every read is bounded by `catalog.read_max_memory` and the request timeout.
 
@@ -694,18 +694,16 @@ impl Cursor {
 }
 
 /// A window's captures (`conditions`, visibility included), each as its newest visible row, in listing order:
-/// those after the cursor's position (`after_cursor`, a condition on the newest rows; empty on a first page), at most
+/// those after the cursor's position (`after_cursor`, a condition on the newest rows; None on a first page), at most
 /// `limit`. Each capture's newest row is found by sorting the window's rows by (capture_id, version descending) and
 /// keeping the first of each id (`LIMIT 1 BY`); rows of one version are copies of one row (unmerged parts, a
-/// replica's copy), and should two ever differ in time, the earliest is kept, as `tail` keeps it. On 18.16 that takes about 0.6x the time and memory of an `argMax` of each column grouped by id (a
-/// window of 40,000 rows: 63 ms and 42 MB against 105 ms and 68 MB). The cursor is applied to the newest rows only:
+/// replica's copy), and should two ever differ in time, the earliest is kept, as `tail` keeps it. On 18.16 that
+/// takes about 0.6x the time and memory of an `argMax` of each column grouped by id (a window of 40,000 rows: 63 ms
+/// and 42 MB against 105 ms and 68 MB). The cursor is applied to the newest rows only:
 /// applied to every row, it would keep an older row of a capture whose newest row is before the cursor (a re-post
 /// with an earlier time), which the check after the window would then drop, leaving the page short.
-fn window_rows_sql(table: &str, conditions: &str, after_cursor: &str, limit: u64) -> String {
-    let after_cursor = match after_cursor {
-        "" => String::new(),
-        condition => format!(" WHERE {condition}"),
-    };
+fn window_rows_sql(table: &str, conditions: &str, after_cursor: Option<&str>, limit: u64) -> String {
+    let after_cursor = after_cursor.map(|condition| format!(" WHERE {condition}")).unwrap_or_default();
     format!(
         "SELECT {LOCATION_COLUMNS} FROM (SELECT {LOCATION_COLUMNS} FROM {table} WHERE {conditions} ORDER BY \
          capture_id, version DESC, captured_at_ns LIMIT 1 BY capture_id){after_cursor} ORDER BY captured_at_ns, capture_id LIMIT {limit}"
@@ -1258,14 +1256,13 @@ impl CatalogReader {
             }
             conditions.push(format!("has(label_keys, {key}) AND label_values[indexOf(label_keys, {key})] = {value}"));
         }
-        let after_cursor = match cursor {
-            Some(cursor) => format!(
+        let after_cursor = cursor.map(|cursor| {
+            format!(
                 "captured_at_ns > {at} OR (captured_at_ns = {at} AND capture_id > {id})",
                 at = cursor.captured_at_ns,
                 id = sql_string_literal(&cursor.capture_id.to_string())
-            ),
-            None => String::new(),
-        };
+            )
+        });
         let (mut page_start, first_window_ns) = (span.start, span.window);
         let mut candidates: Vec<CaptureLocation> = Vec::new();
         let mut newest_written: HashMap<String, u64> = HashMap::new();
@@ -1286,16 +1283,14 @@ impl CatalogReader {
                 publishes = self.tables.publishes,
                 table = span.table,
             );
-            let sql = window_rows_sql(span.table, &format!("{in_window} AND {visible}"), &after_cursor, needed);
+            let sql =
+                window_rows_sql(span.table, &format!("{in_window} AND {visible}"), after_cursor.as_deref(), needed);
             // The rows `by_id` is asked about: the window's first in listing order after the cursor, as many as the
             // page still needs and a margin (see `newest_versions_of_first_rows`).
             let first_rows = format!(
                 "{in_window}{after_cursor} ORDER BY captured_at_ns, capture_id LIMIT {}",
                 needed.saturating_add(needed / CHECKED_ROWS_MARGIN_FRACTION).saturating_add(CHECKED_ROWS_MARGIN),
-                after_cursor = match after_cursor.as_str() {
-                    "" => String::new(),
-                    condition => format!(" AND ({condition})"),
-                },
+                after_cursor = after_cursor.as_ref().map(|condition| format!(" AND ({condition})")).unwrap_or_default(),
             );
             let check_horizon = std::mem::take(&mut horizon_unchecked);
             let (rows, newest, horizon_ns) = tokio::try_join!(
@@ -1467,11 +1462,11 @@ impl CatalogReader {
     /// index tables only: same stream and time, and still carrying `labels`), and left out otherwise (a re-post into
     /// another stream or with other labels or another time is listed where its own row is, and a deletion is not
     /// listed), so that `list` returns what `get` returns. `newest_written` holds the newest version `by_id` has of
-    /// each id of the windows' first rows ([`CatalogReader::newest_versions_of_first_rows`], of every version
-    /// written, committed or not): an id with nothing newer than its candidate cannot be superseded, and until
-    /// compaction has moved them that is almost every id. Only the ids with a newer row, and those it did not answer,
-    /// are read from `by_version` at their newest committed version (a newer row may be an orphan, which must not
-    /// hide the capture; an id with none is listed as it is).
+    /// each candidate's id ([`CatalogReader::newest_versions_of_first_rows`] and
+    /// [`CatalogReader::newest_versions_of`], of every version written, committed or not): an id with nothing newer
+    /// than its candidate cannot be superseded, and until compaction has moved them that is almost every id. Only the
+    /// ids with a newer row are read from `by_version` at their newest committed version (a newer row may be an
+    /// orphan, which must not hide the capture).
     async fn newest_of(
         &self,
         candidates: Vec<CaptureLocation>,
@@ -1481,7 +1476,7 @@ impl CatalogReader {
     ) -> Result<Vec<CaptureLocation>, CatalogError> {
         let suspects: Vec<Uuid> = candidates
             .iter()
-            .filter(|capture| newest_written.get(&capture.capture_id).is_none_or(|newest| *newest > capture.version))
+            .filter(|capture| newest_written.get(&capture.capture_id).is_some_and(|newest| *newest > capture.version))
             .filter_map(|capture| Uuid::parse_str(&capture.capture_id).ok())
             .collect();
         let (mut newest, horizons) = match suspects.is_empty() {
