@@ -427,7 +427,10 @@ fn read_sealed_pack(path: &Path, capture_id: Uuid) -> Result<InSpool, pack::Pack
 fn read_open_pack(path: &Path, capture_id: Uuid) -> Result<InSpool, pack::PackError> {
     use std::os::unix::fs::FileExt;
     let scan = pack::scan_file(path)?;
-    let Some(entry) = scan.entries.iter().find(|entry| entry.meta.capture_id == capture_id) else { return Ok(None) };
+    // The last post of an id posted twice into the pack, as for a sealed pack.
+    let Some(entry) = scan.entries.iter().rev().find(|entry| entry.meta.capture_id == capture_id) else {
+        return Ok(None);
+    };
     let file = std::fs::File::open(path)?;
     let mut bytes = vec![0u8; entry.record_len as usize];
     file.read_exact_at(&mut bytes, entry.record_offset)?;
@@ -499,5 +502,31 @@ mod tests {
         writer.finish().unwrap();
         paths.mark_sealed(pack_id).unwrap();
         assert_eq!(read_indexed(&paths, &index, capture_id, Some(pack_id)).unwrap().unwrap().1, b"still open");
+    }
+
+    #[test]
+    fn an_id_posted_twice_into_one_pack_reads_as_its_last_post_open_or_sealed_indexed_or_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = SpoolPaths::new(dir.path());
+        std::fs::create_dir_all(&paths.packs).unwrap();
+        let index = SpoolIndex::default();
+        let (twice, other) = (Uuid::now_v7(), Uuid::now_v7());
+        let pack_id = Uuid::now_v7();
+        let mut writer = PackWriter::create(&paths.pack_path(pack_id, PackState::Open), pack_id, 1).unwrap();
+        for (id, payload) in [(twice, &b"first"[..]), (other, b"other"), (twice, b"again")] {
+            let entry = writer.append(&meta(id), bytes::Bytes::copy_from_slice(payload)).unwrap();
+            index.add_open(pack_id, &entry);
+        }
+        writer.sync().unwrap();
+        let payload_of = |read: Result<InSpool, _>| read.unwrap().unwrap().1;
+        assert_eq!(payload_of(read_indexed(&paths, &index, twice, None)), b"again");
+        assert_eq!(payload_of(read_by_scanning(&paths, twice, None)), b"again");
+        let entries = writer.entries().to_vec();
+        writer.finish().unwrap();
+        paths.mark_sealed(pack_id).unwrap();
+        let index = SpoolIndex::default();
+        index.add_sealed(pack_id, &entries);
+        assert_eq!(payload_of(read_indexed(&paths, &index, twice, None)), b"again");
+        assert_eq!(payload_of(read_by_scanning(&paths, twice, None)), b"again");
     }
 }

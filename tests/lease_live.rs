@@ -1557,6 +1557,55 @@ macro_rules! retried {
     };
 }
 
+for_each_version!(an_id_posted_twice_into_one_publish_is_read_and_listed_once_as_its_last_post);
+async fn an_id_posted_twice_into_one_publish_is_read_and_listed_once_as_its_last_post(
+    server: &'static ClickHouseServer,
+) {
+    let catalog = catalog(server, false).await;
+    let Publishing { publisher, shutdown_tx, keeper_task } = publishing(&catalog, "writer").await;
+    let [a, b, x, y] = [(); 4].map(|_| Uuid::now_v7());
+    // A producer that posts an id again before its pack is published (a retry after a lost reply, or after an error
+    // that left the first record on disk, without a capture time of its own): x twice in the first pack and once
+    // more in the second, y moved to another stream by the second; both packs in one publish, one version.
+    let first = pack(&[(x, "cam/1", 300), (a, "cam/1", 100), (y, "cam/1", 400), (x, "cam/1", 500)]);
+    let second = pack(&[(b, "cam/1", 200), (x, "cam/1", 900), (y, "cam/2", 600)]);
+    let last_x = second.entries[1].clone();
+    let outcome = retried!(publisher.publish_batch(&[first.clone(), second.clone()]).await);
+    assert!(matches!(outcome, PublishOutcome::Committed { version: 1, .. }), "{outcome:?}");
+    let reader = catalog.reader();
+    let got = reader.get(x, None).await.unwrap().expect("x is published");
+    assert_eq!(
+        (got.pack_id, got.record_offset, got.captured_at_ns),
+        (second.summary.pack_id.to_string(), last_x.record_offset, 900),
+        "get reads the last post"
+    );
+    assert_eq!(reader.get(y, None).await.unwrap().unwrap().stream, "cam/2");
+    let mut listed = Vec::new();
+    let mut query = ListQuery { stream: Some("cam/1".into()), limit: 1, ..Default::default() };
+    loop {
+        let page = reader.list(&query).await.unwrap();
+        listed.extend(page.captures.iter().map(|c| (c.capture_id.clone(), c.captured_at_ns)));
+        match page.next_cursor {
+            Some(cursor) => query.cursor = Some(cursor),
+            None => break,
+        }
+    }
+    assert_eq!(listed, [(a.to_string(), 100), (b.to_string(), 200), (x.to_string(), 900)], "each once, as last posted");
+    let everything = reader.list(&ListQuery { limit: 100, ..Default::default() }).await.unwrap();
+    let everything: Vec<String> = everything.captures.iter().map(|c| c.capture_id.clone()).collect();
+    assert_eq!(everything, [a.to_string(), b.to_string(), y.to_string(), x.to_string()]);
+    let mut logged: Vec<String> =
+        reader.captures_of_version(1).await.unwrap().iter().map(|c| c.capture_id.clone()).collect();
+    logged.sort();
+    let mut expected: Vec<String> = [a, b, x, y].iter().map(Uuid::to_string).collect();
+    expected.sort();
+    assert_eq!(logged, expected, "the log holds each id once at its version");
+    let published = reader.publishes_after(0, 10).await.unwrap();
+    assert_eq!(published.iter().map(|p| p.captures).collect::<Vec<_>>(), [4], "the publish counts captures, not posts");
+    shutdown_tx.send(true).unwrap();
+    keeper_task.await.unwrap();
+}
+
 for_each_version!(a_relocation_moves_captures_in_one_fenced_version_and_every_reader_sees_each_once);
 async fn a_relocation_moves_captures_in_one_fenced_version_and_every_reader_sees_each_once(
     server: &'static ClickHouseServer,

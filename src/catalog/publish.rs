@@ -24,7 +24,7 @@
 //! One publish at a time per process (the publish turn: the indexer, reconcile and an API deletion share the
 //! publisher), so a version is never allocated twice here.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 
 use uuid::Uuid;
@@ -41,6 +41,33 @@ pub struct PackDescriptor {
     pub summary: PackSummary,
     pub object_key: String,
     pub entries: Vec<IndexEntry>,
+}
+
+/// The captures a publish of `packs` indexes: each capture id once, as its last post. A producer may post an id again
+/// before the pack holding its first post is published (a retry after a lost reply, or after a write error that left
+/// the first record on disk), into the same pack or a later one of the same batch. Both posts would be rows of one
+/// version, which no read can order, so a listing would show the capture at each of its times (I2). The spool appends
+/// to one pack at a time and names packs by UUIDv7, so pack id and then place in the pack is the order of the posts;
+/// across versions the uploader keeps it (packs become `.uploaded` in the order they were sealed). The older post's
+/// record stays in its pack, named by no row: compaction leaves it behind like a superseded capture.
+fn last_posts<'a>(packs: &[&'a PackDescriptor]) -> Vec<(&'a PackDescriptor, &'a IndexEntry)> {
+    let mut posts: Vec<(&PackDescriptor, &IndexEntry)> =
+        packs.iter().flat_map(|pack| pack.entries.iter().map(move |entry| (*pack, entry))).collect();
+    // A stable sort: within a pack the entries keep their order, the order of the posts.
+    posts.sort_by_key(|(pack, _)| pack.summary.pack_id);
+    let mut last_of: HashMap<Uuid, usize> = HashMap::with_capacity(posts.len());
+    for (at, (_, entry)) in posts.iter().enumerate() {
+        last_of.insert(entry.meta.capture_id, at);
+    }
+    if last_of.len() == posts.len() {
+        return posts;
+    }
+    posts
+        .into_iter()
+        .enumerate()
+        .filter(|(at, (_, entry))| last_of[&entry.meta.capture_id] == *at)
+        .map(|(_, post)| post)
+        .collect()
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -365,9 +392,9 @@ impl Publisher {
 
         let version = self.next_version(permit).await?;
         let publish_id = Uuid::now_v7();
-        self.insert_descriptor_rows(&fresh, version, publish_id).await?;
-        let capture_count: usize = fresh.iter().map(|pack| pack.entries.len()).sum();
-        self.commit(permit, version, publish_id, fresh.len(), capture_count).await?;
+        let captures = last_posts(&fresh);
+        self.insert_descriptor_rows(&fresh, &captures, version, publish_id).await?;
+        self.commit(permit, version, publish_id, fresh.len(), captures.len()).await?;
         Ok(PublishOutcome::Committed { version, publish_id })
     }
 
@@ -653,17 +680,14 @@ impl Publisher {
     async fn insert_descriptor_rows(
         &self,
         packs: &[&PackDescriptor],
+        captures: &[(&PackDescriptor, &IndexEntry)],
         version: u64,
         publish_id: Uuid,
     ) -> Result<(), CatalogError> {
         let publish_id_text = publish_id.to_string();
-        let mut capture_rows = Vec::new();
-        let mut pack_rows = Vec::new();
-        for pack in packs {
-            capture_rows
-                .extend(pack.entries.iter().map(|entry| self.row_of_entry(pack, entry, version, &publish_id_text)));
-            pack_rows.push(self.pack_row(pack, version, &publish_id_text));
-        }
+        let capture_rows: Vec<CaptureRow> =
+            captures.iter().map(|(pack, entry)| self.row_of_entry(pack, entry, version, &publish_id_text)).collect();
+        let pack_rows: Vec<PackRow> = packs.iter().map(|pack| self.pack_row(pack, version, &publish_id_text)).collect();
         self.client.insert_rows(&self.tables.captures, &capture_rows).await?;
         self.client.insert_rows(&self.tables.packs, &pack_rows).await
     }
@@ -702,5 +726,60 @@ impl Publisher {
             version,
             publish_id: publish_id.to_string(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pack::CaptureMeta;
+
+    fn pack(pack_id: u128, ids: &[u128]) -> PackDescriptor {
+        let entries = ids
+            .iter()
+            .enumerate()
+            .map(|(at, id)| IndexEntry {
+                meta: CaptureMeta {
+                    capture_id: Uuid::from_u128(*id),
+                    stream: "s".into(),
+                    captured_at_ns: 1,
+                    labels: Default::default(),
+                    content_type: None,
+                    source_name: None,
+                },
+                record_offset: at as u64 * 100,
+                record_len: 100,
+                payload_offset: at as u64 * 100 + 60,
+                payload_len: 40,
+                crc32c: 0,
+            })
+            .collect::<Vec<_>>();
+        PackDescriptor {
+            summary: PackSummary {
+                pack_id: Uuid::from_u128(pack_id),
+                bytes: 0,
+                records: entries.len() as u64,
+                sha256_hex: String::new(),
+                first_captured_at_ns: 1,
+                last_captured_at_ns: 1,
+                created_at_ns: 1,
+            },
+            object_key: format!("k/{pack_id}"),
+            entries,
+        }
+    }
+
+    #[test]
+    fn a_batch_indexes_each_id_once_as_its_last_post_by_pack_id_then_place() {
+        // Given newer pack first, as no caller does but nothing forbids.
+        let (newer, older) = (pack(2, &[30, 10, 40]), pack(1, &[10, 20, 10, 30]));
+        let kept: Vec<(u128, u64)> = last_posts(&[&newer, &older])
+            .iter()
+            .map(|(pack, entry)| (pack.summary.pack_id.as_u128(), entry.record_offset))
+            .collect();
+        // 20 once in the older pack; 10 and 30 as posted last, in the newer pack; 40 once.
+        assert_eq!(kept, [(1, 100), (2, 0), (2, 100), (2, 200)]);
+        let unique = pack(3, &[1, 2, 3]);
+        assert_eq!(last_posts(&[&unique]).len(), 3, "a batch without a repeated id indexes every entry");
     }
 }

@@ -1623,8 +1623,7 @@ impl CatalogReader {
             }
             asked = asked.saturating_mul(8).min(most);
         };
-        // Where the counts reach each page (an estimate: the first version may be partly read, and an id a producer
-        // re-posted into the same pack is counted twice by its publish and listed once).
+        // Where the counts reach each page (an estimate: the first version may be partly read).
         let mut spans = Vec::new();
         let mut counted = 0;
         for publish in &publishes {

@@ -113,9 +113,10 @@ impl PackFile {
         Ok((meta, record_bytes))
     }
 
-    /// Index of the first record with this capture_id.
+    /// Index of the last record with this capture_id: an id posted twice into one pack is its last post, as the
+    /// catalog publishes it.
     pub fn find(&self, capture_id: Uuid) -> Option<usize> {
-        self.entries.iter().position(|entry| entry.meta.capture_id == capture_id)
+        self.entries.iter().rposition(|entry| entry.meta.capture_id == capture_id)
     }
 
     /// Full offline check in one sequential pass: header CRC, every record CRC, footer entries equal to the records,

@@ -13,9 +13,15 @@
 //! directory fsync. No intent, no upload: a lost spool can then always be repaired from the catalog. A conflicting
 //! object under the same key is a permanent conflict: the pack goes to quarantine with an ERROR. Bucket outages end the
 //! round without counting against any pack.
+//!
+//! Packs become `.uploaded` in the order they were sealed, so the spool publishes them in that order: a pack uploaded
+//! after an older one of its round failed stays `.sealed` (its object is in the bucket, as after a crash before the
+//! rename) and is uploaded again, found identical, behind the older one. A capture id posted again is then always
+//! published at a higher version than its earlier post, so the newest version is the last post (I2).
 
 use futures::StreamExt;
 use std::sync::atomic::Ordering;
+use uuid::Uuid;
 
 use super::{list_spool_packs, off_runtime, open_pack, Pipeline, RoundError};
 use crate::bucket::BucketErrorKind;
@@ -70,17 +76,24 @@ impl Pipeline {
             Err(error) => return Err(error.into()),
         }
         crate::failpoint::hit("after_intents_before_upload");
-        let results: Vec<Result<bool, RoundError>> = futures::stream::iter(round)
+        // `buffered` answers in the round's order (oldest first) while running `upload.concurrency` uploads at once.
+        let mut uploads = futures::stream::iter(round)
             .map(|(listing, pack)| self.upload_one(listing, pack, permit.tenure))
-            .buffer_unordered(self.config.upload.concurrency as usize)
-            .collect()
-            .await;
+            .buffered(self.config.upload.concurrency as usize);
         let mut uploaded = 0;
         let mut first_error = None;
-        for result in results {
+        while let Some(result) = uploads.next().await {
             match result {
-                Ok(true) => uploaded += 1,
-                Ok(false) => {}
+                Ok(Some(pack_id)) if first_error.is_none() => {
+                    crate::failpoint::hit("after_upload_before_rename");
+                    let paths = self.paths.clone();
+                    match off_runtime(move || paths.mark_uploaded(pack_id)).await {
+                        Ok(()) => uploaded += 1,
+                        Err(error) => first_error = Some(error.into()),
+                    }
+                }
+                // Uploaded, but an older pack of the round was not: left `.sealed`, to be published after it.
+                Ok(Some(_)) | Ok(None) => {}
                 Err(error) => {
                     first_error.get_or_insert(error);
                 }
@@ -92,8 +105,9 @@ impl Pipeline {
         }
     }
 
-    /// Returns true when the pack is now `.uploaded`.
-    async fn upload_one(&self, listing: PackListing, pack: PackFile, tenure: u64) -> Result<bool, RoundError> {
+    /// Uploads one pack; returns its id when its object is in the bucket (and the pack may become `.uploaded`), none
+    /// when it went to quarantine.
+    async fn upload_one(&self, listing: PackListing, pack: PackFile, tenure: u64) -> Result<Option<Uuid>, RoundError> {
         // Each upload starts only under the tenure that recorded its intent: after a loss, a successor may have
         // reconciled already and found no object; an upload sent now would be one it never sees.
         if self.lease.permit().is_none_or(|permit| permit.tenure != tenure) {
@@ -119,9 +133,6 @@ impl Pipeline {
         match outcome {
             Ok(uploaded) => {
                 self.counters.upload_latency.observe(started.elapsed());
-                crate::failpoint::hit("after_upload_before_rename");
-                let (paths, pack_id) = (self.paths.clone(), summary.pack_id);
-                off_runtime(move || paths.mark_uploaded(pack_id)).await?;
                 self.counters.packs_uploaded.fetch_add(1, Ordering::Relaxed);
                 self.counters.bytes_uploaded.fetch_add(summary.bytes, Ordering::Relaxed);
                 tracing::debug!(
@@ -130,7 +141,7 @@ impl Pipeline {
                     already_present = uploaded.already_present,
                     "pack uploaded"
                 );
-                Ok(true)
+                Ok(Some(summary.pack_id))
             }
             Err(error) if error.kind == BucketErrorKind::Conflict => {
                 self.quarantine_pack(
@@ -138,7 +149,7 @@ impl Pipeline {
                     &format!("a different object already exists in the bucket: {error}"),
                 )
                 .await;
-                Ok(false)
+                Ok(None)
             }
             Err(error) => {
                 self.counters.upload_failures.fetch_add(1, Ordering::Relaxed);
