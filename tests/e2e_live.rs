@@ -503,6 +503,91 @@ async fn a_start_reads_only_the_intents_since_the_newest_mark(server: &'static C
     assert_eq!(report["published"].as_u64(), Some(0), "{report}");
 }
 
+for_each_version!(
+    a_pack_uploaded_while_an_older_one_fails_waits_for_it_so_a_re_posted_id_ends_as_its_last_post,
+    flavor = "multi_thread",
+    versions = [v18_16 => V18_16]
+);
+async fn a_pack_uploaded_while_an_older_one_fails_waits_for_it_so_a_re_posted_id_ends_as_its_last_post(
+    server: &'static ClickHouseServer,
+) {
+    let world = World::new(server, BucketKind::File, false);
+    let paths = SpoolPaths::new(&world.spool_dir());
+    std::fs::create_dir_all(&paths.packs).unwrap();
+    // Two sealed packs, as the spool leaves them when the catalog was away: x posted, then posted again with other
+    // bytes. Their captures are a day apart, so their objects go to different day directories.
+    let (x, other) = (Uuid::now_v7(), Uuid::now_v7());
+    let first_day_ns = 1_704_067_200 * 1_000_000_000; // 2024-01-01T00:00:00Z
+    let seal = |captured_at_ns: u64, captures: &[(Uuid, &str)]| {
+        let captures = captures
+            .iter()
+            .map(|(id, payload)| {
+                let meta = capstore::capture::CaptureMeta {
+                    capture_id: *id,
+                    stream: "cam/1".into(),
+                    captured_at_ns,
+                    labels: Default::default(),
+                    content_type: None,
+                    source_name: None,
+                };
+                (meta, payload.as_bytes().to_vec())
+            })
+            .collect();
+        let pack_id = Uuid::now_v7();
+        let path = paths.pack_path(pack_id, capstore::spool::PackState::Sealed);
+        common::packs::write_pack(&path, pack_id, capstore::util::now_ns(), captures).summary
+    };
+    let older = seal(first_day_ns, &[(x, "first post"), (other, "other")]);
+    let newer = seal(first_day_ns + 86_400 * 1_000_000_000, &[(x, "second post")]);
+    let bucket = Bucket::from_config(&world.config).unwrap();
+    let newer_key = bucket.pack_key(&newer).to_string();
+    // A file where the older pack's day directory goes: its upload fails (retried) until the file is removed.
+    let older_key = bucket.pack_key(&older).to_string();
+    let blocker = world.dir.path().join("bucket").join(older_key.rsplit_once('/').unwrap().0);
+    std::fs::create_dir_all(blocker.parent().unwrap()).unwrap();
+    std::fs::write(&blocker, b"not a directory").unwrap();
+
+    let mut daemon = world.start(&[("CAPSTORE_UPLOAD_CONCURRENCY", "2")]);
+    let status_file = world.spool_dir().join("status.json");
+    let upload_failures = || {
+        let status: serde_json::Value =
+            std::fs::read(&status_file).ok().and_then(|bytes| serde_json::from_slice(&bytes).ok()).unwrap_or_default();
+        status["pipeline"]["upload_failures"].as_u64().unwrap_or(0)
+    };
+    // A second failed round: an upload round runs only once nothing is owed, so had the newer pack become
+    // `.uploaded` in the first round, it would have been published before this one.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while upload_failures() < 2 {
+        assert!(Instant::now() < deadline, "the older upload never failed twice: {}", daemon.log());
+        assert!(daemon.exited().is_none(), "{}", daemon.log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let objects: Vec<String> = world.bucket_objects().await.into_iter().map(|(key, _)| key).collect();
+    assert!(objects.contains(&newer_key), "the newer pack was uploaded in the meantime: {objects:?}");
+    assert_eq!(world.committed_versions(), Vec::<u64>::new(), "nothing is published while the older pack is not");
+    let states: Vec<_> = list_packs(&paths).unwrap().into_iter().map(|pack| (pack.pack_id, pack.state)).collect();
+    let sealed = capstore::spool::PackState::Sealed;
+    assert_eq!(states, [(older.pack_id, sealed), (newer.pack_id, sealed)]);
+
+    std::fs::remove_file(&blocker).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while world.spool_pack_count() > 0 {
+        assert!(Instant::now() < deadline, "not published after the bucket healed: {}", daemon.log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (code, _, log) = daemon.terminate();
+    assert_eq!(code, 0, "{log}");
+    // (Both go in the next round and are published together: the publish keeps x's last post.)
+    world.assert_versions_gapless();
+    let reader = world.reader().await;
+    assert_eq!(reader.get(x).await.unwrap().expect("x is published").payload, b"second post");
+    let mut listed: Vec<Uuid> = world.listed().await.into_iter().map(|(id, _)| id).collect();
+    listed.sort();
+    let mut expected = vec![x, other];
+    expected.sort();
+    assert_eq!(listed, expected, "x once, at its last post");
+}
+
 /// A day long before the tests run, for a stray pack's key.
 const STRAY_DAY_NS: u64 = 1_577_934_000 * 1_000_000_000; // 2020-01-02T03:00:00Z
 
