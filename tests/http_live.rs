@@ -207,6 +207,40 @@ async fn post_get_list_status_metrics() {
 }
 
 #[tokio::test]
+async fn an_id_posted_again_before_it_is_published_is_read_and_listed_once_as_its_last_post() {
+    let daemon = HttpDaemon::start(&[]).await;
+    let client = reqwest::Client::new();
+    let id = uuid::Uuid::now_v7();
+    // A producer retrying posts whose replies it lost: the same id, no time of its own (so each post gets the time
+    // it arrives), other bytes; a capture of another id between them, so the posts fall on different pages.
+    for (id, body, wait) in [(id, "first", ""), (uuid::Uuid::now_v7(), "between", ""), (id, "again", "&wait=published")]
+    {
+        let url = daemon.url(&format!("/v1/captures?stream=cam/r&id={id}{wait}"));
+        let response = client.post(url).body(body).send().await.unwrap();
+        assert_eq!(response.status(), StatusCode::CREATED);
+    }
+    let response = daemon.get_ok(&client, &format!("/v1/captures/{id}")).await;
+    assert!(response.headers().contains_key("x-capstore-version"), "read from the catalog");
+    assert_eq!(&response.bytes().await.unwrap()[..], b"again");
+    let mut listed = Vec::new();
+    let mut path = "/v1/captures?stream=cam/r&limit=1".to_string();
+    loop {
+        let page = json(daemon.get_ok(&client, &path).await).await;
+        listed
+            .extend(page["captures"].as_array().unwrap().iter().map(|c| c["capture_id"].as_str().unwrap().to_string()));
+        match page["next_cursor"].as_str() {
+            Some(cursor) => {
+                let cursor = form_urlencoded::byte_serialize(cursor.as_bytes()).collect::<String>();
+                path = format!("/v1/captures?stream=cam/r&limit=1&cursor={cursor}");
+            }
+            None => break,
+        }
+    }
+    assert_eq!(listed.iter().filter(|listed| **listed == id.to_string()).count(), 1, "{listed:?}");
+    assert_eq!(listed.last(), Some(&id.to_string()), "listed at its last post's time: {listed:?}");
+}
+
+#[tokio::test]
 async fn token_required_when_configured() {
     let token_dir = tempfile::tempdir().unwrap();
     let token_path = token_dir.path().join("token");
