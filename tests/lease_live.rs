@@ -1606,6 +1606,48 @@ async fn an_id_posted_twice_into_one_publish_is_read_and_listed_once_as_its_last
     keeper_task.await.unwrap();
 }
 
+for_each_version!(an_id_posted_again_far_apart_in_time_is_listed_once_when_one_page_reads_several_windows);
+async fn an_id_posted_again_far_apart_in_time_is_listed_once_when_one_page_reads_several_windows(
+    server: &'static ClickHouseServer,
+) {
+    let catalog = catalog(server, false).await;
+    let Publishing { publisher, shutdown_tx, keeper_task } = publishing(&catalog, "writer").await;
+    let x = Uuid::now_v7();
+    let dense: Vec<Uuid> = (0..10).map(|_| Uuid::now_v7()).collect();
+    let last = Uuid::now_v7();
+    // Ten captures close together, then x posted three times, each ten times further away than the one before, then
+    // one more capture: the page after the first ten reads windows that grow, and x's posts fall into three of them.
+    let mut batches =
+        vec![dense.iter().enumerate().map(|(at, id)| (*id, "cam/1", 1_000 + at as u64)).collect::<Vec<_>>()];
+    batches.extend([100_000, 1_000_000, 10_000_000].map(|time| vec![(x, "cam/1", time)]));
+    batches.push(vec![(last, "cam/1", 20_000_000)]);
+    for captures in batches {
+        let outcome = retried!(publisher.publish_batch(&[pack(&captures)]).await);
+        assert!(matches!(outcome, PublishOutcome::Committed { .. }), "{outcome:?}");
+    }
+    let reader = catalog.reader();
+    for stream in [Some("cam/1".to_string()), None] {
+        let first = ListQuery { stream: stream.clone(), limit: 10, ..Default::default() };
+        let first = reader.list(&first).await.unwrap();
+        assert_eq!(
+            first.captures.iter().map(|c| c.capture_id.clone()).collect::<Vec<_>>(),
+            dense.iter().map(Uuid::to_string).collect::<Vec<_>>()
+        );
+        let rest = ListQuery { stream: stream.clone(), limit: 100, cursor: first.next_cursor, ..Default::default() };
+        let rest: Vec<(String, u64)> = reader
+            .list(&rest)
+            .await
+            .unwrap()
+            .captures
+            .iter()
+            .map(|c| (c.capture_id.clone(), c.captured_at_ns))
+            .collect();
+        assert_eq!(rest, [(x.to_string(), 10_000_000), (last.to_string(), 20_000_000)], "stream {stream:?}");
+    }
+    shutdown_tx.send(true).unwrap();
+    keeper_task.await.unwrap();
+}
+
 for_each_version!(a_relocation_moves_captures_in_one_fenced_version_and_every_reader_sees_each_once);
 async fn a_relocation_moves_captures_in_one_fenced_version_and_every_reader_sees_each_once(
     server: &'static ClickHouseServer,

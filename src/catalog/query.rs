@@ -1479,14 +1479,16 @@ impl CatalogReader {
             .filter(|capture| newest_written.get(&capture.capture_id).is_some_and(|newest| *newest > capture.version))
             .filter_map(|capture| Uuid::parse_str(&capture.capture_id).ok())
             .collect();
-        let (mut newest, horizons) = match suspects.is_empty() {
+        let (newest, horizons) = match suspects.is_empty() {
             true => (HashMap::new(), Horizons::default()),
             false => tokio::try_join!(self.newest_rows_at(&suspects, watermark), self.horizons(watermark))?,
         };
         Ok(candidates
             .into_iter()
             .filter_map(|capture| {
-                let Some(newer) = Uuid::parse_str(&capture.capture_id).ok().and_then(|id| newest.remove(&id)) else {
+                // Looked up, not taken: a page whose windows each hold a row of one id (posted again at times further
+                // apart than a window) has a candidate of it from each, and every one of them is checked.
+                let Some(newer) = Uuid::parse_str(&capture.capture_id).ok().and_then(|id| newest.get(&id)) else {
                     return Some(capture);
                 };
                 // A newer row captured before a horizon is gone, and the capture with it.
@@ -1496,7 +1498,7 @@ impl CatalogReader {
                     && newer.captured_at_ns == capture.captured_at_ns
                     && labels.iter().all(|(key, value)| newer.labels_map().get(key) == Some(value));
                 match newer.version.cmp(&capture.version) {
-                    std::cmp::Ordering::Greater if moved => Some(newer),
+                    std::cmp::Ordering::Greater if moved => Some(newer.clone()),
                     std::cmp::Ordering::Greater => None,
                     _ => Some(capture),
                 }
