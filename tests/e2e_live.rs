@@ -240,6 +240,23 @@ impl Producer {
             self.drop_one();
         }
     }
+
+    /// Drops a capture id again with other bytes, as a producer posting it again does. Only an id whose earlier file
+    /// is gone from the inbox (captured: a file is unlinked only once its record is durable), so the posts reach the
+    /// spool in the order they were made and the last one must be the capture in the end.
+    fn post_again(&mut self, rng: &mut impl Rng) {
+        let waiting = inbox_ids(&self.stream);
+        let captured: Vec<Uuid> = self.dropped.keys().filter(|id| !waiting.contains(id)).copied().collect();
+        if captured.is_empty() {
+            return;
+        }
+        let id = captured[rng.random_range(0..captured.len())];
+        let len = self.dropped[&id] + 1 + rng.random_range(0..100);
+        let temp = self.stream.join(format!(".{id}"));
+        std::fs::write(&temp, expected_payload(id, len)).unwrap();
+        std::fs::rename(&temp, self.stream.join(id.to_string())).unwrap();
+        self.dropped.insert(id, len);
+    }
 }
 
 fn inbox_ids(stream: &Path) -> HashSet<Uuid> {
@@ -317,6 +334,9 @@ async fn crash_matrix_sigkill_at_random_and_named_points_then_one_clean_run(serv
         let kill_at = Instant::now() + Duration::from_millis(rng.random_range(100..1500));
         while Instant::now() < kill_at {
             producer.drop_many(5);
+            // Some ids posted again, before or after their first post is published, with other bytes: each must be
+            // listed once in the end, reading back its last post (I2).
+            producer.post_again(&mut rng);
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         daemon.kill();
