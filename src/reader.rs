@@ -381,12 +381,13 @@ fn read_indexed(
     Ok(None)
 }
 
-/// Blocking: every local pack (only `pack_id_opt` when given), open ones by a read-only scan.
+/// Blocking: every local pack (only `pack_id_opt` when given), newest first as the index is read (the last post of
+/// an id posted again is in the newest pack), open ones by a read-only scan.
 fn read_by_scanning(paths: &SpoolPaths, capture_id: Uuid, pack_id_opt: Option<Uuid>) -> Result<InSpool, ReadError> {
     if !paths.packs.is_dir() {
         return Ok(None);
     }
-    for listing in list_packs(paths)? {
+    for listing in list_packs(paths)?.into_iter().rev() {
         if pack_id_opt.is_some_and(|pack_id| pack_id != listing.pack_id) {
             continue;
         }
@@ -505,7 +506,7 @@ mod tests {
     }
 
     #[test]
-    fn an_id_posted_twice_into_one_pack_reads_as_its_last_post_open_or_sealed_indexed_or_not() {
+    fn an_id_posted_again_reads_as_its_last_post_open_or_sealed_indexed_or_not() {
         let dir = tempfile::tempdir().unwrap();
         let paths = SpoolPaths::new(dir.path());
         std::fs::create_dir_all(&paths.packs).unwrap();
@@ -528,5 +529,10 @@ mod tests {
         index.add_sealed(pack_id, &entries);
         assert_eq!(payload_of(read_indexed(&paths, &index, twice, None)), b"again");
         assert_eq!(payload_of(read_by_scanning(&paths, twice, None)), b"again");
+        // Posted once more, into the next pack: that post is the capture now.
+        let (newer_pack, newer_entries) = sealed_pack(&paths, twice, b"in the next pack");
+        index.add_sealed(newer_pack, &newer_entries);
+        assert_eq!(payload_of(read_indexed(&paths, &index, twice, None)), b"in the next pack");
+        assert_eq!(payload_of(read_by_scanning(&paths, twice, None)), b"in the next pack");
     }
 }

@@ -1382,6 +1382,65 @@ async fn erasure_rewrites_packs_without_their_deleted_captures_and_removes_the_o
 }
 
 #[tokio::test]
+async fn a_capture_posted_again_into_the_next_pack_of_one_round_is_erased_from_both_packs() {
+    let (dir, port, env) = HttpDaemon::environment(
+        common::clickhouse::shared_server(),
+        &[
+            ("CAPSTORE_LIFECYCLE_COMPACTION_INTERVAL", "1s".into()),
+            ("CAPSTORE_LIFECYCLE_COMPACTION_MIN_AGE", "1h".into()),
+            ("CAPSTORE_LIFECYCLE_READ_GRACE", "1s".into()),
+        ],
+    );
+    // Two sealed packs waiting in the spool, as a catalog outage leaves them: x in the first, posted again into the
+    // second. Both are uploaded in one round and owed together when the daemon starts.
+    let paths = capstore::spool::SpoolPaths::new(&env.config().spool.dir);
+    std::fs::create_dir_all(&paths.packs).unwrap();
+    let (x, other) = (uuid::Uuid::now_v7(), uuid::Uuid::now_v7());
+    let marked = |what: &str| format!("reposted-erasure-{what}-{x}").into_bytes();
+    for captures in [vec![(x, marked("first")), (other, marked("kept"))], vec![(x, marked("again"))]] {
+        let captures = captures
+            .into_iter()
+            .map(|(capture_id, payload)| {
+                let meta = capstore::capture::CaptureMeta {
+                    capture_id,
+                    stream: "era/b".into(),
+                    captured_at_ns: capstore::util::now_ns(),
+                    labels: Default::default(),
+                    content_type: None,
+                    source_name: None,
+                };
+                (meta, payload)
+            })
+            .collect();
+        let pack_id = uuid::Uuid::now_v7();
+        let path = paths.pack_path(pack_id, capstore::spool::PackState::Sealed);
+        common::packs::write_pack(&path, pack_id, capstore::util::now_ns(), captures);
+    }
+    let daemon = HttpDaemon::launch(dir, port, env).await;
+    let client = reqwest::Client::new();
+    wait_until_async(&daemon, Duration::from_secs(30), "both packs published", || async {
+        listed_places(&daemon, &client, "era/b").await.len() == 2
+    })
+    .await;
+    let response = daemon.get_ok(&client, &format!("/v1/captures/{x}")).await;
+    assert_eq!(&response.bytes().await.unwrap()[..], &marked("again")[..], "the last post is the capture");
+    let contains = |haystack: &[u8], needle: &[u8]| haystack.windows(needle.len()).any(|window| window == needle);
+    let everywhere = |needle: &[u8]| bucket_objects(&daemon).values().any(|bytes| contains(bytes, needle));
+    assert!(everywhere(&marked("first")) && everywhere(&marked("again")));
+
+    let answer = client.delete(daemon.url(&format!("/v1/captures/{x}"))).send().await.unwrap();
+    assert_eq!(answer.status(), StatusCode::OK, "{}", answer.text().await.unwrap());
+    // Erasure finds the packs of a deleted capture through its rows: the first post's pack too.
+    wait_until_async(&daemon, Duration::from_secs(30), "both posts' bytes gone from the bucket", || async {
+        !everywhere(&marked("first")) && !everywhere(&marked("again"))
+    })
+    .await;
+    assert!(everywhere(&marked("kept")), "the other capture's bytes stay");
+    let response = daemon.get_ok(&client, &format!("/v1/captures/{other}")).await;
+    assert_eq!(&response.bytes().await.unwrap()[..], &marked("kept")[..]);
+}
+
+#[tokio::test]
 async fn compaction_killed_at_each_step_ends_like_a_clean_run_with_no_dangling_locator_or_orphan_object() {
     for failpoint in ["after_compacted_upload", "after_switch_commit", "during_object_deletion"] {
         let mut daemon = HttpDaemon::start(&[

@@ -45,11 +45,15 @@ pub struct PackDescriptor {
 
 /// The captures a publish of `packs` indexes: each capture id once, as its last post. A producer may post an id again
 /// before the pack holding its first post is published (a retry after a lost reply, or after a write error that left
-/// the first record on disk), into the same pack or a later one of the same batch. Both posts would be rows of one
-/// version, which no read can order, so a listing would show the capture at each of its times (I2). The spool appends
-/// to one pack at a time and names packs by UUIDv7, so pack id and then place in the pack is the order of the posts;
-/// across versions the uploader keeps it (packs become `.uploaded` in the order they were sealed). The older post's
-/// record stays in its pack, named by no row: compaction leaves it behind like a superseded capture.
+/// the first record on disk). Both posts would be rows of one version, which no read can order, so a listing would
+/// show the capture at each of its times (I2). The spool appends to one pack at a time and names packs by UUIDv7, so
+/// pack id and then place in the pack is the order of the posts.
+///
+/// Within one pack the earlier post's record is left named by no row: a deletion still rewrites the pack (the last
+/// post's row names it), and compaction copies only the record a row names. Across packs the daemon never asks for
+/// this: its batches start anew at a pack that repeats an id (see the indexer), so each post has a row at its own
+/// version and erasure finds every pack that holds one. For any other caller the earlier pack's post is dropped here
+/// all the same, and only compaction's merging would ever erase its bytes.
 fn last_posts<'a>(packs: &[&'a PackDescriptor]) -> Vec<(&'a PackDescriptor, &'a IndexEntry)> {
     let mut posts: Vec<(&PackDescriptor, &IndexEntry)> =
         packs.iter().flat_map(|pack| pack.entries.iter().map(move |entry| (*pack, entry))).collect();
@@ -354,7 +358,8 @@ impl Publisher {
         Ok(committed)
     }
 
-    /// Publish `packs` as one version under the lease held now. See the module doc for the steps.
+    /// Publish `packs` as one version under the lease held now: each capture id once, its last post (see
+    /// [`last_posts`]). See the module doc for the steps.
     pub async fn publish_batch(&self, packs: &[PackDescriptor]) -> Result<PublishOutcome, PublishError> {
         // The permit is taken in the turn: one taken before it might predate the quarantine of a publish that ran
         // meanwhile.

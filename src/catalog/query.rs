@@ -1493,7 +1493,7 @@ impl CatalogReader {
                 };
                 // A newer row captured before a horizon is gone, and the capture with it.
                 let moved = !newer.is_deletion()
-                    && !horizons.hides_at(&newer, watermark)
+                    && !horizons.hides_at(newer, watermark)
                     && newer.stream == capture.stream
                     && newer.captured_at_ns == capture.captured_at_ns
                     && labels.iter().all(|(key, value)| newer.labels_map().get(key) == Some(value));

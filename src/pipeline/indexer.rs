@@ -2,14 +2,21 @@
 //!
 //! A round reads each owed pack's footer, groups packs oldest first into batches bounded by `catalog.batch_max_rows`
 //! and `catalog.batch_max_bytes` (a single pack over the budget is published alone: a pack's rows become visible
-//! together), and publishes each batch at the next version. On commit (or when the replay guard finds the batch
-//! already committed) the `.uploaded` files are deleted: never before the catalog shows them published (I5).
+//! together; a pack that posts an id of an earlier pack of its batch again starts the next batch), and publishes each
+//! batch at the next version. On commit (or when the replay guard finds the batch already committed) the `.uploaded`
+//! files are deleted: never before the catalog shows them published (I5).
 //!
-//! A batch the server rejects for a reason of its own (an error with a ClickHouse code, as opposed to an unreachable
-//! server or a lost lease) is retried pack by pack, and a pack rejected `catalog.max_index_attempts` times goes to
-//! quarantine with one ERROR line, so one bad pack never blocks the rest.
+//! Packs are published in pack id order, the order the spool made them, so that a capture id posted again is
+//! published above its earlier post. A batch the server rejects for a reason of its own (an error with a ClickHouse
+//! code, as opposed to an unreachable server or a lost lease) is retried pack by pack, up to the first pack it
+//! rejects; that pack and the ones after it wait for the next round, and a pack rejected
+//! `catalog.max_index_attempts` times goes to quarantine with one ERROR line, so one bad pack blocks the rest for a
+//! few rounds only.
 
+use std::collections::HashSet;
 use std::sync::atomic::Ordering;
+
+use uuid::Uuid;
 
 use super::{list_spool_packs, off_runtime, open_pack, Pipeline, RoundError};
 use crate::catalog::publish::{PackDescriptor, PublishError, PublishOutcome};
@@ -51,7 +58,13 @@ impl Pipeline {
         }
         let mut published = 0;
         for batch in self.batches(descriptors) {
-            published += self.publish_or_isolate(batch).await?;
+            let (count, whole) = self.publish_or_isolate(batch).await?;
+            published += count;
+            if !whole {
+                // A pack the catalog rejected stays owed, and the packs after it wait: the spool publishes in pack
+                // order, so a capture id posted again is never published below its earlier post.
+                break;
+            }
         }
         Ok(published)
     }
@@ -60,33 +73,39 @@ impl Pipeline {
         plan_batches(descriptors, self.config.catalog.batch_max_rows, self.config.catalog.batch_max_bytes.0)
     }
 
-    /// Publish a batch; if the server rejects it for a reason of its own, publish its packs one by one.
-    async fn publish_or_isolate(&self, batch: Vec<PackDescriptor>) -> Result<usize, RoundError> {
+    /// Publish a batch; if the server rejects it for a reason of its own, publish its packs one by one, up to the
+    /// first one it rejects (that one is counted towards quarantine). Returns the packs published and whether the
+    /// whole batch was.
+    async fn publish_or_isolate(&self, batch: Vec<PackDescriptor>) -> Result<(usize, bool), RoundError> {
         match self.publish_and_delete(&batch).await {
             Err(PublishError::Catalog(error)) if error.is_data_rejection() && batch.len() > 1 => {
                 tracing::warn!(%error, packs = batch.len(), "publish rejected; publishing the batch pack by pack");
                 let mut published = 0;
                 for descriptor in batch {
-                    published += self.publish_single(descriptor).await?;
+                    match self.publish_single(descriptor).await? {
+                        Some(count) => published += count,
+                        None => return Ok((published, false)),
+                    }
                 }
-                Ok(published)
+                Ok((published, true))
             }
             Err(PublishError::Catalog(error)) if error.is_data_rejection() => {
                 let descriptor = batch.into_iter().next().expect("a batch has a pack");
                 self.count_rejection(&descriptor, &error.to_string()).await;
-                Ok(0)
+                Ok((0, false))
             }
             Err(error) => Err(RoundError::Publish(error)),
-            Ok(count) => Ok(count),
+            Ok(count) => Ok((count, true)),
         }
     }
 
-    async fn publish_single(&self, descriptor: PackDescriptor) -> Result<usize, RoundError> {
+    /// Publish one pack; None when the server rejected it.
+    async fn publish_single(&self, descriptor: PackDescriptor) -> Result<Option<usize>, RoundError> {
         match self.publish_and_delete(std::slice::from_ref(&descriptor)).await {
-            Ok(count) => Ok(count),
+            Ok(count) => Ok(Some(count)),
             Err(PublishError::Catalog(error)) if error.is_data_rejection() => {
                 self.count_rejection(&descriptor, &error.to_string()).await;
-                Ok(0)
+                Ok(None)
             }
             Err(error) => Err(RoundError::Publish(error)),
         }
@@ -173,19 +192,25 @@ impl Pipeline {
 fn plan_batches(descriptors: Vec<PackDescriptor>, max_rows: u64, max_bytes: u64) -> Vec<Vec<PackDescriptor>> {
     let mut batches: Vec<Vec<PackDescriptor>> = Vec::new();
     let (mut rows, mut bytes) = (0u64, 0u64);
+    let mut ids_in_batch: HashSet<Uuid> = HashSet::new();
     for descriptor in descriptors {
         let pack_rows = descriptor.entries.len() as u64;
         let pack_bytes: u64 = descriptor.entries.iter().map(|entry| row_bytes(entry, &descriptor.object_key)).sum();
         let fits = rows + pack_rows <= max_rows && bytes + pack_bytes <= max_bytes;
-        match batches.last_mut() {
-            Some(batch) if fits => batch.push(descriptor),
-            _ => {
-                batches.push(vec![descriptor]);
-                (rows, bytes) = (0, 0);
-            }
+        // A pack that posts an id of an earlier pack of the batch again starts a batch of its own: each post then
+        // has a row at its own version, the last post the newest. In one version the publish would keep only the
+        // last post's row (see `Publisher::publish_batch`), and erasure, which finds the packs a deleted capture is
+        // in through its rows, would never rewrite the pack of the earlier one.
+        let repeats = descriptor.entries.iter().any(|entry| ids_in_batch.contains(&entry.meta.capture_id));
+        if batches.is_empty() || !fits || repeats {
+            batches.push(Vec::new());
+            (rows, bytes) = (0, 0);
+            ids_in_batch.clear();
         }
         rows += pack_rows;
         bytes += pack_bytes;
+        ids_in_batch.extend(descriptor.entries.iter().map(|entry| entry.meta.capture_id));
+        batches.last_mut().expect("a batch was started").push(descriptor);
     }
     batches
 }
@@ -249,5 +274,17 @@ mod tests {
         let batches = plan_batches(vec![pack(1), pack(1), pack(1)], u64::MAX, one_row * 2);
         assert_eq!(shape(&batches), vec![vec![1, 1], vec![1]]);
         assert!(plan_batches(Vec::new(), 1, 1).is_empty());
+    }
+
+    #[test]
+    fn a_pack_that_posts_an_id_of_its_batch_again_starts_the_next_batch() {
+        let (first, second, third, fourth) = (pack(3), pack(2), pack(2), pack(1));
+        let mut second = second;
+        second.entries[1].meta.capture_id = first.entries[2].meta.capture_id;
+        let mut fourth = fourth;
+        // An id twice within one pack is the publish's to sort out (it keeps the last): no split for it.
+        fourth.entries.push(fourth.entries[0].clone());
+        let batches = plan_batches(vec![first, second, third, fourth], u64::MAX, u64::MAX);
+        assert_eq!(shape(&batches), vec![vec![3], vec![2, 2, 2]]);
     }
 }

@@ -197,8 +197,11 @@ impl Pipeline {
         local: &HashSet<Uuid>,
         report: &mut ReconcileReport,
     ) -> Result<(), RoundError> {
-        let (local_ones, candidates): (Vec<_>, Vec<_>) =
+        let (local_ones, mut candidates): (Vec<_>, Vec<_>) =
             candidates.into_iter().partition(|(pack_id, _)| local.contains(pack_id));
+        // In the order the packs were made (keys sort by capture day first), as a spool publishes them: a capture id
+        // posted again into a later pack is then published above its earlier post.
+        candidates.sort_by_key(|(pack_id, _)| *pack_id);
         report.local += local_ones.len() as u64;
         for slice in candidates.chunks(CANDIDATES_PER_CHECK) {
             let pack_ids: Vec<Uuid> = slice.iter().map(|(pack_id, _)| *pack_id).collect();

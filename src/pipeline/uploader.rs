@@ -14,10 +14,11 @@
 //! object under the same key is a permanent conflict: the pack goes to quarantine with an ERROR. Bucket outages end the
 //! round without counting against any pack.
 //!
-//! Packs become `.uploaded` in the order they were sealed, so the spool publishes them in that order: a pack uploaded
-//! after an older one of its round failed stays `.sealed` (its object is in the bucket, as after a crash before the
-//! rename) and is uploaded again, found identical, behind the older one. A capture id posted again is then always
-//! published at a higher version than its earlier post, so the newest version is the last post (I2).
+//! Packs become `.uploaded` in pack id order (the order the spool made them), and the indexer publishes them in that
+//! order ([`super::indexer`]): a pack uploaded after an older one of its round failed stays `.sealed` (its object is in
+//! the bucket, as after a crash before the rename) and is uploaded again, found identical, behind the older one. A
+//! capture id posted again is then always published at a higher version than its earlier post, so the newest version
+//! is the last post (I2).
 
 use futures::StreamExt;
 use std::sync::atomic::Ordering;
