@@ -20,8 +20,10 @@
 //! capture id posted again is then always published at a higher version than its earlier post, so the newest version
 //! is the last post (I2).
 
-use futures::StreamExt;
+use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
+
+use futures::StreamExt;
 use uuid::Uuid;
 
 use super::{list_spool_packs, off_runtime, open_pack, Pipeline, RoundError};
@@ -77,26 +79,34 @@ impl Pipeline {
             Err(error) => return Err(error.into()),
         }
         crate::failpoint::hit("after_intents_before_upload");
-        // `buffered` answers in the round's order (oldest first) while running `upload.concurrency` uploads at once.
-        let mut uploads = futures::stream::iter(round)
-            .map(|(listing, pack)| self.upload_one(listing, pack, permit.tenure))
-            .buffered(self.config.upload.concurrency as usize);
+        let tenure = permit.tenure;
+        let mut uploads = futures::stream::iter(round.into_iter().enumerate())
+            .map(|(at, (listing, pack))| async move { (at, self.upload_one(listing, pack, tenure).await) })
+            .buffer_unordered(self.config.upload.concurrency as usize);
+        // Uploads finish in any order; packs become `.uploaded` in the round's (oldest first), each once every older
+        // pack of the round has, so a slow upload holds back renames, never the other uploads.
+        let mut finished = BTreeMap::new();
+        let mut next_to_rename = 0;
         let mut uploaded = 0;
         let mut first_error = None;
-        while let Some(result) = uploads.next().await {
-            match result {
-                Ok(Some(pack_id)) if first_error.is_none() => {
-                    crate::failpoint::hit("after_upload_before_rename");
-                    let paths = self.paths.clone();
-                    match off_runtime(move || paths.mark_uploaded(pack_id)).await {
-                        Ok(()) => uploaded += 1,
-                        Err(error) => first_error = Some(error.into()),
+        while let Some((at, result)) = uploads.next().await {
+            finished.insert(at, result);
+            while let Some(result) = finished.remove(&next_to_rename) {
+                next_to_rename += 1;
+                match result {
+                    Ok(Some(pack_id)) if first_error.is_none() => {
+                        crate::failpoint::hit("after_upload_before_rename");
+                        let paths = self.paths.clone();
+                        match off_runtime(move || paths.mark_uploaded(pack_id)).await {
+                            Ok(()) => uploaded += 1,
+                            Err(error) => first_error = Some(error.into()),
+                        }
                     }
-                }
-                // Uploaded, but an older pack of the round was not: left `.sealed`, to be published after it.
-                Ok(Some(_)) | Ok(None) => {}
-                Err(error) => {
-                    first_error.get_or_insert(error);
+                    // Uploaded, but an older pack of the round was not: left `.sealed`, to be published after it.
+                    Ok(Some(_)) | Ok(None) => {}
+                    Err(error) => {
+                        first_error.get_or_insert(error);
+                    }
                 }
             }
         }
