@@ -166,7 +166,9 @@ impl Pipeline {
             }
             self.index_attempts.lock().unwrap_or_else(|p| p.into_inner()).remove(&descriptor.summary.pack_id);
             self.counters.packs_indexed.fetch_add(1, Ordering::Relaxed);
-            self.counters.captures_indexed.fetch_add(descriptor.entries.len() as u64, Ordering::Relaxed);
+            // Captures, not records: an id posted twice into one pack is one row (see `Publisher::publish_batch`).
+            let ids: HashSet<Uuid> = descriptor.entries.iter().map(|entry| entry.meta.capture_id).collect();
+            self.counters.captures_indexed.fetch_add(ids.len() as u64, Ordering::Relaxed);
         }
         Ok(batch.len())
     }
