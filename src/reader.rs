@@ -454,6 +454,14 @@ mod tests {
         }
     }
 
+    /// A spool directory with its packs directory (kept while the returned guard lives).
+    fn empty_spool() -> (tempfile::TempDir, SpoolPaths) {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = SpoolPaths::new(dir.path());
+        std::fs::create_dir_all(&paths.packs).unwrap();
+        (dir, paths)
+    }
+
     /// A sealed pack of one capture in the spool at `paths`; returns its entries.
     fn sealed_pack(paths: &SpoolPaths, capture_id: Uuid, payload: &[u8]) -> (Uuid, Vec<IndexEntry>) {
         let pack_id = Uuid::now_v7();
@@ -466,9 +474,7 @@ mod tests {
 
     #[test]
     fn an_indexed_read_opens_only_the_pack_that_holds_the_capture() {
-        let dir = tempfile::tempdir().unwrap();
-        let paths = SpoolPaths::new(dir.path());
-        std::fs::create_dir_all(&paths.packs).unwrap();
+        let (_dir, paths) = empty_spool();
         let index = SpoolIndex::default();
         let (wanted, other) = (Uuid::now_v7(), Uuid::now_v7());
         let (damaged_pack, damaged_entries) = sealed_pack(&paths, other, b"other");
@@ -489,9 +495,7 @@ mod tests {
 
     #[test]
     fn a_record_of_an_open_pack_is_read_at_its_place_even_after_the_pack_moved_on() {
-        let dir = tempfile::tempdir().unwrap();
-        let paths = SpoolPaths::new(dir.path());
-        std::fs::create_dir_all(&paths.packs).unwrap();
+        let (_dir, paths) = empty_spool();
         let index = SpoolIndex::default();
         let capture_id = Uuid::now_v7();
         let pack_id = Uuid::now_v7();
@@ -507,9 +511,7 @@ mod tests {
 
     #[test]
     fn an_id_posted_again_reads_as_its_last_post_open_or_sealed_indexed_or_not() {
-        let dir = tempfile::tempdir().unwrap();
-        let paths = SpoolPaths::new(dir.path());
-        std::fs::create_dir_all(&paths.packs).unwrap();
+        let (_dir, paths) = empty_spool();
         let index = SpoolIndex::default();
         let (twice, other) = (Uuid::now_v7(), Uuid::now_v7());
         let pack_id = Uuid::now_v7();

@@ -533,32 +533,15 @@ async fn a_pack_uploaded_while_an_older_one_fails_waits_for_it_so_a_re_posted_id
 ) {
     let world = World::new(server, BucketKind::File, false);
     let paths = SpoolPaths::new(&world.spool_dir());
-    std::fs::create_dir_all(&paths.packs).unwrap();
     // Two sealed packs, as the spool leaves them when the catalog was away: x posted, then posted again with other
     // bytes. Their captures are a day apart, so their objects go to different day directories.
     let (x, other) = (Uuid::now_v7(), Uuid::now_v7());
     let first_day_ns = 1_704_067_200 * 1_000_000_000; // 2024-01-01T00:00:00Z
-    let seal = |captured_at_ns: u64, captures: &[(Uuid, &str)]| {
-        let captures = captures
-            .iter()
-            .map(|(id, payload)| {
-                let meta = capstore::capture::CaptureMeta {
-                    capture_id: *id,
-                    stream: "cam/1".into(),
-                    captured_at_ns,
-                    labels: Default::default(),
-                    content_type: None,
-                    source_name: None,
-                };
-                (meta, payload.as_bytes().to_vec())
-            })
-            .collect();
-        let pack_id = Uuid::now_v7();
-        let path = paths.pack_path(pack_id, capstore::spool::PackState::Sealed);
-        common::packs::write_pack(&path, pack_id, capstore::util::now_ns(), captures).summary
+    let seal = |captured_at_ns, captures: &[(Uuid, &[u8])]| {
+        common::packs::seal_into_spool(&paths, "cam/1", captured_at_ns, captures)
     };
-    let older = seal(first_day_ns, &[(x, "first post"), (other, "other")]);
-    let newer = seal(first_day_ns + 86_400 * 1_000_000_000, &[(x, "second post")]);
+    let older = seal(first_day_ns, &[(x, b"first post"), (other, b"other")]);
+    let newer = seal(first_day_ns + 86_400 * 1_000_000_000, &[(x, b"second post")]);
     let bucket = Bucket::from_config(&world.config).unwrap();
     let newer_key = bucket.pack_key(&newer).to_string();
     // A file where the older pack's day directory goes: its upload fails (retried) until the file is removed.

@@ -1394,32 +1394,18 @@ async fn a_capture_posted_again_into_the_next_pack_of_one_round_is_erased_from_b
     // Two sealed packs waiting in the spool, as a catalog outage leaves them: x in the first, posted again into the
     // second. Both are uploaded in one round and owed together when the daemon starts.
     let paths = capstore::spool::SpoolPaths::new(&env.config().spool.dir);
-    std::fs::create_dir_all(&paths.packs).unwrap();
     let (x, other) = (uuid::Uuid::now_v7(), uuid::Uuid::now_v7());
     let marked = |what: &str| format!("reposted-erasure-{what}-{x}").into_bytes();
-    for captures in [vec![(x, marked("first")), (other, marked("kept"))], vec![(x, marked("again"))]] {
-        let captures = captures
-            .into_iter()
-            .map(|(capture_id, payload)| {
-                let meta = capstore::capture::CaptureMeta {
-                    capture_id,
-                    stream: "era/b".into(),
-                    captured_at_ns: capstore::util::now_ns(),
-                    labels: Default::default(),
-                    content_type: None,
-                    source_name: None,
-                };
-                (meta, payload)
-            })
-            .collect();
-        let pack_id = uuid::Uuid::now_v7();
-        let path = paths.pack_path(pack_id, capstore::spool::PackState::Sealed);
-        common::packs::write_pack(&path, pack_id, capstore::util::now_ns(), captures);
+    for captures in [[(x, marked("first")), (other, marked("kept"))].as_slice(), &[(x, marked("again"))]] {
+        let captures: Vec<(uuid::Uuid, &[u8])> =
+            captures.iter().map(|(id, payload)| (*id, payload.as_slice())).collect();
+        common::packs::seal_into_spool(&paths, "era/b", capstore::util::now_ns(), &captures);
     }
     let daemon = HttpDaemon::launch(dir, port, env).await;
     let client = reqwest::Client::new();
+    // (Published one after the other, as each posts x: a pack leaves the spool once it is published.)
     wait_until_async(&daemon, Duration::from_secs(30), "both packs published", || async {
-        listed_places(&daemon, &client, "era/b").await.len() == 2
+        capstore::spool::list_packs(&paths).unwrap().is_empty()
     })
     .await;
     let response = daemon.get_ok(&client, &format!("/v1/captures/{x}")).await;
