@@ -311,6 +311,65 @@ async fn spool_full_answers_503_with_retry_after_and_loses_nothing() {
 }
 
 #[tokio::test]
+async fn captures_acknowledged_before_a_seal_the_full_disk_refused_are_published_once_space_returns() {
+    // The spool on a small filesystem of its own; the pack seals by age, after the test has filled the disk.
+    let filesystem = common::small_fs::SmallFilesystem::mount(32);
+    let mut daemon = HttpDaemon::start(&[
+        ("CAPSTORE_SPOOL_DIR", filesystem.path().join("spool").display().to_string()),
+        ("CAPSTORE_SPOOL_PACK_MAX_AGE", "4s".to_string()),
+        ("CAPSTORE_SPOOL_PACK_MAX_BYTES", "64MiB".to_string()),
+        ("CAPSTORE_SPOOL_MIN_FREE_BYTES", "0".to_string()),
+    ])
+    .await;
+    let client = reqwest::Client::new();
+    // Labels make the pack's footer several pages long, so the full disk cannot take it in the last page's slack.
+    let posts = (0..40u8).map(|at| {
+        let (client, url) = (&client, daemon.url(&format!("/v1/captures?stream=disk/full&label=note={at:0>200}")));
+        async move {
+            let body = payload(1000, at);
+            let response = client.post(url).body(body.clone()).send().await.unwrap();
+            assert_eq!(response.status(), StatusCode::CREATED);
+            (json(response).await["capture_id"].as_str().unwrap().to_string(), body)
+        }
+    });
+    let acked = futures::future::join_all(posts).await;
+    let filler = filesystem.fill();
+    let started = Instant::now();
+    loop {
+        let metrics = daemon.get_ok(&client, "/metrics").await.text().await.unwrap();
+        if !metrics.contains("capstore_seals_failed_total 0\n") {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the seal never failed (filler of {} bytes):\n{metrics}\n{}",
+            filler.bytes,
+            daemon.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let page = json(daemon.get_ok(&client, "/v1/captures?stream=disk/full").await).await;
+    assert_eq!(page["captures"].as_array().unwrap().len(), 0, "published before its pack was sealed: {page}");
+
+    filler.remove();
+    let started = Instant::now();
+    loop {
+        let page = json(daemon.get_ok(&client, "/v1/captures?stream=disk/full&limit=100").await).await;
+        if page["captures"].as_array().unwrap().len() == acked.len() {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "not all published once space returned: {page}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for (capture_id, body) in &acked {
+        let response = daemon.get_ok(&client, &format!("/v1/captures/{capture_id}")).await;
+        assert_eq!(&response.bytes().await.unwrap()[..], &body[..], "capture {capture_id}");
+    }
+    assert!(daemon.daemon.exited().is_none(), "the daemon died:\n{}", daemon.log());
+    assert!(daemon.log().contains("a pack whose seal failed is sealed now"), "{}", daemon.log());
+}
+
+#[tokio::test]
 async fn catalog_unreachable_writes_work_reads_wait_and_shutdown_is_clean() {
     // Nothing listens on the catalog port: ingest is up, the catalog never connects.
     let dead_catalog = format!("http://127.0.0.1:{}", common::free_port(false));

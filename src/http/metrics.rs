@@ -108,6 +108,11 @@ impl MetricsSample {
             ("capstore_fsyncs", "spool fsyncs (one per group commit)", writer.fsyncs),
             ("capstore_packs_sealed", "packs sealed", writer.packs_sealed),
             ("capstore_appends_refused", "appends refused (quota, size, I/O, closed)", writer.appends_refused),
+            (
+                "capstore_seals_failed",
+                "pack seals that failed (each is tried again until it goes through)",
+                writer.seals_failed,
+            ),
             ("capstore_inbox_files_ingested", "inbox files ingested", ingest.files_ingested.load(Ordering::Relaxed)),
             (
                 "capstore_inbox_files_quarantined",

@@ -14,6 +14,9 @@
 //! object under the same key is a permanent conflict: the pack goes to quarantine with an ERROR. Bucket outages end the
 //! round without counting against any pack.
 //!
+//! A sealed pack newer than a pack whose seal failed waits until the spool's sealer has sealed that one: only packs
+//! older than the oldest unsealed pack are taken ([`sealed_before`]).
+//!
 //! Packs become `.uploaded` in pack id order (the order the spool made them), and the indexer publishes them in that
 //! order ([`super::indexer`]): a pack uploaded after an older one of its round failed stays `.sealed` (its object is in
 //! the bucket, as after a crash before the rename) and is uploaded again, found identical, behind the older one. A
@@ -32,6 +35,16 @@ use crate::catalog::intents::IntentError;
 use crate::pack::PackFile;
 use crate::spool::{PackListing, PackState};
 
+/// The sealed packs older than the oldest pack not sealed yet: in a healthy spool every sealed pack (the writer seals
+/// them in order), but none made after a pack whose seal failed, until the sealer has sealed it (see
+/// [`crate::spool::writer`]). So packs are still uploaded, and published, in the order the spool made them.
+fn sealed_before(sealed: Vec<PackListing>, oldest_unsealed: Option<Uuid>) -> Vec<PackListing> {
+    match oldest_unsealed {
+        Some(unsealed) => sealed.into_iter().filter(|pack| pack.pack_id < unsealed).collect(),
+        None => sealed,
+    }
+}
+
 impl Pipeline {
     /// One upload round; returns how many packs moved to `.uploaded`.
     pub async fn upload_round(&self) -> Result<usize, RoundError> {
@@ -41,12 +54,23 @@ impl Pipeline {
             Ok(_) | Err(RoundError::Stopped) => {}
             Err(error) => tracing::debug!(%error, "reconcile not done; uploading without a mark"),
         }
+        // Read before the listing: a pack the index shows sealed is `.sealed` on disk by then.
+        let oldest_unsealed = self.spool_index.oldest_unsealed();
         let packs = list_spool_packs(&self.paths).await?;
         if packs.iter().any(|pack| pack.state == PackState::Uploaded) {
             return Ok(0);
         }
         let sealed: Vec<PackListing> = packs.into_iter().filter(|pack| pack.state == PackState::Sealed).collect();
-        let whole_spool = sealed.len() <= self.config.upload.batch_packs as usize;
+        let sealed_in_spool = sealed.len();
+        let sealed = sealed_before(sealed, oldest_unsealed);
+        if sealed.len() < sealed_in_spool {
+            tracing::debug!(
+                held_back = sealed_in_spool - sealed.len(),
+                oldest_unsealed = ?oldest_unsealed,
+                "sealed packs wait for an older pack whose seal failed"
+            );
+        }
+        let whole_spool = sealed.len() == sealed_in_spool && sealed.len() <= self.config.upload.batch_packs as usize;
         let mut round = Vec::new();
         for listing in sealed.into_iter().take(self.config.upload.batch_packs as usize) {
             match open_pack(&listing.path).await? {
@@ -167,5 +191,32 @@ impl Pipeline {
                 Err(RoundError::Bucket(error))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn listing(pack_id: Uuid) -> PackListing {
+        PackListing {
+            pack_id,
+            state: PackState::Sealed,
+            path: Default::default(),
+            bytes: 0,
+            modified: std::time::SystemTime::UNIX_EPOCH,
+        }
+    }
+
+    #[test]
+    fn sealed_packs_newer_than_the_oldest_unsealed_one_wait() {
+        let ids: Vec<Uuid> = (0..4).map(|_| Uuid::now_v7()).collect();
+        let ids_of = |packs: Vec<PackListing>| packs.into_iter().map(|pack| pack.pack_id).collect::<Vec<_>>();
+        let sealed = || [ids[0], ids[2], ids[3]].map(listing).to_vec();
+        // A healthy spool: the unsealed pack (the open one) is the newest.
+        assert_eq!(ids_of(sealed_before(sealed(), Some(Uuid::now_v7()))), [ids[0], ids[2], ids[3]]);
+        assert_eq!(ids_of(sealed_before(sealed(), None)), [ids[0], ids[2], ids[3]]);
+        // The seal of ids[1] failed: what was sealed after it waits.
+        assert_eq!(ids_of(sealed_before(sealed(), Some(ids[1]))), [ids[0]]);
     }
 }

@@ -104,6 +104,13 @@ impl SpoolIndex {
         self.write().remove(&pack_id);
     }
 
+    /// The oldest pack not sealed yet: the open pack, one being sealed, or one whose seal failed and is tried again
+    /// (see [`super::writer`]). A pack is marked sealed only once its rename to `.sealed` is durable, so a pack
+    /// listed after this is read is either `.sealed` or at least this new.
+    pub fn oldest_unsealed(&self) -> Option<Uuid> {
+        self.read().iter().find(|(_, ids)| matches!(ids, PackIds::Open(_))).map(|(pack_id, _)| *pack_id)
+    }
+
     pub fn holds_pack(&self, pack_id: Uuid) -> bool {
         self.read().contains_key(&pack_id)
     }
@@ -199,6 +206,24 @@ mod tests {
         index.forget(open_pack);
         assert!(index.candidates(a).is_empty() && !index.holds_pack(open_pack));
         assert!(index.holds_pack(sealed_pack));
+    }
+
+    #[test]
+    fn the_oldest_unsealed_pack_is_the_oldest_still_open_whatever_is_sealed_after_it() {
+        let index = SpoolIndex::default();
+        assert_eq!(index.oldest_unsealed(), None);
+        let (oldest, left_open, sealed_after, current) =
+            (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
+        index.add_sealed(oldest, &[entry(Uuid::now_v7(), 40)]);
+        index.add_open(left_open, &entry(Uuid::now_v7(), 40));
+        index.add_open(sealed_after, &entry(Uuid::now_v7(), 40));
+        index.mark_sealed(sealed_after);
+        index.add_open(current, &entry(Uuid::now_v7(), 40));
+        assert_eq!(index.oldest_unsealed(), Some(left_open));
+        index.mark_sealed(left_open);
+        assert_eq!(index.oldest_unsealed(), Some(current));
+        index.forget(current);
+        assert_eq!(index.oldest_unsealed(), None);
     }
 
     #[test]

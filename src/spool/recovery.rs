@@ -81,6 +81,40 @@ pub fn recover(paths: &SpoolPaths, inbox_ledger: &InboxLedger, index: &SpoolInde
     Ok(report)
 }
 
+/// What became of a pack left `.open` during a run, once [`seal_left_open`] got through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeftOpenOutcome {
+    /// Sealed, with every complete record it held.
+    Sealed,
+    /// It held no complete record and is gone, or it was unreadable and is in quarantine.
+    Gone,
+}
+
+/// Seals a pack the writer left `.open` during a run (its seal failed, or its recovery after a write error did), the
+/// way a start's recovery would (step 2 above), and tells the index. An error (the disk still full, say) leaves it
+/// as it was, to be tried again. A pack whose rename to `.sealed` went through before its directory fsync failed only
+/// has the fsync done again.
+pub fn seal_left_open(paths: &SpoolPaths, index: &SpoolIndex, pack_id: uuid::Uuid) -> io::Result<LeftOpenOutcome> {
+    let path = paths.pack_path(pack_id, PackState::Open);
+    if !path.exists() && paths.pack_path(pack_id, PackState::Sealed).exists() {
+        crate::durable::fsync_dir(&paths.packs)?;
+        index.mark_sealed(pack_id);
+        return Ok(LeftOpenOutcome::Sealed);
+    }
+    if !path.exists() {
+        // Neither `.open` nor `.sealed`: not ours any more (removed by hand); nothing to seal.
+        index.forget(pack_id);
+        return Ok(LeftOpenOutcome::Gone);
+    }
+    let mut report = RecoveryReport::default();
+    recover_open_pack(paths, index, pack_id, &path, &mut report, &mut HashSet::new())?;
+    if report.open_packs_sealed == 1 {
+        return Ok(LeftOpenOutcome::Sealed);
+    }
+    index.forget(pack_id);
+    Ok(LeftOpenOutcome::Gone)
+}
+
 fn recover_open_pack(
     paths: &SpoolPaths,
     index: &SpoolIndex,
@@ -141,4 +175,85 @@ fn collect_source_keys(entries: &[pack::IndexEntry], source_keys: &mut HashSet<S
 
 fn pack_io_error(error: pack::PackError) -> io::Error {
     io::Error::other(error.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::capture::CaptureMeta;
+
+    fn spool() -> (tempfile::TempDir, SpoolPaths) {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = SpoolPaths::new(dir.path());
+        paths.create_dirs().unwrap();
+        (dir, paths)
+    }
+
+    /// An `.open` pack of `records` captures, as a writer whose seal failed leaves it (a torn footer included).
+    fn left_open(paths: &SpoolPaths, index: &SpoolIndex, records: usize) -> uuid::Uuid {
+        let pack_id = uuid::Uuid::now_v7();
+        let path = paths.pack_path(pack_id, PackState::Open);
+        let mut writer = PackWriter::create(&path, pack_id, 1).unwrap();
+        for at in 0..records {
+            let meta = CaptureMeta {
+                capture_id: uuid::Uuid::now_v7(),
+                stream: "s".into(),
+                captured_at_ns: at as u64,
+                labels: Default::default(),
+                content_type: None,
+                source_name: None,
+            };
+            let entry = writer.append(&meta, bytes::Bytes::from(vec![at as u8; 100])).unwrap();
+            index.add_open(pack_id, &entry);
+        }
+        writer.flush().unwrap().sync().unwrap();
+        drop(writer);
+        let mut file = fs::OpenOptions::new().append(true).open(&path).unwrap();
+        std::io::Write::write_all(&mut file, b"torn footer").unwrap();
+        pack_id
+    }
+
+    #[test]
+    fn a_pack_left_open_is_sealed_whole_as_a_start_would_seal_it() {
+        let (_dir, paths) = spool();
+        let index = SpoolIndex::default();
+        let pack_id = left_open(&paths, &index, 3);
+        assert_eq!(seal_left_open(&paths, &index, pack_id).unwrap(), LeftOpenOutcome::Sealed);
+        let pack = PackFile::open(&paths.pack_path(pack_id, PackState::Sealed)).unwrap();
+        assert_eq!(pack.entries().len(), 3);
+        assert!(!paths.pack_path(pack_id, PackState::Open).exists());
+        assert_eq!(index.oldest_unsealed(), None);
+        assert!(index.holds_pack(pack_id));
+    }
+
+    #[test]
+    fn a_pack_renamed_before_its_directory_fsync_failed_is_only_marked_sealed() {
+        let (_dir, paths) = spool();
+        let index = SpoolIndex::default();
+        let pack_id = left_open(&paths, &index, 2);
+        let (writer, _) = PackWriter::recover(&paths.pack_path(pack_id, PackState::Open)).unwrap();
+        writer.finish().unwrap();
+        #[allow(
+            clippy::disallowed_methods,
+            reason = "the rename without its directory fsync is what this test is about"
+        )]
+        fs::rename(paths.pack_path(pack_id, PackState::Open), paths.pack_path(pack_id, PackState::Sealed)).unwrap();
+        assert_eq!(seal_left_open(&paths, &index, pack_id).unwrap(), LeftOpenOutcome::Sealed);
+        assert_eq!(PackFile::open(&paths.pack_path(pack_id, PackState::Sealed)).unwrap().entries().len(), 2);
+        assert_eq!(index.oldest_unsealed(), None);
+    }
+
+    #[test]
+    fn a_pack_left_open_without_a_record_or_removed_is_forgotten() {
+        let (_dir, paths) = spool();
+        let index = SpoolIndex::default();
+        let empty = left_open(&paths, &index, 0);
+        assert_eq!(seal_left_open(&paths, &index, empty).unwrap(), LeftOpenOutcome::Gone);
+        assert!(!paths.pack_path(empty, PackState::Open).exists());
+        let removed = left_open(&paths, &index, 1);
+        fs::remove_file(paths.pack_path(removed, PackState::Open)).unwrap();
+        assert_eq!(seal_left_open(&paths, &index, removed).unwrap(), LeftOpenOutcome::Gone);
+        assert!(!index.holds_pack(removed));
+        assert_eq!(index.oldest_unsealed(), None);
+    }
 }

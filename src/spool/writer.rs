@@ -18,6 +18,14 @@
 //! (linger), on [`SpoolWriter::seal`], and at close. The writer moves on to a new pack at once; a sealer thread waits
 //! for the old pack's hash, writes footer and trailer, fsyncs, and renames `.open` -> `.sealed` with a directory fsync.
 //!
+//! A seal that fails (a full disk, an I/O error) leaves the pack `.open`: its records acknowledged by earlier fsyncs
+//! are on disk, the appends waiting on the seal are answered with an error. The sealer keeps such packs *left open*
+//! and seals them again every [`SEAL_RETRY`], as a start's recovery would ([`super::recovery::seal_left_open`]), until
+//! that goes through, so acknowledged captures never wait for a restart to be published. So does an open pack whose
+//! recovery after a failed write failed. Meanwhile the uploader takes no sealed pack newer than a pack left open
+//! ([`crate::pipeline`]), so packs are still published in the order the spool made them. What is still left open at
+//! close is sealed by the next start.
+//!
 //! Quotas: before each append the writer checks `spool.max_bytes` (bytes under `packs/`) and
 //! `spool.min_free_bytes` (free space on the filesystem). Both readings are refreshed at most every
 //! [`QUOTA_REFRESH`], so refused appends resume by themselves once the uploader frees space or the disk grows.
@@ -51,6 +59,8 @@ const SYNC_QUEUE_CAPACITY: usize = 16;
 /// Packs handed to the sealer and not yet sealed, beyond the one being sealed; the syncer blocks when it is full.
 /// Each holds an open file and a hashing thread.
 const SEALS_IN_FLIGHT: usize = 2;
+/// How often the sealer tries again to seal a pack whose seal failed.
+pub const SEAL_RETRY: Duration = Duration::from_secs(1);
 
 #[derive(Debug, Clone)]
 pub struct WriterSettings {
@@ -113,6 +123,8 @@ pub struct WriterStats {
     pub fsyncs: AtomicU64,
     pub packs_sealed: AtomicU64,
     pub appends_refused: AtomicU64,
+    /// Seals that failed (each is tried again until it goes through).
+    pub seals_failed: AtomicU64,
     /// Woken after every seal (one permit is kept if nobody waits), so the daemon's loop need not poll.
     pub sealed_notify: Notify,
     /// Busy from an append's or a seal's request until the writer answers it: a writer that answers none is wedged.
@@ -129,6 +141,7 @@ impl Default for WriterStats {
             fsyncs: AtomicU64::default(),
             packs_sealed: AtomicU64::default(),
             appends_refused: AtomicU64::default(),
+            seals_failed: AtomicU64::default(),
             sealed_notify: Notify::default(),
             liveness: Liveness::default(),
             append_latency: Latency::between(0.000_1, 10.0),
@@ -143,6 +156,7 @@ pub struct WriterCounters {
     pub fsyncs: u64,
     pub packs_sealed: u64,
     pub appends_refused: u64,
+    pub seals_failed: u64,
 }
 
 impl WriterStats {
@@ -153,6 +167,7 @@ impl WriterStats {
             fsyncs: self.fsyncs.load(Ordering::Relaxed),
             packs_sealed: self.packs_sealed.load(Ordering::Relaxed),
             appends_refused: self.appends_refused.load(Ordering::Relaxed),
+            seals_failed: self.seals_failed.load(Ordering::Relaxed),
         }
     }
 }
@@ -203,6 +218,8 @@ enum SyncJob {
     /// Seal a pack the writer has moved on from: wait for its hash, write footer and trailer, fsync, rename `.open`
     /// -> `.sealed`, fsync the directory.
     Seal { pack: Box<OpenPack>, reason: &'static str, acks: Vec<(AckReply, Ack)>, reply: Option<SealReply> },
+    /// The writer gave up a pack it could not recover after a failed write: the sealer seals it once it can.
+    LeftOpen { pack_id: Uuid },
 }
 
 impl WriterThread {
@@ -431,6 +448,7 @@ impl WriterState {
                         let _ = reply.send(Err(AppendError::Closed));
                     }
                 }
+                SyncJob::LeftOpen { .. } => {}
             }
         }
     }
@@ -577,6 +595,7 @@ impl WriterState {
         let Some(open) = self.open_pack.take() else {
             return;
         };
+        let pack_id = open.writer.pack_id();
         drop(open.writer);
         match PackWriter::recover(&open.path) {
             Ok((writer, recovered)) => {
@@ -584,10 +603,13 @@ impl WriterState {
                 self.index.replace_open(writer.pack_id(), &recovered.entries);
                 self.open_pack = Some(OpenPack { writer, path: open.path, first_append_at: open.first_append_at })
             }
-            Err(error) => tracing::error!(
-                pack = %open.path.display(), %error,
-                "open pack unreadable after a write error; it will be recovered or quarantined at next start"
-            ),
+            Err(error) => {
+                tracing::error!(
+                    pack = %open.path.display(), %error,
+                    "open pack unreadable after a write error; the sealer will seal or quarantine it"
+                );
+                self.send_to_syncer(SyncJob::LeftOpen { pack_id });
+            }
         }
     }
 }
@@ -645,11 +667,15 @@ fn run_syncer(jobs_rx: flume::Receiver<SyncJob>, paths: &SpoolPaths, stats: &Wri
                     SyncJob::Seal { pack, reason, acks, reply } => {
                         // Every batch of this pack still waiting is covered by the seal's fsync.
                         waiting.extend(acks);
-                        let seal = SealJob { pack, reason, acks: std::mem::take(&mut waiting), reply };
-                        if let Err(flume::SendError(seal)) = seals_tx.send(seal) {
+                        let seal = SealJob::Seal { pack, reason, acks: std::mem::take(&mut waiting), reply };
+                        if let Err(flume::SendError(SealJob::Seal { acks, .. })) = seals_tx.send(seal) {
                             // Only if the sealer panicked: the pack stays `.open` and is recovered at next start.
-                            answer(seal.acks, &Err(AppendError::Io("the spool sealer thread died".into())));
+                            answer(acks, &Err(AppendError::Io("the spool sealer thread died".into())));
                         }
+                    }
+                    SyncJob::LeftOpen { pack_id } => {
+                        // (Should the sealer have panicked, the next start seals it.)
+                        let _ = seals_tx.send(SealJob::LeftOpen { pack_id });
                     }
                 }
             }
@@ -658,31 +684,94 @@ fn run_syncer(jobs_rx: flume::Receiver<SyncJob>, paths: &SpoolPaths, stats: &Wri
     });
 }
 
-/// A seal handed from the syncer to the sealer, with the acknowledgements its fsync covers.
-struct SealJob {
-    pack: Box<OpenPack>,
-    reason: &'static str,
-    acks: Vec<(AckReply, Ack)>,
-    reply: Option<SealReply>,
+/// Work handed from the syncer to the sealer, in the order the writer left its packs.
+enum SealJob {
+    /// Seal a pack the writer moved on from, then answer the acknowledgements its fsync covers.
+    Seal { pack: Box<OpenPack>, reason: &'static str, acks: Vec<(AckReply, Ack)>, reply: Option<SealReply> },
+    /// A pack the writer gave up after a failed write ([`SyncJob::LeftOpen`]): left open until it can be sealed.
+    LeftOpen { pack_id: Uuid },
 }
 
 /// The sealer thread: seals packs in the order the writer left them, answering each seal's acknowledgements after it.
+/// A pack whose seal failed is left open and sealed again every [`SEAL_RETRY`] (see the module's doc).
 fn run_sealer(seals_rx: flume::Receiver<SealJob>, paths: &SpoolPaths, stats: &WriterStats, index: &SpoolIndex) {
-    for SealJob { pack, reason, acks, reply } in seals_rx.iter() {
-        let sealed = seal_pack(*pack, paths, stats);
-        if let Ok(summary) = &sealed {
-            index.mark_sealed(summary.pack_id);
+    let mut left_open = LeftOpenPacks::default();
+    loop {
+        let received = match left_open.next_try_at {
+            Some(at) => seals_rx.recv_deadline(at),
+            None => seals_rx.recv().map_err(|_| flume::RecvTimeoutError::Disconnected),
+        };
+        match received {
+            Ok(SealJob::Seal { pack, reason, acks, reply }) => {
+                let pack_id = pack.writer.pack_id();
+                let sealed = seal_pack(*pack, paths, stats);
+                if let Ok(summary) = &sealed {
+                    index.mark_sealed(summary.pack_id);
+                }
+                if let Err(error) = &sealed {
+                    stats.seals_failed.fetch_add(1, Ordering::Relaxed);
+                    tracing::error!(%error, reason, %pack_id, "sealing a pack failed; it is tried again every second");
+                    left_open.add(pack_id);
+                } else if !acks.is_empty() {
+                    crate::failpoint::hit("after_append_before_ack");
+                }
+                let sealed = sealed.map_err(|e| AppendError::Io(e.to_string()));
+                answer(acks, &sealed.as_ref().map(|_| ()).map_err(Clone::clone));
+                if let Some(reply) = reply {
+                    let _ = reply.send(sealed.map(Some));
+                }
+            }
+            Ok(SealJob::LeftOpen { pack_id }) => left_open.add(pack_id),
+            Err(flume::RecvTimeoutError::Timeout) => {}
+            Err(flume::RecvTimeoutError::Disconnected) => break,
         }
-        if let Err(error) = &sealed {
-            tracing::error!(%error, reason, "sealing a pack failed; it will be recovered at next start");
-        } else if !acks.is_empty() {
-            crate::failpoint::hit("after_append_before_ack");
+        if left_open.next_try_at.is_some_and(|at| Instant::now() >= at) {
+            left_open.seal(paths, stats, index);
         }
-        let sealed = sealed.map_err(|e| AppendError::Io(e.to_string()));
-        answer(acks, &sealed.as_ref().map(|_| ()).map_err(Clone::clone));
-        if let Some(reply) = reply {
-            let _ = reply.send(sealed.map(Some));
+    }
+    if !left_open.packs.is_empty() {
+        left_open.seal(paths, stats, index);
+    }
+    if !left_open.packs.is_empty() {
+        tracing::error!(packs = ?left_open.packs, "packs still left open at close; the next start seals them");
+    }
+}
+
+/// The packs whose seal failed, oldest first, and when to try them again.
+#[derive(Default)]
+struct LeftOpenPacks {
+    packs: std::collections::BTreeSet<Uuid>,
+    next_try_at: Option<Instant>,
+}
+
+impl LeftOpenPacks {
+    fn add(&mut self, pack_id: Uuid) {
+        self.packs.insert(pack_id);
+        self.next_try_at.get_or_insert_with(|| Instant::now() + SEAL_RETRY);
+    }
+
+    /// Seals them oldest first, as a start's recovery would; stops at the first that still fails (the disk that
+    /// failed it fails the rest), and tries again after [`SEAL_RETRY`].
+    fn seal(&mut self, paths: &SpoolPaths, stats: &WriterStats, index: &SpoolIndex) {
+        while let Some(&pack_id) = self.packs.first() {
+            match super::recovery::seal_left_open(paths, index, pack_id) {
+                Ok(outcome) => {
+                    self.packs.remove(&pack_id);
+                    if outcome == super::recovery::LeftOpenOutcome::Sealed {
+                        stats.packs_sealed.fetch_add(1, Ordering::Relaxed);
+                        stats.sealed_notify.notify_one();
+                        tracing::info!(%pack_id, "a pack whose seal failed is sealed now");
+                    } else {
+                        tracing::warn!(%pack_id, "a pack whose seal failed held no record, or went to quarantine");
+                    }
+                }
+                Err(error) => {
+                    tracing::debug!(%error, %pack_id, "a pack left open still cannot be sealed");
+                    break;
+                }
+            }
         }
+        self.next_try_at = (!self.packs.is_empty()).then(|| Instant::now() + SEAL_RETRY);
     }
 }
 

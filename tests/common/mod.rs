@@ -6,6 +6,7 @@
 //! - [`azurite::shared_azurite`]: one Azurite (Azure Blob emulator) per test process.
 //! - [`gcs::shared_gcs`]: one fake-gcs-server per test process (reads only: it refuses object_store's uploads).
 //! - [`proxy::FaultProxy`]: a TCP proxy that passes, cuts, black-holes, delays or swallows replies.
+//! - [`small_fs::SmallFilesystem`]: a small tmpfs of its own, for disk-full faults (a real ENOSPC).
 //!
 //! A missing service fails the test with the command that installs it; nothing is skipped.
 //!
@@ -24,6 +25,7 @@ pub mod gcs;
 pub mod packs;
 pub mod proxy;
 pub mod s3;
+pub mod small_fs;
 
 use std::io;
 use std::path::{Path, PathBuf};

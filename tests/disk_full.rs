@@ -1,0 +1,103 @@
+//! Disk-full faults of the spool on a real small filesystem ([`common::small_fs`]): a seal that the full disk refuses
+//! leaves the pack `.open`, and the spool's sealer seals it, whole, once space returns, without a restart.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use capstore::config::SpoolConfig;
+use capstore::pack::{CaptureMeta, PackFile};
+use capstore::spool::writer::{spawn_writer, WriterSettings};
+use capstore::spool::{list_packs, PackState, Spool};
+use common::small_fs::SmallFilesystem;
+use uuid::Uuid;
+
+/// Captures in the pack whose seal fails: with their labels, its footer needs pages the full disk does not have.
+const CAPTURES: usize = 40;
+
+fn capture(at: usize) -> (CaptureMeta, Vec<u8>) {
+    let meta = CaptureMeta {
+        capture_id: Uuid::now_v7(),
+        stream: "disk/full".into(),
+        captured_at_ns: 1_700_000_000_000_000_000 + at as u64,
+        labels: BTreeMap::from([("note".to_string(), format!("{at:0>200}"))]),
+        content_type: None,
+        source_name: None,
+    };
+    let payload = (0..1000).map(|i| (i * 7 + at) as u8).collect();
+    (meta, payload)
+}
+
+fn packs_in(spool: &Spool, state: PackState) -> Vec<Uuid> {
+    let packs = list_packs(spool.paths()).unwrap();
+    packs.into_iter().filter(|pack| pack.state == state).map(|pack| pack.pack_id).collect()
+}
+
+#[tokio::test]
+async fn a_seal_refused_by_a_full_disk_is_done_once_space_returns_without_a_restart() {
+    let filesystem = SmallFilesystem::mount(8);
+    let config = SpoolConfig {
+        dir: filesystem.path().join("spool"),
+        min_free_bytes: capstore::config::ByteSize(0),
+        ..Default::default()
+    };
+    let (spool, _) = Spool::open(&config).unwrap();
+    let settings = WriterSettings {
+        pack_max_bytes: 64 << 20,
+        pack_max_records: 100_000,
+        pack_max_age: Duration::from_secs(3600),
+        max_capture_bytes: 1 << 20,
+        max_bytes: 0,
+        min_free_bytes: 0,
+    };
+    let index = spool.index();
+    let (writer, thread) = spawn_writer(spool.paths().clone(), settings, index.clone());
+    let mut acked = BTreeMap::new();
+    for at in 0..CAPTURES {
+        let (meta, payload) = capture(at);
+        let ack = writer.append(meta.clone(), payload.clone()).await.expect("appended before the disk is full");
+        acked.insert(ack.capture_id, (meta, payload));
+    }
+    let [pack_id] = packs_in(&spool, PackState::Open)[..] else { panic!("one open pack expected") };
+
+    let filler = filesystem.fill();
+    let refused = writer.seal().await;
+    assert!(refused.is_err(), "the seal must fail on a full disk (filler of {} bytes): {refused:?}", filler.bytes);
+    assert_eq!(writer.stats().seals_failed.load(Ordering::Relaxed), 1);
+    assert_eq!(packs_in(&spool, PackState::Open), vec![pack_id], "the pack whose seal failed stays open");
+    assert!(packs_in(&spool, PackState::Sealed).is_empty());
+    // The uploader takes no sealed pack from here on (see `oldest_unsealed`): this pack is first.
+    assert_eq!(index.oldest_unsealed(), Some(pack_id));
+
+    filler.remove();
+    let started = Instant::now();
+    while packs_in(&spool, PackState::Sealed).is_empty() {
+        assert!(started.elapsed() < Duration::from_secs(60), "the pack was never sealed once space returned");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(packs_in(&spool, PackState::Sealed), vec![pack_id]);
+    assert!(packs_in(&spool, PackState::Open).is_empty());
+    assert_eq!(index.oldest_unsealed(), None, "the index knows the pack is sealed");
+    assert_eq!(writer.stats().packs_sealed.load(Ordering::Relaxed), 1);
+
+    // Whole: every acknowledged capture, with its metadata and bytes, and nothing else.
+    let pack = PackFile::open(&spool.paths().pack_path(pack_id, PackState::Sealed)).unwrap();
+    pack.verify().unwrap();
+    assert_eq!(pack.entries().len(), CAPTURES);
+    for at in 0..pack.entries().len() {
+        let (meta, payload) = pack.read_capture(at).unwrap();
+        let (acked_meta, acked_payload) = &acked[&meta.capture_id];
+        assert_eq!(&meta, acked_meta);
+        assert_eq!(&payload, acked_payload);
+    }
+
+    // The writer goes on in a new pack.
+    let (meta, payload) = capture(CAPTURES);
+    let ack = writer.append(meta, payload).await.unwrap();
+    assert_ne!(ack.pack_id, pack_id);
+    writer.close();
+    tokio::task::spawn_blocking(move || thread.join()).await.unwrap();
+    assert_eq!(packs_in(&spool, PackState::Sealed).len(), 2);
+}
