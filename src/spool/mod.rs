@@ -7,7 +7,8 @@
 //! <spool>/SPOOL_ID                  UUID created once; the publisher identity is "<spool id>@<host>:<pid>"
 //! <spool>/inbox/<stream>/<name>     producers drop files here (write as .name or name.tmp, then rename in)
 //! <spool>/packs/<pack_id>.open      the pack being appended (owned by the writer thread; more exist while the
-//!                                   sealer thread seals earlier ones)
+//!                                   sealer thread seals earlier ones, or tries again to seal one whose seal
+//!                                   failed)
 //! <spool>/packs/<pack_id>.sealed    complete and fsynced, waiting for upload
 //! <spool>/packs/<pack_id>.uploaded  in the bucket and verified, owed to the catalog (this is pending_index)
 //! <spool>/quarantine/...            anything unreadable, moved aside with a `.reason` file, never deleted silently
@@ -23,7 +24,7 @@
 //! Files: this one opens a spool ([`Spool::open`]: directories, lock, spool id, recovery); [`layout`] names the paths
 //! and states and is the only code that renames or deletes a spool file; [`index`] knows which pack holds which
 //! capture; [`writer`] is the group-commit writer;
-//! [`recovery`] repairs what a crash left; [`inbox`] ingests producers' files and [`envelope`] is their format and
+//! [`recovery`] repairs what a crash left; [`unsealed`] seals a pack left `.open` (by a crash or a failed seal); [`inbox`] ingests producers' files and [`envelope`] is their format and
 //! `capstore put`; [`lock`] is the owner lock.
 
 pub mod envelope;
@@ -32,6 +33,7 @@ pub mod index;
 pub mod layout;
 pub mod lock;
 pub mod recovery;
+pub mod unsealed;
 pub mod writer;
 
 use std::fs;

@@ -20,7 +20,7 @@
 //!
 //! A seal that fails (a full disk, an I/O error) leaves the pack `.open`: its records acknowledged by earlier fsyncs
 //! are on disk, the appends waiting on the seal are answered with an error. The sealer keeps such packs *left open*
-//! and seals them again every [`SEAL_RETRY`], as a start's recovery would ([`super::recovery::seal_left_open`]), until
+//! and seals them again every [`SEAL_RETRY`], as a start's recovery would ([`super::unsealed::seal_left_open`]), until
 //! that goes through, so acknowledged captures never wait for a restart to be published. So does an open pack whose
 //! recovery after a failed write failed. Meanwhile the uploader takes no sealed pack newer than a pack left open
 //! ([`crate::pipeline`]), so packs are still published in the order the spool made them. What is still left open at
@@ -754,10 +754,10 @@ impl LeftOpenPacks {
     /// failed it fails the rest), and tries again after [`SEAL_RETRY`].
     fn seal(&mut self, paths: &SpoolPaths, stats: &WriterStats, index: &SpoolIndex) {
         while let Some(&pack_id) = self.packs.first() {
-            match super::recovery::seal_left_open(paths, index, pack_id) {
+            match super::unsealed::seal_left_open(paths, index, pack_id) {
                 Ok(outcome) => {
                     self.packs.remove(&pack_id);
-                    if outcome == super::recovery::LeftOpenOutcome::Sealed {
+                    if outcome == super::unsealed::LeftOpenOutcome::Sealed {
                         stats.packs_sealed.fetch_add(1, Ordering::Relaxed);
                         stats.sealed_notify.notify_one();
                         tracing::info!(%pack_id, "a pack whose seal failed is sealed now");
