@@ -311,33 +311,36 @@ async fn spool_full_answers_503_with_retry_after_and_loses_nothing() {
 }
 
 #[tokio::test]
-async fn captures_acknowledged_before_a_seal_the_full_disk_refused_are_published_once_space_returns() {
-    // The spool on a small filesystem of its own; the pack seals by age, after the test has filled the disk.
+async fn captures_acknowledged_before_a_seal_the_full_disk_refused_are_published_once_space_returns_and_in_order() {
+    // The spool on a small filesystem of its own. The first pack (c, e) seals by age, after the test has filled the
+    // disk; the second (c again, d, g) by its third record, at once, once space is back: before the first pack's
+    // retry, which comes a second after its failed seal.
     let filesystem = common::small_fs::SmallFilesystem::mount(32);
+    let spool_dir = filesystem.path().join("spool");
     let mut daemon = HttpDaemon::start(&[
-        ("CAPSTORE_SPOOL_DIR", filesystem.path().join("spool").display().to_string()),
-        ("CAPSTORE_SPOOL_PACK_MAX_AGE", "4s".to_string()),
-        ("CAPSTORE_SPOOL_PACK_MAX_BYTES", "64MiB".to_string()),
+        ("CAPSTORE_SPOOL_DIR", spool_dir.display().to_string()),
+        ("CAPSTORE_SPOOL_PACK_MAX_AGE", "6s".to_string()),
+        ("CAPSTORE_SPOOL_PACK_MAX_RECORDS", "3".to_string()),
         ("CAPSTORE_SPOOL_MIN_FREE_BYTES", "0".to_string()),
     ])
     .await;
     let client = reqwest::Client::new();
-    // Labels make the pack's footer several pages long, so the full disk cannot take it in the last page's slack.
-    let posts = (0..40u8).map(|at| {
-        let (client, url) = (&client, daemon.url(&format!("/v1/captures?stream=disk/full&label=note={at:0>200}")));
+    let (c, d, e, g) = (uuid::Uuid::now_v7(), uuid::Uuid::now_v7(), uuid::Uuid::now_v7(), uuid::Uuid::now_v7());
+    let post = |id: uuid::Uuid, label: String, body: &'static str| {
+        let (client, url) = (&client, daemon.url(&format!("/v1/captures?stream=disk/full&id={id}&label=note={label}")));
         async move {
-            let body = payload(1000, at);
-            let response = client.post(url).body(body.clone()).send().await.unwrap();
-            assert_eq!(response.status(), StatusCode::CREATED);
-            (json(response).await["capture_id"].as_str().unwrap().to_string(), body)
+            let response = client.post(url).body(body).send().await.unwrap();
+            assert_eq!(response.status(), StatusCode::CREATED, "{}", response.text().await.unwrap());
         }
-    });
-    let acked = futures::future::join_all(posts).await;
+    };
+    // A label as long as a page: the pack's footer cannot fit in its last page's slack, so it needs space.
+    post(c, "x".repeat(4000), "c, first").await;
+    post(e, "e".to_string(), "e").await;
     let filler = filesystem.fill();
     let started = Instant::now();
     loop {
         let metrics = daemon.get_ok(&client, "/metrics").await.text().await.unwrap();
-        if !metrics.contains("capstore_seals_failed_total 0\n") {
+        if metrics.contains("capstore_packs_left_open 1\n") {
             break;
         }
         assert!(
@@ -346,24 +349,30 @@ async fn captures_acknowledged_before_a_seal_the_full_disk_refused_are_published
             filler.bytes,
             daemon.log()
         );
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let page = json(daemon.get_ok(&client, "/v1/captures?stream=disk/full").await).await;
     assert_eq!(page["captures"].as_array().unwrap().len(), 0, "published before its pack was sealed: {page}");
 
     filler.remove();
-    let started = Instant::now();
-    loop {
-        let page = json(daemon.get_ok(&client, "/v1/captures?stream=disk/full&limit=100").await).await;
-        if page["captures"].as_array().unwrap().len() == acked.len() {
-            break;
-        }
-        assert!(started.elapsed() < Duration::from_secs(60), "not all published once space returned: {page}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    for (capture_id, body) in &acked {
-        let response = daemon.get_ok(&client, &format!("/v1/captures/{capture_id}")).await;
-        assert_eq!(&response.bytes().await.unwrap()[..], &body[..], "capture {capture_id}");
+    post(c, "y".to_string(), "c, again").await;
+    post(d, "d".to_string(), "d").await;
+    post(g, "g".to_string(), "g").await;
+    wait_until_async(&daemon, Duration::from_secs(60), "both packs published", || async {
+        capstore::spool::list_packs(&capstore::spool::SpoolPaths::new(&spool_dir)).unwrap().is_empty()
+    })
+    .await;
+    let page = json(daemon.get_ok(&client, "/v1/captures?stream=disk/full").await).await;
+    let mut listed: Vec<&str> =
+        page["captures"].as_array().unwrap().iter().map(|c| c["capture_id"].as_str().unwrap()).collect();
+    listed.sort_unstable();
+    let mut expected = [c, d, e, g].map(|id| id.to_string());
+    expected.sort_unstable();
+    assert_eq!(listed, expected, "{page}");
+    // The second pack waited for the first: the last post of c is the capture.
+    for (id, body) in [(c, "c, again"), (d, "d"), (e, "e"), (g, "g")] {
+        let response = daemon.get_ok(&client, &format!("/v1/captures/{id}")).await;
+        assert_eq!(&response.bytes().await.unwrap()[..], body.as_bytes(), "capture {id}");
     }
     assert!(daemon.daemon.exited().is_none(), "the daemon died:\n{}", daemon.log());
     assert!(daemon.log().contains("a pack whose seal failed is sealed now"), "{}", daemon.log());

@@ -170,6 +170,11 @@ impl MetricsSample {
                 i64::from(lease_opt.as_ref().is_some_and(|l| l.catalog_reachable)),
             ),
             ("capstore_spool_total_bytes", "bytes of every pack in the spool", as_i64(spool.total_bytes)),
+            (
+                "capstore_packs_left_open",
+                "packs whose seal failed, tried again until sealed (newer packs wait for them)",
+                as_i64(writer.packs_left_open),
+            ),
             ("capstore_spool_max_bytes", "the spool quota (spool.max_bytes)", as_i64(config.max_bytes.0)),
             ("capstore_spool_free_bytes", "free bytes on the spool's filesystem (-1 if unknown)", free_bytes),
             (

@@ -5,7 +5,7 @@
 //! verifies is kept, a torn tail (a record or a footer cut short) is cut, footer and trailer are written, the pack is
 //! renamed `.sealed` with a directory fsync, and the spool index learns it. A pack with no complete record is
 //! removed; one whose header is unreadable but that holds more than a header's bytes goes to quarantine (it is not
-//! ours to delete). An I/O error leaves the pack as it was, to be tried again.
+//! ours to delete). An I/O error leaves the pack as it was, to be tried again (at a start, it fails the start).
 
 use std::fs;
 use std::io;
@@ -52,6 +52,9 @@ pub fn seal_open_pack(paths: &SpoolPaths, index: &SpoolIndex, pack_id: Uuid) -> 
             );
             Ok(OpenPackSealed::Sealed { entries: recovered.entries, bytes_cut: recovered.bytes_cut })
         }
+        // The disk, not the bytes (EIO, EMFILE, ...): left as it is, to be tried again. Quarantine would keep
+        // acknowledged captures from being published until an operator acts.
+        Err(error) if !error.is_data_error() => Err(io::Error::other(error.to_string())),
         Err(error) => {
             let length = fs::metadata(&path)?.len();
             if length <= pack::HEADER_LEN as u64 {
@@ -93,6 +96,15 @@ pub fn seal_left_open(paths: &SpoolPaths, index: &SpoolIndex, pack_id: Uuid) -> 
     match seal_open_pack(paths, index, pack_id)? {
         OpenPackSealed::Sealed { .. } => Ok(LeftOpenOutcome::Sealed),
         OpenPackSealed::Removed { .. } | OpenPackSealed::Quarantined => Ok(LeftOpenOutcome::Gone),
+    }
+}
+
+/// The index of a pack left `.open` after a failed write, from what the disk holds (a read-only scan, which a full
+/// disk allows): records the failure cut short, whose appends were refused, must not be found at their places.
+pub fn reindex_left_open(paths: &SpoolPaths, index: &SpoolIndex, pack_id: Uuid) {
+    match pack::scan_file(&paths.pack_path(pack_id, PackState::Open)) {
+        Ok(scan) => index.replace_open(pack_id, &scan.entries),
+        Err(error) => tracing::warn!(%error, %pack_id, "a pack left open could not be read to index it again"),
     }
 }
 
@@ -150,6 +162,23 @@ mod tests {
         assert!(!paths.pack_path(pack_id, PackState::Open).exists());
         assert_eq!(index.oldest_unsealed(), None);
         assert!(index.holds_pack(pack_id));
+    }
+
+    #[test]
+    fn a_pack_left_open_is_indexed_again_from_the_records_on_disk() {
+        let (_dir, paths) = spool();
+        let index = SpoolIndex::default();
+        let pack_id = left_open(&paths, &index, 2);
+        // A record the failed write cut short: indexed when appended, not on disk.
+        let mut refused = pack::scan_file(&paths.pack_path(pack_id, PackState::Open)).unwrap().entries[0].clone();
+        refused.meta.capture_id = Uuid::now_v7();
+        refused.record_offset += 1 << 20;
+        index.add_open(pack_id, &refused);
+        assert_eq!(index.candidates(refused.meta.capture_id).len(), 1);
+        reindex_left_open(&paths, &index, pack_id);
+        assert!(index.candidates(refused.meta.capture_id).is_empty());
+        assert_eq!(index.len(), 2);
+        assert_eq!(index.oldest_unsealed(), Some(pack_id));
     }
 
     #[test]

@@ -20,7 +20,7 @@
 //!
 //! A seal that fails (a full disk, an I/O error) leaves the pack `.open`: its records acknowledged by earlier fsyncs
 //! are on disk, the appends waiting on the seal are answered with an error. The sealer keeps such packs *left open*
-//! and seals them again every [`SEAL_RETRY`], as a start's recovery would ([`super::unsealed::seal_left_open`]), until
+//! and seals them again after [`SEAL_RETRY`] (doubling up to [`SEAL_RETRY_MAX`]), as a start's recovery would ([`super::unsealed::seal_left_open`]), until
 //! that goes through, so acknowledged captures never wait for a restart to be published. So does an open pack whose
 //! recovery after a failed write failed. Meanwhile the uploader takes no sealed pack newer than a pack left open
 //! ([`crate::pipeline`]), so packs are still published in the order the spool made them. What is still left open at
@@ -59,8 +59,10 @@ const SYNC_QUEUE_CAPACITY: usize = 16;
 /// Packs handed to the sealer and not yet sealed, beyond the one being sealed; the syncer blocks when it is full.
 /// Each holds an open file and a hashing thread.
 const SEALS_IN_FLIGHT: usize = 2;
-/// How often the sealer tries again to seal a pack whose seal failed.
+/// How soon the sealer tries again to seal a pack whose seal failed; the wait doubles after each failed try, up to
+/// [`SEAL_RETRY_MAX`] (each try reads the whole pack again).
 pub const SEAL_RETRY: Duration = Duration::from_secs(1);
+pub const SEAL_RETRY_MAX: Duration = Duration::from_secs(30);
 
 #[derive(Debug, Clone)]
 pub struct WriterSettings {
@@ -125,6 +127,8 @@ pub struct WriterStats {
     pub appends_refused: AtomicU64,
     /// Seals that failed (each is tried again until it goes through).
     pub seals_failed: AtomicU64,
+    /// Packs whose seal failed and that are not sealed yet (the uploader waits for them).
+    pub packs_left_open: AtomicU64,
     /// Woken after every seal (one permit is kept if nobody waits), so the daemon's loop need not poll.
     pub sealed_notify: Notify,
     /// Busy from an append's or a seal's request until the writer answers it: a writer that answers none is wedged.
@@ -142,6 +146,7 @@ impl Default for WriterStats {
             packs_sealed: AtomicU64::default(),
             appends_refused: AtomicU64::default(),
             seals_failed: AtomicU64::default(),
+            packs_left_open: AtomicU64::default(),
             sealed_notify: Notify::default(),
             liveness: Liveness::default(),
             append_latency: Latency::between(0.000_1, 10.0),
@@ -157,6 +162,7 @@ pub struct WriterCounters {
     pub packs_sealed: u64,
     pub appends_refused: u64,
     pub seals_failed: u64,
+    pub packs_left_open: u64,
 }
 
 impl WriterStats {
@@ -168,6 +174,7 @@ impl WriterStats {
             packs_sealed: self.packs_sealed.load(Ordering::Relaxed),
             appends_refused: self.appends_refused.load(Ordering::Relaxed),
             seals_failed: self.seals_failed.load(Ordering::Relaxed),
+            packs_left_open: self.packs_left_open.load(Ordering::Relaxed),
         }
     }
 }
@@ -218,7 +225,8 @@ enum SyncJob {
     /// Seal a pack the writer has moved on from: wait for its hash, write footer and trailer, fsync, rename `.open`
     /// -> `.sealed`, fsync the directory.
     Seal { pack: Box<OpenPack>, reason: &'static str, acks: Vec<(AckReply, Ack)>, reply: Option<SealReply> },
-    /// The writer gave up a pack it could not recover after a failed write: the sealer seals it once it can.
+    /// The writer gave up a pack it could not recover after a failed write (or an empty one it could not remove):
+    /// the sealer seals (or removes) it once it can.
     LeftOpen { pack_id: Uuid },
 }
 
@@ -572,7 +580,12 @@ impl WriterState {
                         let pack_id = pack.writer.pack_id();
                         drop(pack.writer);
                         self.index.forget(pack_id);
-                        self.paths.remove_unsealed(pack_id).map_err(|e| AppendError::Io(e.to_string()))
+                        let removed = self.paths.remove_unsealed(pack_id);
+                        if removed.is_err() {
+                            // The sealer removes it once it can (it holds no record).
+                            self.send_to_syncer(SyncJob::LeftOpen { pack_id });
+                        }
+                        removed.map_err(|e| AppendError::Io(e.to_string()))
                     }
                     None => Ok(()),
                 };
@@ -693,7 +706,7 @@ enum SealJob {
 }
 
 /// The sealer thread: seals packs in the order the writer left them, answering each seal's acknowledgements after it.
-/// A pack whose seal failed is left open and sealed again every [`SEAL_RETRY`] (see the module's doc).
+/// A pack whose seal failed is left open and sealed again after a growing wait (see the module's doc).
 fn run_sealer(seals_rx: flume::Receiver<SealJob>, paths: &SpoolPaths, stats: &WriterStats, index: &SpoolIndex) {
     let mut left_open = LeftOpenPacks::default();
     loop {
@@ -710,7 +723,9 @@ fn run_sealer(seals_rx: flume::Receiver<SealJob>, paths: &SpoolPaths, stats: &Wr
                 }
                 if let Err(error) = &sealed {
                     stats.seals_failed.fetch_add(1, Ordering::Relaxed);
-                    tracing::error!(%error, reason, %pack_id, "sealing a pack failed; it is tried again every second");
+                    tracing::error!(%error, reason, %pack_id, "sealing a pack failed; it is tried again until it is sealed");
+                    // The failed write may have cut records short (their appends are refused below).
+                    super::unsealed::reindex_left_open(paths, index, pack_id);
                     left_open.add(pack_id);
                 } else if !acks.is_empty() {
                     crate::failpoint::hit("after_append_before_ack");
@@ -721,13 +736,17 @@ fn run_sealer(seals_rx: flume::Receiver<SealJob>, paths: &SpoolPaths, stats: &Wr
                     let _ = reply.send(sealed.map(Some));
                 }
             }
-            Ok(SealJob::LeftOpen { pack_id }) => left_open.add(pack_id),
+            Ok(SealJob::LeftOpen { pack_id }) => {
+                super::unsealed::reindex_left_open(paths, index, pack_id);
+                left_open.add(pack_id);
+            }
             Err(flume::RecvTimeoutError::Timeout) => {}
             Err(flume::RecvTimeoutError::Disconnected) => break,
         }
         if left_open.next_try_at.is_some_and(|at| Instant::now() >= at) {
             left_open.seal(paths, stats, index);
         }
+        stats.packs_left_open.store(left_open.packs.len() as u64, Ordering::Relaxed);
     }
     if !left_open.packs.is_empty() {
         left_open.seal(paths, stats, index);
@@ -742,16 +761,21 @@ fn run_sealer(seals_rx: flume::Receiver<SealJob>, paths: &SpoolPaths, stats: &Wr
 struct LeftOpenPacks {
     packs: std::collections::BTreeSet<Uuid>,
     next_try_at: Option<Instant>,
+    /// The wait after the last failed try: [`SEAL_RETRY`], doubled by each failure up to [`SEAL_RETRY_MAX`].
+    backoff: Duration,
 }
 
 impl LeftOpenPacks {
     fn add(&mut self, pack_id: Uuid) {
         self.packs.insert(pack_id);
-        self.next_try_at.get_or_insert_with(|| Instant::now() + SEAL_RETRY);
+        if self.next_try_at.is_none() {
+            self.backoff = SEAL_RETRY;
+            self.next_try_at = Some(Instant::now() + SEAL_RETRY);
+        }
     }
 
     /// Seals them oldest first, as a start's recovery would; stops at the first that still fails (the disk that
-    /// failed it fails the rest), and tries again after [`SEAL_RETRY`].
+    /// failed it fails the rest), and tries again after the next wait.
     fn seal(&mut self, paths: &SpoolPaths, stats: &WriterStats, index: &SpoolIndex) {
         while let Some(&pack_id) = self.packs.first() {
             match super::unsealed::seal_left_open(paths, index, pack_id) {
@@ -766,12 +790,13 @@ impl LeftOpenPacks {
                     }
                 }
                 Err(error) => {
-                    tracing::debug!(%error, %pack_id, "a pack left open still cannot be sealed");
+                    tracing::debug!(%error, %pack_id, "a pack whose seal failed still cannot be sealed");
+                    self.backoff = (self.backoff * 2).min(SEAL_RETRY_MAX);
                     break;
                 }
             }
         }
-        self.next_try_at = (!self.packs.is_empty()).then(|| Instant::now() + SEAL_RETRY);
+        self.next_try_at = (!self.packs.is_empty()).then(|| Instant::now() + self.backoff);
     }
 }
 
