@@ -1,5 +1,6 @@
 //! Disk-full faults of the spool on a real small filesystem ([`common::small_fs`]): a seal that the full disk refuses
-//! leaves the pack `.open`, and the spool's sealer seals it, whole, once space returns, without a restart.
+//! leaves the pack `.open`, and the spool's sealer seals it, whole, once space returns, without a restart; a start on
+//! the full disk leaves such a pack to the sealer instead of failing.
 
 mod common;
 
@@ -9,13 +10,15 @@ use std::time::{Duration, Instant};
 
 use capstore::config::SpoolConfig;
 use capstore::pack::{CaptureMeta, PackFile};
-use capstore::spool::writer::{spawn_writer, WriterSettings};
+use capstore::spool::writer::{spawn_writer, SpoolWriter, WriterSettings, WriterThread};
 use capstore::spool::{list_packs, PackState, Spool};
-use common::small_fs::SmallFilesystem;
+use common::small_fs::{Filler, SmallFilesystem};
 use uuid::Uuid;
 
 /// Captures in the pack whose seal fails: with their labels, its footer needs pages the full disk does not have.
 const CAPTURES: usize = 40;
+
+type Acked = BTreeMap<Uuid, (CaptureMeta, Vec<u8>)>;
 
 fn capture(at: usize) -> (CaptureMeta, Vec<u8>) {
     let meta = CaptureMeta {
@@ -35,15 +38,16 @@ fn packs_in(spool: &Spool, state: PackState) -> Vec<Uuid> {
     packs.into_iter().filter(|pack| pack.state == state).map(|pack| pack.pack_id).collect()
 }
 
-#[tokio::test]
-async fn a_seal_refused_by_a_full_disk_is_done_once_space_returns_without_a_restart() {
-    let filesystem = SmallFilesystem::mount(8);
+fn open_spool(filesystem: &SmallFilesystem) -> Spool {
     let config = SpoolConfig {
         dir: filesystem.path().join("spool"),
         min_free_bytes: capstore::config::ByteSize(0),
         ..Default::default()
     };
-    let (spool, _) = Spool::open(&config).unwrap();
+    Spool::open(&config).expect("a spool opens, full disk or not").0
+}
+
+fn start_writer(spool: &Spool) -> (SpoolWriter, WriterThread) {
     let settings = WriterSettings {
         pack_max_bytes: 64 << 20,
         pack_max_records: 100_000,
@@ -52,25 +56,32 @@ async fn a_seal_refused_by_a_full_disk_is_done_once_space_returns_without_a_rest
         max_bytes: 0,
         min_free_bytes: 0,
     };
-    let index = spool.index();
-    let (writer, thread) = spawn_writer(spool.paths().clone(), settings, index.clone());
+    spawn_writer(spool.paths().clone(), settings, spool.index())
+}
+
+/// [`CAPTURES`] acknowledged captures in one open pack, then the disk filled and the pack's seal refused.
+async fn a_seal_refused(filesystem: &SmallFilesystem, spool: &Spool, writer: &SpoolWriter) -> (Uuid, Acked, Filler) {
     let mut acked = BTreeMap::new();
     for at in 0..CAPTURES {
         let (meta, payload) = capture(at);
         let ack = writer.append(meta.clone(), payload.clone()).await.expect("appended before the disk is full");
         acked.insert(ack.capture_id, (meta, payload));
     }
-    let [pack_id] = packs_in(&spool, PackState::Open)[..] else { panic!("one open pack expected") };
-
+    let [pack_id] = packs_in(spool, PackState::Open)[..] else { panic!("one open pack expected") };
     let filler = filesystem.fill();
     let refused = writer.seal().await;
     assert!(refused.is_err(), "the seal must fail on a full disk (filler of {} bytes): {refused:?}", filler.bytes);
     assert_eq!(writer.stats().seals_failed.load(Ordering::Relaxed), 1);
-    assert_eq!(packs_in(&spool, PackState::Open), vec![pack_id], "the pack whose seal failed stays open");
-    assert!(packs_in(&spool, PackState::Sealed).is_empty());
-    // The uploader takes no sealed pack from here on (see `oldest_unsealed`): this pack is first.
-    assert_eq!(index.oldest_unsealed(), Some(pack_id));
+    assert_eq!(packs_in(spool, PackState::Open), vec![pack_id], "the pack whose seal failed stays open");
+    assert!(packs_in(spool, PackState::Sealed).is_empty());
+    // The uploader takes no sealed pack newer than this one from here on (see `oldest_left_open`).
+    assert_eq!(spool.index().oldest_left_open(), Some(pack_id));
+    (pack_id, acked, filler)
+}
 
+/// Once space is back: the pack is sealed by `writer`'s sealer, whole (every acknowledged capture, with its metadata
+/// and bytes, and nothing else).
+fn sealed_once_space_returns(spool: &Spool, writer: &SpoolWriter, pack_id: Uuid, acked: &Acked, filler: Filler) {
     filler.remove();
     let started = Instant::now();
     // (Counted once the pack is renamed and the index knows it.)
@@ -78,26 +89,59 @@ async fn a_seal_refused_by_a_full_disk_is_done_once_space_returns_without_a_rest
         assert!(started.elapsed() < Duration::from_secs(60), "the pack was never sealed once space returned");
         std::thread::sleep(Duration::from_millis(50));
     }
-    assert_eq!(packs_in(&spool, PackState::Sealed), vec![pack_id]);
-    assert!(packs_in(&spool, PackState::Open).is_empty());
-    assert_eq!(index.oldest_unsealed(), None, "the index knows the pack is sealed");
-
-    // Whole: every acknowledged capture, with its metadata and bytes, and nothing else.
+    assert_eq!(packs_in(spool, PackState::Sealed), vec![pack_id]);
+    assert!(packs_in(spool, PackState::Open).is_empty());
+    assert_eq!(spool.index().oldest_left_open(), None, "the index knows the pack is sealed");
+    assert_eq!(writer.stats().packs_left_open.load(Ordering::Relaxed), 0);
     let pack = PackFile::open(&spool.paths().pack_path(pack_id, PackState::Sealed)).unwrap();
     pack.verify().unwrap();
-    assert_eq!(pack.entries().len(), CAPTURES);
+    assert_eq!(pack.entries().len(), acked.len());
     for at in 0..pack.entries().len() {
         let (meta, payload) = pack.read_capture(at).unwrap();
         let (acked_meta, acked_payload) = &acked[&meta.capture_id];
         assert_eq!(&meta, acked_meta);
         assert_eq!(&payload, acked_payload);
     }
+}
+
+async fn close(writer: SpoolWriter, thread: WriterThread) {
+    writer.close();
+    tokio::task::spawn_blocking(move || thread.join()).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_seal_refused_by_a_full_disk_is_done_once_space_returns_without_a_restart() {
+    let filesystem = SmallFilesystem::mount(8);
+    let spool = open_spool(&filesystem);
+    let (writer, thread) = start_writer(&spool);
+    let (pack_id, acked, filler) = a_seal_refused(&filesystem, &spool, &writer).await;
+    assert_eq!(writer.stats().packs_left_open.load(Ordering::Relaxed), 1);
+    sealed_once_space_returns(&spool, &writer, pack_id, &acked, filler);
 
     // The writer goes on in a new pack.
     let (meta, payload) = capture(CAPTURES);
     let ack = writer.append(meta, payload).await.unwrap();
     assert_ne!(ack.pack_id, pack_id);
-    writer.close();
-    tokio::task::spawn_blocking(move || thread.join()).await.unwrap();
+    close(writer, thread).await;
     assert_eq!(packs_in(&spool, PackState::Sealed).len(), 2);
+}
+
+#[tokio::test]
+async fn a_start_on_a_full_disk_leaves_the_pack_to_the_sealer_which_seals_it_once_space_returns() {
+    let filesystem = SmallFilesystem::mount(8);
+    let spool = open_spool(&filesystem);
+    let (writer, thread) = start_writer(&spool);
+    let (pack_id, acked, filler) = a_seal_refused(&filesystem, &spool, &writer).await;
+    // Stopped while the disk is still full: the close's last try fails too, and the pack stays open.
+    close(writer, thread).await;
+    drop(spool);
+    assert!(filesystem.path().join("spool/packs").join(format!("{pack_id}.open")).exists());
+
+    // A start on the full disk: recovery cannot seal the pack, and leaves it to the new writer's sealer.
+    let spool = open_spool(&filesystem);
+    assert_eq!(spool.index().left_open_packs(), vec![pack_id]);
+    let (writer, thread) = start_writer(&spool);
+    assert_eq!(writer.stats().packs_left_open.load(Ordering::Relaxed), 1);
+    sealed_once_space_returns(&spool, &writer, pack_id, &acked, filler);
+    close(writer, thread).await;
 }

@@ -313,8 +313,8 @@ async fn spool_full_answers_503_with_retry_after_and_loses_nothing() {
 #[tokio::test]
 async fn captures_acknowledged_before_a_seal_the_full_disk_refused_are_published_once_space_returns_and_in_order() {
     // The spool on a small filesystem of its own. The first pack (c, e) seals by age, after the test has filled the
-    // disk; the second (c again, d, g) by its third record, at once, once space is back: before the first pack's
-    // retry, which comes a second after its failed seal.
+    // disk; the second (c again, d, g) by its third record, at once, once space is back: before the first pack is
+    // tried again.
     let filesystem = common::small_fs::SmallFilesystem::mount(32);
     let spool_dir = filesystem.path().join("spool");
     let mut daemon = HttpDaemon::start(&[
@@ -326,8 +326,9 @@ async fn captures_acknowledged_before_a_seal_the_full_disk_refused_are_published
     .await;
     let client = reqwest::Client::new();
     let (c, d, e, g) = (uuid::Uuid::now_v7(), uuid::Uuid::now_v7(), uuid::Uuid::now_v7(), uuid::Uuid::now_v7());
+    let base = daemon.url("");
     let post = |id: uuid::Uuid, label: String, body: &'static str| {
-        let (client, url) = (&client, daemon.url(&format!("/v1/captures?stream=disk/full&id={id}&label=note={label}")));
+        let (client, url) = (&client, format!("{base}/v1/captures?stream=disk/full&id={id}&label=note={label}"));
         async move {
             let response = client.post(url).body(body).send().await.unwrap();
             assert_eq!(response.status(), StatusCode::CREATED, "{}", response.text().await.unwrap());
@@ -354,10 +355,21 @@ async fn captures_acknowledged_before_a_seal_the_full_disk_refused_are_published
     let page = json(daemon.get_ok(&client, "/v1/captures?stream=disk/full").await).await;
     assert_eq!(page["captures"].as_array().unwrap().len(), 0, "published before its pack was sealed: {page}");
 
+    // Its first try again fails too; the next comes 2 s later: the second pack is sealed well before it.
+    daemon.daemon.wait_for_log_async("a pack whose seal failed still cannot be sealed", Duration::from_secs(30)).await;
     filler.remove();
     post(c, "y".to_string(), "c, again").await;
     post(d, "d".to_string(), "d").await;
     post(g, "g".to_string(), "g").await;
+    let packs = capstore::spool::list_packs(&capstore::spool::SpoolPaths::new(&spool_dir)).unwrap();
+    let states: Vec<_> = packs.iter().map(|pack| pack.state).collect();
+    assert_eq!(
+        states,
+        [capstore::spool::PackState::Open, capstore::spool::PackState::Sealed],
+        "the second pack is sealed (by its third record) while the first is still left open"
+    );
+    let metrics = daemon.get_ok(&client, "/metrics").await.text().await.unwrap();
+    assert!(metrics.contains("capstore_packs_left_open 1\n"), "{metrics}");
     wait_until_async(&daemon, Duration::from_secs(60), "both packs published", || async {
         capstore::spool::list_packs(&capstore::spool::SpoolPaths::new(&spool_dir)).unwrap().is_empty()
     })

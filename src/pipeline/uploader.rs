@@ -15,7 +15,7 @@
 //! round without counting against any pack.
 //!
 //! A sealed pack newer than a pack whose seal failed waits until the spool's sealer has sealed that one: only packs
-//! older than the oldest unsealed pack are taken ([`sealed_before`]).
+//! older than the oldest pack left open are taken ([`sealed_before`]).
 //!
 //! Packs become `.uploaded` in pack id order (the order the spool made them), and the indexer publishes them in that
 //! order ([`super::indexer`]): a pack uploaded after an older one of its round failed stays `.sealed` (its object is in
@@ -35,11 +35,13 @@ use crate::catalog::intents::IntentError;
 use crate::pack::PackFile;
 use crate::spool::{PackListing, PackState};
 
-/// The sealed packs older than the oldest pack not sealed yet: in a healthy spool every sealed pack (the writer seals
-/// them in order), but none made after a pack whose seal failed, until the sealer has sealed it (see
-/// [`crate::spool::writer`]). So packs are still uploaded, and published, in the order the spool made them.
-fn sealed_before(sealed: Vec<PackListing>, oldest_unsealed: Option<Uuid>) -> Vec<PackListing> {
-    match oldest_unsealed {
+/// The sealed packs older than the oldest pack left open by a failed seal: every sealed pack in a healthy spool, but
+/// none made after such a pack until the spool's sealer has sealed it (see [`crate::spool::writer`]). So packs are
+/// still uploaded, and published, in the order the spool made them. (Only packs left open by a failure count: the
+/// open pack and those being sealed are always newer than every sealed pack, unless the clock stepped back across a
+/// restart, which must not stall uploads.)
+fn sealed_before(sealed: Vec<PackListing>, oldest_left_open: Option<Uuid>) -> Vec<PackListing> {
+    match oldest_left_open {
         Some(unsealed) => sealed.into_iter().filter(|pack| pack.pack_id < unsealed).collect(),
         None => sealed,
     }
@@ -54,19 +56,25 @@ impl Pipeline {
             Ok(_) | Err(RoundError::Stopped) => {}
             Err(error) => tracing::debug!(%error, "reconcile not done; uploading without a mark"),
         }
-        // Read before the listing: a pack the index shows sealed is `.sealed` on disk by then.
-        let oldest_unsealed = self.spool_index.oldest_unsealed();
+        // Read before and after the listing: a pack whose seal failed before the listing ended is left open at the
+        // second read (it leaves the set only once sealed, a second later at the soonest), and one that a retry
+        // sealed during the listing (which may have missed it mid-rename) was left open at the first.
+        let left_open_before = self.spool_index.oldest_left_open();
         let packs = list_spool_packs(&self.paths).await?;
+        let oldest_left_open = match (left_open_before, self.spool_index.oldest_left_open()) {
+            (Some(before), Some(after)) => Some(before.min(after)),
+            (before, after) => before.or(after),
+        };
         if packs.iter().any(|pack| pack.state == PackState::Uploaded) {
             return Ok(0);
         }
         let sealed: Vec<PackListing> = packs.into_iter().filter(|pack| pack.state == PackState::Sealed).collect();
         let sealed_in_spool = sealed.len();
-        let sealed = sealed_before(sealed, oldest_unsealed);
+        let sealed = sealed_before(sealed, oldest_left_open);
         if sealed.len() < sealed_in_spool {
             tracing::debug!(
                 held_back = sealed_in_spool - sealed.len(),
-                oldest_unsealed = ?oldest_unsealed,
+                oldest_left_open = ?oldest_left_open,
                 "sealed packs wait for an older pack whose seal failed"
             );
         }
@@ -209,12 +217,11 @@ mod tests {
     }
 
     #[test]
-    fn sealed_packs_newer_than_the_oldest_unsealed_one_wait() {
+    fn sealed_packs_newer_than_the_oldest_pack_left_open_wait() {
         let ids: Vec<Uuid> = (0..4).map(|_| Uuid::now_v7()).collect();
         let ids_of = |packs: Vec<PackListing>| packs.into_iter().map(|pack| pack.pack_id).collect::<Vec<_>>();
         let sealed = || [ids[0], ids[2], ids[3]].map(listing).to_vec();
-        // A healthy spool: the unsealed pack (the open one) is the newest.
-        assert_eq!(ids_of(sealed_before(sealed(), Some(Uuid::now_v7()))), [ids[0], ids[2], ids[3]]);
+        // A healthy spool: no pack left open.
         assert_eq!(ids_of(sealed_before(sealed(), None)), [ids[0], ids[2], ids[3]]);
         // The seal of ids[1] failed: what was sealed after it waits.
         assert_eq!(ids_of(sealed_before(sealed(), Some(ids[1]))), [ids[0]]);

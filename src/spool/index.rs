@@ -8,12 +8,13 @@
 //!
 //! States of a pack in the index: `open` (fingerprints with places, appended by the writer) -> `sealed` (sorted
 //! fingerprints; marked by the sealer, or loaded by recovery) -> gone (forgotten when the pipeline deletes or
-//! quarantines the pack). Maintained by the writer, recovery and the pipeline; read by the reader.
+//! quarantines the pack). An open pack whose seal failed is also *left open* (re-indexed from the disk, and marked)
+//! until it is sealed or gone. Maintained by the writer, recovery and the pipeline; read by the reader.
 //!
 //! Memory: 8 bytes per capture in sealed packs, 44 in open ones: a spool full of 1 KiB captures (10 GiB, 10M
 //! captures) costs about 80 MiB; a spool that keeps up with its bucket holds a few packs.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::RwLock;
 
 use uuid::Uuid;
@@ -59,6 +60,9 @@ pub struct Candidate {
 #[derive(Debug, Default)]
 pub struct SpoolIndex {
     packs: RwLock<BTreeMap<Uuid, PackIds>>,
+    /// Open packs whose seal failed (or that recovery could not seal), until they are sealed or gone: the uploader
+    /// takes no sealed pack newer than the oldest of them (see [`super::writer`]).
+    left_open: RwLock<BTreeSet<Uuid>>,
 }
 
 fn fingerprint(capture_id: Uuid) -> u64 {
@@ -84,6 +88,7 @@ impl SpoolIndex {
 
     /// The pack is sealed: keep its fingerprints only, sorted.
     pub fn mark_sealed(&self, pack_id: Uuid) {
+        self.left_open_set().remove(&pack_id);
         let mut packs = self.write();
         if let Some(PackIds::Open(records)) = packs.get(&pack_id) {
             let mut sorted: Vec<u64> = records.iter().map(|(fingerprint, _)| *fingerprint).collect();
@@ -96,19 +101,29 @@ impl SpoolIndex {
     pub fn add_sealed(&self, pack_id: Uuid, entries: &[IndexEntry]) {
         let mut sorted: Vec<u64> = entries.iter().map(|entry| fingerprint(entry.meta.capture_id)).collect();
         sorted.sort_unstable();
+        self.left_open_set().remove(&pack_id);
         self.write().insert(pack_id, PackIds::Sealed(sorted));
     }
 
     /// The pack left the spool (published and deleted, quarantined, or removed empty).
     pub fn forget(&self, pack_id: Uuid) {
+        self.left_open_set().remove(&pack_id);
         self.write().remove(&pack_id);
     }
 
-    /// The oldest pack not sealed yet: the open pack, one being sealed, or one whose seal failed and is tried again
-    /// (see [`super::writer`]). A pack is marked sealed only once its rename to `.sealed` is durable, so a pack
-    /// listed after this is read is either `.sealed` or at least this new.
-    pub fn oldest_unsealed(&self) -> Option<Uuid> {
-        self.read().iter().find(|(_, ids)| matches!(ids, PackIds::Open(_))).map(|(pack_id, _)| *pack_id)
+    /// The open pack `pack_id` is left open by a failed seal, until it is sealed or forgotten.
+    pub fn mark_left_open(&self, pack_id: Uuid) {
+        self.left_open_set().insert(pack_id);
+    }
+
+    /// The oldest pack left open by a failed seal ([`SpoolIndex::mark_left_open`]).
+    pub fn oldest_left_open(&self) -> Option<Uuid> {
+        self.left_open.read().unwrap_or_else(|poisoned| poisoned.into_inner()).first().copied()
+    }
+
+    /// Every pack left open by a failed seal, oldest first (at a start: those recovery could not seal).
+    pub fn left_open_packs(&self) -> Vec<Uuid> {
+        self.left_open.read().unwrap_or_else(|poisoned| poisoned.into_inner()).iter().copied().collect()
     }
 
     pub fn holds_pack(&self, pack_id: Uuid) -> bool {
@@ -156,6 +171,10 @@ impl SpoolIndex {
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<Uuid, PackIds>> {
         self.packs.read().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn left_open_set(&self) -> std::sync::RwLockWriteGuard<'_, BTreeSet<Uuid>> {
+        self.left_open.write().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     fn write(&self) -> std::sync::RwLockWriteGuard<'_, BTreeMap<Uuid, PackIds>> {
@@ -209,21 +228,24 @@ mod tests {
     }
 
     #[test]
-    fn the_oldest_unsealed_pack_is_the_oldest_still_open_whatever_is_sealed_after_it() {
+    fn the_oldest_pack_left_open_is_kept_until_it_is_sealed_or_forgotten() {
         let index = SpoolIndex::default();
-        assert_eq!(index.oldest_unsealed(), None);
-        let (oldest, left_open, sealed_after, current) =
-            (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
-        index.add_sealed(oldest, &[entry(Uuid::now_v7(), 40)]);
-        index.add_open(left_open, &entry(Uuid::now_v7(), 40));
-        index.add_open(sealed_after, &entry(Uuid::now_v7(), 40));
-        index.mark_sealed(sealed_after);
-        index.add_open(current, &entry(Uuid::now_v7(), 40));
-        assert_eq!(index.oldest_unsealed(), Some(left_open));
-        index.mark_sealed(left_open);
-        assert_eq!(index.oldest_unsealed(), Some(current));
-        index.forget(current);
-        assert_eq!(index.oldest_unsealed(), None);
+        let (older, newer, current) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
+        for pack_id in [older, newer, current] {
+            index.add_open(pack_id, &entry(Uuid::now_v7(), 40));
+        }
+        assert_eq!(index.oldest_left_open(), None, "an open pack is not left open");
+        index.mark_left_open(newer);
+        index.mark_left_open(older);
+        assert_eq!(index.oldest_left_open(), Some(older));
+        assert_eq!(index.left_open_packs(), vec![older, newer]);
+        index.mark_sealed(older);
+        assert_eq!(index.oldest_left_open(), Some(newer));
+        index.forget(newer);
+        assert_eq!(index.oldest_left_open(), None);
+        index.mark_left_open(current);
+        index.add_sealed(current, &[entry(Uuid::now_v7(), 40)]);
+        assert_eq!(index.left_open_packs(), Vec::<Uuid>::new());
     }
 
     #[test]

@@ -7,7 +7,9 @@
 //! 2. Each `.open` pack is scanned: every complete record whose checksum verifies is kept, the torn tail is cut, footer
 //!    and trailer are written and the pack is renamed `.sealed`. A pack with no valid record is removed; a pack whose
 //!    header is unreadable but holds more than a header's worth of bytes is quarantined (it is not ours to delete).
-//!    ([`super::unsealed`], which the writer's sealer also uses for a pack whose seal failed during a run.)
+//!    ([`super::unsealed`], which the writer's sealer also uses for a pack whose seal failed during a run.) A pack
+//!    that cannot be sealed for an I/O error (a full disk) is indexed as left open and left to that sealer, which
+//!    [`super::writer::spawn_writer`] hands every pack the index shows left open.
 //! 3. Each `.sealed` and `.uploaded` pack has its trailer and footer checked; a pack that fails goes to quarantine.
 //! 4. Inbox exactly-once: an inbox file whose source key is already recorded in a pack was captured before the crash
 //!    (its unlink was lost), so it is removed instead of being ingested twice; one that cannot be removed is recorded
@@ -21,13 +23,16 @@ use serde::Serialize;
 
 use super::inbox::ledger::InboxLedger;
 use super::index::SpoolIndex;
-use super::unsealed::{quarantine_pack, seal_open_pack, OpenPackSealed};
+use super::unsealed::{index_left_open, quarantine_pack, seal_open_pack, OpenPackSealed};
 use super::{inbox, list_packs, PackState, SpoolPaths};
 use crate::pack::{self, PackFile};
 
 #[derive(Debug, Default, Clone, Serialize, PartialEq, Eq)]
 pub struct RecoveryReport {
     pub open_packs_sealed: u64,
+    /// `.open` packs that could not be sealed for an I/O error (a full disk): indexed as left open, for the writer's
+    /// sealer to seal once it runs.
+    pub open_packs_left_open: u64,
     pub records_recovered: u64,
     pub bytes_cut: u64,
     pub empty_packs_removed: u64,
@@ -68,6 +73,7 @@ pub fn recover(paths: &SpoolPaths, inbox_ledger: &InboxLedger, index: &SpoolInde
     if !report.is_clean() {
         tracing::info!(
             open_packs_sealed = report.open_packs_sealed,
+            open_packs_left_open = report.open_packs_left_open,
             records_recovered = report.records_recovered,
             bytes_cut = report.bytes_cut,
             empty_packs_removed = report.empty_packs_removed,
@@ -87,7 +93,18 @@ fn recover_open_pack(
     report: &mut RecoveryReport,
     source_keys: &mut HashSet<String>,
 ) -> io::Result<()> {
-    match seal_open_pack(paths, index, pack_id)? {
+    let sealed = match seal_open_pack(paths, index, pack_id) {
+        Ok(sealed) => sealed,
+        // The disk, not the bytes (a full disk, EIO): the writer's sealer tries again once it runs, as after a seal
+        // that failed during a run. The start goes on; the packs after it wait for it.
+        Err(error) => {
+            tracing::error!(%error, %pack_id, "an open pack could not be sealed; it is tried again once the writer runs");
+            index_left_open(paths, index, pack_id);
+            report.open_packs_left_open += 1;
+            return Ok(());
+        }
+    };
+    match sealed {
         OpenPackSealed::Sealed { entries, bytes_cut } => {
             collect_source_keys(&entries, source_keys);
             report.open_packs_sealed += 1;

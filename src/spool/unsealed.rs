@@ -1,5 +1,6 @@
 //! Sealing a pack left `.open`: by a process that died (at the next start, [`super::recovery`]), or by a seal that
-//! failed during the run, a full disk say (the writer's sealer tries again every second, [`super::writer`]).
+//! failed during the run, a full disk say (the writer's sealer tries again, after a wait that doubles from 1 s to
+//! 30 s, [`super::writer`]). A start whose recovery cannot seal a pack for an I/O error leaves it to that sealer too.
 //!
 //! Either way the pack is brought to what a clean seal would have made: every complete record whose checksum
 //! verifies is kept, a torn tail (a record or a footer cut short) is cut, footer and trailer are written, the pack is
@@ -100,12 +101,26 @@ pub fn seal_left_open(paths: &SpoolPaths, index: &SpoolIndex, pack_id: Uuid) -> 
 }
 
 /// The index of a pack left `.open` after a failed write, from what the disk holds (a read-only scan, which a full
-/// disk allows): records the failure cut short, whose appends were refused, must not be found at their places.
+/// disk allows): records the failure cut short, whose appends were refused, must not be found at their places. A
+/// pack the index does not hold (an empty one the writer gave up) stays out of it: it holds nothing to wait for.
 pub fn reindex_left_open(paths: &SpoolPaths, index: &SpoolIndex, pack_id: Uuid) {
-    match pack::scan_file(&paths.pack_path(pack_id, PackState::Open)) {
-        Ok(scan) => index.replace_open(pack_id, &scan.entries),
-        Err(error) => tracing::warn!(%error, %pack_id, "a pack left open could not be read to index it again"),
+    if index.holds_pack(pack_id) {
+        index_left_open(paths, index, pack_id);
     }
+}
+
+/// Indexes a pack left `.open` as left open ([`SpoolIndex::mark_left_open`]: packs after it wait for it), with the
+/// records a read-only scan finds in it (none when even that fails).
+pub fn index_left_open(paths: &SpoolPaths, index: &SpoolIndex, pack_id: Uuid) {
+    let entries = match pack::scan_file(&paths.pack_path(pack_id, PackState::Open)) {
+        Ok(scan) => scan.entries,
+        Err(error) => {
+            tracing::warn!(%error, %pack_id, "a pack left open could not be read to index it");
+            Vec::new()
+        }
+    };
+    index.replace_open(pack_id, &entries);
+    index.mark_left_open(pack_id);
 }
 
 /// Moves a pack the spool cannot read to quarantine, with the reason beside it.
@@ -160,7 +175,7 @@ mod tests {
         let pack = crate::pack::PackFile::open(&paths.pack_path(pack_id, PackState::Sealed)).unwrap();
         assert_eq!(pack.entries().len(), 3);
         assert!(!paths.pack_path(pack_id, PackState::Open).exists());
-        assert_eq!(index.oldest_unsealed(), None);
+        assert_eq!(index.oldest_left_open(), None);
         assert!(index.holds_pack(pack_id));
     }
 
@@ -178,7 +193,7 @@ mod tests {
         reindex_left_open(&paths, &index, pack_id);
         assert!(index.candidates(refused.meta.capture_id).is_empty());
         assert_eq!(index.len(), 2);
-        assert_eq!(index.oldest_unsealed(), Some(pack_id));
+        assert_eq!(index.oldest_left_open(), Some(pack_id));
     }
 
     #[test]
@@ -198,7 +213,7 @@ mod tests {
             crate::pack::PackFile::open(&paths.pack_path(pack_id, PackState::Sealed)).unwrap().entries().len(),
             2
         );
-        assert_eq!(index.oldest_unsealed(), None);
+        assert_eq!(index.oldest_left_open(), None);
     }
 
     #[test]
@@ -212,6 +227,6 @@ mod tests {
         fs::remove_file(paths.pack_path(removed, PackState::Open)).unwrap();
         assert_eq!(seal_left_open(&paths, &index, removed).unwrap(), LeftOpenOutcome::Gone);
         assert!(!index.holds_pack(removed));
-        assert_eq!(index.oldest_unsealed(), None);
+        assert_eq!(index.oldest_left_open(), None);
     }
 }

@@ -8,8 +8,10 @@
 //! the bytes to the kernel, and pass the batch's acknowledgements with the pack's [`SyncPoint`] to the syncer thread.
 //! The syncer fdatasyncs (once for every batch waiting on the same file) and only then acknowledges. So batch N+1 is
 //! written while batch N is fsynced, and the pack's SHA-256 is computed meanwhile on a third thread
-//! ([`crate::pack`]'s hasher). An append is never acknowledged before the fsync that covers it; an append that fails (quota,
-//! size, I/O) is answered with an error and is not in the spool.
+//! ([`crate::pack`]'s hasher). An append is never acknowledged before the fsync that covers it; an append refused
+//! before it is written (quota, size, an invalid capture) is not in the spool. One refused because a write, fsync or
+//! seal after it failed may still be (its bytes reached the disk whole): it is then published as a retry of it would
+//! be, and the catalog shows the capture once.
 //!
 //! A failed fsync poisons the pack (the syncer answers that batch and every later one of the pack with an error); the
 //! writer sees the poison at its next batch and recovers the pack from disk like a restart would.
@@ -88,7 +90,8 @@ impl WriterSettings {
     }
 }
 
-/// Why an append was refused. Nothing of a refused append is in the spool.
+/// Why an append was refused. Refused as too large, over quota or invalid, nothing of it is in the spool; refused
+/// with an I/O error or as closed, its record may be (see the module's doc).
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum AppendError {
     #[error("capture of {size} bytes exceeds spool.max_capture_bytes = {limit}")]
@@ -246,15 +249,18 @@ pub fn spawn_writer(
     settings: WriterSettings,
     index: Arc<SpoolIndex>,
 ) -> (SpoolWriter, WriterThread) {
+    // Packs recovery could not seal (a full disk at the start): the sealer tries them again.
+    let left_open_at_start = index.left_open_packs();
     let (requests_tx, requests_rx) = flume::bounded(QUEUE_CAPACITY);
     let (sync_tx, sync_rx) = flume::bounded(SYNC_QUEUE_CAPACITY);
     let stats = Arc::new(WriterStats::default());
+    stats.packs_left_open.store(left_open_at_start.len() as u64, Ordering::Relaxed);
     let syncer_stats = stats.clone();
     let syncer_paths = paths.clone();
     let syncer_index = index.clone();
     let syncer = std::thread::Builder::new()
         .name("spool-syncer".into())
-        .spawn(move || run_syncer(sync_rx, &syncer_paths, &syncer_stats, &syncer_index))
+        .spawn(move || run_syncer(sync_rx, &syncer_paths, &syncer_stats, &syncer_index, left_open_at_start))
         .expect("spawning the spool syncer thread");
     let mut state = WriterState::new(paths, settings, stats.clone(), sync_tx, index);
     let thread = std::thread::Builder::new()
@@ -647,12 +653,18 @@ fn refuse_orphaned(acks: Vec<(AckReply, Ack)>) {
 /// thread of their own: a seal waits for the pack's hash, and the next pack's batches must not wait behind it (their
 /// producers would stall, and with them the next pack's writing and hashing). Ends, after the sealer has finished,
 /// when the writer drops its sender.
-fn run_syncer(jobs_rx: flume::Receiver<SyncJob>, paths: &SpoolPaths, stats: &WriterStats, index: &SpoolIndex) {
+fn run_syncer(
+    jobs_rx: flume::Receiver<SyncJob>,
+    paths: &SpoolPaths,
+    stats: &WriterStats,
+    index: &SpoolIndex,
+    left_open_at_start: Vec<Uuid>,
+) {
     let (seals_tx, seals_rx) = flume::bounded::<SealJob>(SEALS_IN_FLIGHT);
     std::thread::scope(|scope| {
         std::thread::Builder::new()
             .name("spool-sealer".into())
-            .spawn_scoped(scope, || run_sealer(seals_rx, paths, stats, index))
+            .spawn_scoped(scope, || run_sealer(seals_rx, paths, stats, index, left_open_at_start))
             .expect("spawning the spool sealer thread");
         let mut waiting: Vec<(AckReply, Ack)> = Vec::new();
         while let Ok(first) = jobs_rx.recv() {
@@ -707,8 +719,17 @@ enum SealJob {
 
 /// The sealer thread: seals packs in the order the writer left them, answering each seal's acknowledgements after it.
 /// A pack whose seal failed is left open and sealed again after a growing wait (see the module's doc).
-fn run_sealer(seals_rx: flume::Receiver<SealJob>, paths: &SpoolPaths, stats: &WriterStats, index: &SpoolIndex) {
+fn run_sealer(
+    seals_rx: flume::Receiver<SealJob>,
+    paths: &SpoolPaths,
+    stats: &WriterStats,
+    index: &SpoolIndex,
+    left_open_at_start: Vec<Uuid>,
+) {
     let mut left_open = LeftOpenPacks::default();
+    for pack_id in left_open_at_start {
+        left_open.add(pack_id, stats);
+    }
     loop {
         let received = match left_open.next_try_at {
             Some(at) => seals_rx.recv_deadline(at),
@@ -717,16 +738,13 @@ fn run_sealer(seals_rx: flume::Receiver<SealJob>, paths: &SpoolPaths, stats: &Wr
         match received {
             Ok(SealJob::Seal { pack, reason, acks, reply }) => {
                 let pack_id = pack.writer.pack_id();
-                let sealed = seal_pack(*pack, paths, stats);
-                if let Ok(summary) = &sealed {
-                    index.mark_sealed(summary.pack_id);
-                }
+                let sealed = seal_pack(*pack, paths, stats, index);
                 if let Err(error) = &sealed {
                     stats.seals_failed.fetch_add(1, Ordering::Relaxed);
                     tracing::error!(%error, reason, %pack_id, "sealing a pack failed; it is tried again until it is sealed");
                     // The failed write may have cut records short (their appends are refused below).
                     super::unsealed::reindex_left_open(paths, index, pack_id);
-                    left_open.add(pack_id);
+                    left_open.add(pack_id, stats);
                 } else if !acks.is_empty() {
                     crate::failpoint::hit("after_append_before_ack");
                 }
@@ -738,7 +756,7 @@ fn run_sealer(seals_rx: flume::Receiver<SealJob>, paths: &SpoolPaths, stats: &Wr
             }
             Ok(SealJob::LeftOpen { pack_id }) => {
                 super::unsealed::reindex_left_open(paths, index, pack_id);
-                left_open.add(pack_id);
+                left_open.add(pack_id, stats);
             }
             Err(flume::RecvTimeoutError::Timeout) => {}
             Err(flume::RecvTimeoutError::Disconnected) => break,
@@ -746,7 +764,6 @@ fn run_sealer(seals_rx: flume::Receiver<SealJob>, paths: &SpoolPaths, stats: &Wr
         if left_open.next_try_at.is_some_and(|at| Instant::now() >= at) {
             left_open.seal(paths, stats, index);
         }
-        stats.packs_left_open.store(left_open.packs.len() as u64, Ordering::Relaxed);
     }
     if !left_open.packs.is_empty() {
         left_open.seal(paths, stats, index);
@@ -766,8 +783,9 @@ struct LeftOpenPacks {
 }
 
 impl LeftOpenPacks {
-    fn add(&mut self, pack_id: Uuid) {
+    fn add(&mut self, pack_id: Uuid, stats: &WriterStats) {
         self.packs.insert(pack_id);
+        stats.packs_left_open.store(self.packs.len() as u64, Ordering::Relaxed);
         if self.next_try_at.is_none() {
             self.backoff = SEAL_RETRY;
             self.next_try_at = Some(Instant::now() + SEAL_RETRY);
@@ -781,6 +799,7 @@ impl LeftOpenPacks {
             match super::unsealed::seal_left_open(paths, index, pack_id) {
                 Ok(outcome) => {
                     self.packs.remove(&pack_id);
+                    stats.packs_left_open.store(self.packs.len() as u64, Ordering::Relaxed);
                     if outcome == super::unsealed::LeftOpenOutcome::Sealed {
                         stats.packs_sealed.fetch_add(1, Ordering::Relaxed);
                         stats.sealed_notify.notify_one();
@@ -790,8 +809,9 @@ impl LeftOpenPacks {
                     }
                 }
                 Err(error) => {
-                    tracing::debug!(%error, %pack_id, "a pack whose seal failed still cannot be sealed");
                     self.backoff = (self.backoff * 2).min(SEAL_RETRY_MAX);
+                    let next_try_in_s = self.backoff.as_secs();
+                    tracing::warn!(%error, %pack_id, next_try_in_s, "a pack whose seal failed still cannot be sealed");
                     break;
                 }
             }
@@ -800,13 +820,20 @@ impl LeftOpenPacks {
     }
 }
 
-/// Footer, trailer, fsync, rename `.open` -> `.sealed`, directory fsync.
-fn seal_pack(pack: OpenPack, paths: &SpoolPaths, stats: &WriterStats) -> Result<PackSummary, PackError> {
+/// Footer, trailer, fsync, rename `.open` -> `.sealed`, directory fsync; then the index learns it, before the daemon
+/// is woken (the uploader takes no pack the index still shows unsealed).
+fn seal_pack(
+    pack: OpenPack,
+    paths: &SpoolPaths,
+    stats: &WriterStats,
+    index: &SpoolIndex,
+) -> Result<PackSummary, PackError> {
     #[cfg(test)]
     tests::seal_gate::wait(&paths.root);
     let pack_id = pack.writer.pack_id();
     let summary = pack.writer.finish()?;
     paths.mark_sealed(pack_id)?;
+    index.mark_sealed(pack_id);
     crate::failpoint::hit("after_seal");
     stats.packs_sealed.fetch_add(1, Ordering::Relaxed);
     stats.fsyncs.fetch_add(1, Ordering::Relaxed);
