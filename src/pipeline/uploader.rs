@@ -61,10 +61,7 @@ impl Pipeline {
         // sealed during the listing (which may have missed it mid-rename) was left open at the first.
         let left_open_before = self.spool_index.oldest_left_open();
         let packs = list_spool_packs(&self.paths).await?;
-        let oldest_left_open = match (left_open_before, self.spool_index.oldest_left_open()) {
-            (Some(before), Some(after)) => Some(before.min(after)),
-            (before, after) => before.or(after),
-        };
+        let oldest_left_open = [left_open_before, self.spool_index.oldest_left_open()].into_iter().flatten().min();
         if packs.iter().any(|pack| pack.state == PackState::Uploaded) {
             return Ok(0);
         }

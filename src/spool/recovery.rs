@@ -99,7 +99,9 @@ fn recover_open_pack(
         // that failed during a run. The start goes on; the packs after it wait for it.
         Err(error) => {
             tracing::error!(%error, %pack_id, "an open pack could not be sealed; it is tried again once the writer runs");
-            index_left_open(paths, index, pack_id);
+            if let Err(scan_error) = index_left_open(paths, index, pack_id) {
+                tracing::warn!(error = %scan_error, %pack_id, "a pack left open could not be read to index it");
+            }
             report.open_packs_left_open += 1;
             return Ok(());
         }

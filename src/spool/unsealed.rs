@@ -6,7 +6,7 @@
 //! verifies is kept, a torn tail (a record or a footer cut short) is cut, footer and trailer are written, the pack is
 //! renamed `.sealed` with a directory fsync, and the spool index learns it. A pack with no complete record is
 //! removed; one whose header is unreadable but that holds more than a header's bytes goes to quarantine (it is not
-//! ours to delete). An I/O error leaves the pack as it was, to be tried again (at a start, it fails the start).
+//! ours to delete). An I/O error leaves the pack as it was, to be tried again.
 
 use std::fs;
 use std::io;
@@ -16,7 +16,7 @@ use uuid::Uuid;
 
 use super::index::SpoolIndex;
 use super::{PackState, SpoolPaths};
-use crate::pack::{self, IndexEntry, PackWriter};
+use crate::pack::{self, IndexEntry, PackError, PackWriter};
 
 /// What [`seal_open_pack`] made of a pack.
 #[derive(Debug)]
@@ -100,27 +100,15 @@ pub fn seal_left_open(paths: &SpoolPaths, index: &SpoolIndex, pack_id: Uuid) -> 
     }
 }
 
-/// The index of a pack left `.open` after a failed write, from what the disk holds (a read-only scan, which a full
-/// disk allows): records the failure cut short, whose appends were refused, must not be found at their places. A
-/// pack the index does not hold (an empty one the writer gave up) stays out of it: it holds nothing to wait for.
-pub fn reindex_left_open(paths: &SpoolPaths, index: &SpoolIndex, pack_id: Uuid) {
-    if index.holds_pack(pack_id) {
-        index_left_open(paths, index, pack_id);
-    }
-}
-
 /// Indexes a pack left `.open` as left open ([`SpoolIndex::mark_left_open`]: packs after it wait for it), with the
-/// records a read-only scan finds in it (none when even that fails).
-pub fn index_left_open(paths: &SpoolPaths, index: &SpoolIndex, pack_id: Uuid) {
-    let entries = match pack::scan_file(&paths.pack_path(pack_id, PackState::Open)) {
-        Ok(scan) => scan.entries,
-        Err(error) => {
-            tracing::warn!(%error, %pack_id, "a pack left open could not be read to index it");
-            Vec::new()
-        }
-    };
-    index.replace_open(pack_id, &entries);
+/// records a read-only scan finds in it (which a full disk allows): records a failed write cut short, whose appends
+/// were refused, must not be found at their places. Returns those records, or the scan's error (the pack is then
+/// indexed with none, and still waited for).
+pub fn index_left_open(paths: &SpoolPaths, index: &SpoolIndex, pack_id: Uuid) -> Result<Vec<IndexEntry>, PackError> {
+    let scanned = pack::scan_file(&paths.pack_path(pack_id, PackState::Open)).map(|scan| scan.entries);
+    index.replace_open(pack_id, scanned.as_deref().unwrap_or_default());
     index.mark_left_open(pack_id);
+    scanned
 }
 
 /// Moves a pack the spool cannot read to quarantine, with the reason beside it.
@@ -190,7 +178,7 @@ mod tests {
         refused.record_offset += 1 << 20;
         index.add_open(pack_id, &refused);
         assert_eq!(index.candidates(refused.meta.capture_id).len(), 1);
-        reindex_left_open(&paths, &index, pack_id);
+        index_left_open(&paths, &index, pack_id).unwrap();
         assert!(index.candidates(refused.meta.capture_id).is_empty());
         assert_eq!(index.len(), 2);
         assert_eq!(index.oldest_left_open(), Some(pack_id));

@@ -249,18 +249,17 @@ pub fn spawn_writer(
     settings: WriterSettings,
     index: Arc<SpoolIndex>,
 ) -> (SpoolWriter, WriterThread) {
-    // Packs recovery could not seal (a full disk at the start): the sealer tries them again.
-    let left_open_at_start = index.left_open_packs();
     let (requests_tx, requests_rx) = flume::bounded(QUEUE_CAPACITY);
     let (sync_tx, sync_rx) = flume::bounded(SYNC_QUEUE_CAPACITY);
     let stats = Arc::new(WriterStats::default());
-    stats.packs_left_open.store(left_open_at_start.len() as u64, Ordering::Relaxed);
+    // Packs recovery could not seal (a full disk at the start): counted from the start; the sealer tries them again.
+    stats.packs_left_open.store(index.left_open_packs().len() as u64, Ordering::Relaxed);
     let syncer_stats = stats.clone();
     let syncer_paths = paths.clone();
     let syncer_index = index.clone();
     let syncer = std::thread::Builder::new()
         .name("spool-syncer".into())
-        .spawn(move || run_syncer(sync_rx, &syncer_paths, &syncer_stats, &syncer_index, left_open_at_start))
+        .spawn(move || run_syncer(sync_rx, &syncer_paths, &syncer_stats, &syncer_index))
         .expect("spawning the spool syncer thread");
     let mut state = WriterState::new(paths, settings, stats.clone(), sync_tx, index);
     let thread = std::thread::Builder::new()
@@ -653,18 +652,12 @@ fn refuse_orphaned(acks: Vec<(AckReply, Ack)>) {
 /// thread of their own: a seal waits for the pack's hash, and the next pack's batches must not wait behind it (their
 /// producers would stall, and with them the next pack's writing and hashing). Ends, after the sealer has finished,
 /// when the writer drops its sender.
-fn run_syncer(
-    jobs_rx: flume::Receiver<SyncJob>,
-    paths: &SpoolPaths,
-    stats: &WriterStats,
-    index: &SpoolIndex,
-    left_open_at_start: Vec<Uuid>,
-) {
+fn run_syncer(jobs_rx: flume::Receiver<SyncJob>, paths: &SpoolPaths, stats: &WriterStats, index: &SpoolIndex) {
     let (seals_tx, seals_rx) = flume::bounded::<SealJob>(SEALS_IN_FLIGHT);
     std::thread::scope(|scope| {
         std::thread::Builder::new()
             .name("spool-sealer".into())
-            .spawn_scoped(scope, || run_sealer(seals_rx, paths, stats, index, left_open_at_start))
+            .spawn_scoped(scope, || run_sealer(seals_rx, paths, stats, index))
             .expect("spawning the spool sealer thread");
         let mut waiting: Vec<(AckReply, Ack)> = Vec::new();
         while let Ok(first) = jobs_rx.recv() {
@@ -719,19 +712,12 @@ enum SealJob {
 
 /// The sealer thread: seals packs in the order the writer left them, answering each seal's acknowledgements after it.
 /// A pack whose seal failed is left open and sealed again after a growing wait (see the module's doc).
-fn run_sealer(
-    seals_rx: flume::Receiver<SealJob>,
-    paths: &SpoolPaths,
-    stats: &WriterStats,
-    index: &SpoolIndex,
-    left_open_at_start: Vec<Uuid>,
-) {
-    let mut left_open = LeftOpenPacks::default();
-    for pack_id in left_open_at_start {
-        left_open.add(pack_id, stats);
-    }
+fn run_sealer(seals_rx: flume::Receiver<SealJob>, paths: &SpoolPaths, stats: &WriterStats, index: &SpoolIndex) {
+    // The packs left open are the index's (recovery's at a start, this thread's since); this keeps when to try them.
+    let mut retries = SealRetries::default();
+    retries.left_open(stats, index);
     loop {
-        let received = match left_open.next_try_at {
+        let received = match retries.next_try_at {
             Some(at) => seals_rx.recv_deadline(at),
             None => seals_rx.recv().map_err(|_| flume::RecvTimeoutError::Disconnected),
         };
@@ -742,9 +728,8 @@ fn run_sealer(
                 if let Err(error) = &sealed {
                     stats.seals_failed.fetch_add(1, Ordering::Relaxed);
                     tracing::error!(%error, reason, %pack_id, "sealing a pack failed; it is tried again until it is sealed");
-                    // The failed write may have cut records short (their appends are refused below).
-                    super::unsealed::reindex_left_open(paths, index, pack_id);
-                    left_open.add(pack_id, stats);
+                    leave_open(paths, index, pack_id);
+                    retries.left_open(stats, index);
                 } else if !acks.is_empty() {
                     crate::failpoint::hit("after_append_before_ack");
                 }
@@ -755,38 +740,46 @@ fn run_sealer(
                 }
             }
             Ok(SealJob::LeftOpen { pack_id }) => {
-                super::unsealed::reindex_left_open(paths, index, pack_id);
-                left_open.add(pack_id, stats);
+                leave_open(paths, index, pack_id);
+                retries.left_open(stats, index);
             }
             Err(flume::RecvTimeoutError::Timeout) => {}
             Err(flume::RecvTimeoutError::Disconnected) => break,
         }
-        if left_open.next_try_at.is_some_and(|at| Instant::now() >= at) {
-            left_open.seal(paths, stats, index);
+        if retries.next_try_at.is_some_and(|at| Instant::now() >= at) {
+            retries.seal(paths, stats, index);
         }
     }
-    if !left_open.packs.is_empty() {
-        left_open.seal(paths, stats, index);
+    if retries.next_try_at.is_some() {
+        retries.seal(paths, stats, index);
     }
-    if !left_open.packs.is_empty() {
-        tracing::error!(packs = ?left_open.packs, "packs still left open at close; the next start seals them");
+    let packs = index.left_open_packs();
+    if !packs.is_empty() {
+        tracing::error!(?packs, "packs still left open at close; the next start seals them");
     }
 }
 
-/// The packs whose seal failed, oldest first, and when to try them again.
+/// Marks a pack left open, indexed from what the disk holds (the failed write may have cut records short).
+fn leave_open(paths: &SpoolPaths, index: &SpoolIndex, pack_id: Uuid) {
+    if let Err(error) = super::unsealed::index_left_open(paths, index, pack_id) {
+        tracing::warn!(%error, %pack_id, "a pack left open could not be read to index it");
+    }
+}
+
+/// When to try the packs left open again ([`SpoolIndex::left_open_packs`]).
 #[derive(Default)]
-struct LeftOpenPacks {
-    packs: std::collections::BTreeSet<Uuid>,
+struct SealRetries {
     next_try_at: Option<Instant>,
     /// The wait after the last failed try: [`SEAL_RETRY`], doubled by each failure up to [`SEAL_RETRY_MAX`].
     backoff: Duration,
 }
 
-impl LeftOpenPacks {
-    fn add(&mut self, pack_id: Uuid, stats: &WriterStats) {
-        self.packs.insert(pack_id);
-        stats.packs_left_open.store(self.packs.len() as u64, Ordering::Relaxed);
-        if self.next_try_at.is_none() {
+impl SealRetries {
+    /// The index's packs left open changed: count them, and try them after [`SEAL_RETRY`] unless a try is due.
+    fn left_open(&mut self, stats: &WriterStats, index: &SpoolIndex) {
+        let count = index.left_open_packs().len();
+        stats.packs_left_open.store(count as u64, Ordering::Relaxed);
+        if count > 0 && self.next_try_at.is_none() {
             self.backoff = SEAL_RETRY;
             self.next_try_at = Some(Instant::now() + SEAL_RETRY);
         }
@@ -795,11 +788,10 @@ impl LeftOpenPacks {
     /// Seals them oldest first, as a start's recovery would; stops at the first that still fails (the disk that
     /// failed it fails the rest), and tries again after the next wait.
     fn seal(&mut self, paths: &SpoolPaths, stats: &WriterStats, index: &SpoolIndex) {
-        while let Some(&pack_id) = self.packs.first() {
+        for pack_id in index.left_open_packs() {
             match super::unsealed::seal_left_open(paths, index, pack_id) {
                 Ok(outcome) => {
-                    self.packs.remove(&pack_id);
-                    stats.packs_left_open.store(self.packs.len() as u64, Ordering::Relaxed);
+                    stats.packs_left_open.store(index.left_open_packs().len() as u64, Ordering::Relaxed);
                     if outcome == super::unsealed::LeftOpenOutcome::Sealed {
                         stats.packs_sealed.fetch_add(1, Ordering::Relaxed);
                         stats.sealed_notify.notify_one();
@@ -816,7 +808,7 @@ impl LeftOpenPacks {
                 }
             }
         }
-        self.next_try_at = (!self.packs.is_empty()).then(|| Instant::now() + self.backoff);
+        self.next_try_at = index.oldest_left_open().map(|_| Instant::now() + self.backoff);
     }
 }
 
