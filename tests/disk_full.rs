@@ -5,6 +5,7 @@
 mod common;
 
 use std::collections::BTreeMap;
+use std::os::unix::fs::MetadataExt;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -59,11 +60,20 @@ fn start_writer(spool: &Spool) -> (SpoolWriter, WriterThread) {
     spawn_writer(spool.paths().clone(), settings, spool.index())
 }
 
-/// [`CAPTURES`] acknowledged captures in one open pack, then the disk filled and the pack's seal refused.
-async fn a_seal_refused(filesystem: &SmallFilesystem, spool: &Spool, writer: &SpoolWriter) -> (Uuid, Acked, Filler) {
+/// [`CAPTURES`] acknowledged captures in one open pack (the first one ingested from the inbox file of
+/// `source_name`, if given), then the disk filled and the pack's seal refused.
+async fn a_seal_refused(
+    filesystem: &SmallFilesystem,
+    spool: &Spool,
+    writer: &SpoolWriter,
+    source_name: Option<String>,
+) -> (Uuid, Acked, Filler) {
     let mut acked = BTreeMap::new();
     for at in 0..CAPTURES {
-        let (meta, payload) = capture(at);
+        let (mut meta, payload) = capture(at);
+        if at == 0 {
+            meta.source_name = source_name.clone();
+        }
         let ack = writer.append(meta.clone(), payload.clone()).await.expect("appended before the disk is full");
         acked.insert(ack.capture_id, (meta, payload));
     }
@@ -114,7 +124,7 @@ async fn a_seal_refused_by_a_full_disk_is_done_once_space_returns_without_a_rest
     let filesystem = SmallFilesystem::mount(8);
     let spool = open_spool(&filesystem);
     let (writer, thread) = start_writer(&spool);
-    let (pack_id, acked, filler) = a_seal_refused(&filesystem, &spool, &writer).await;
+    let (pack_id, acked, filler) = a_seal_refused(&filesystem, &spool, &writer, None).await;
     assert_eq!(writer.stats().packs_left_open.load(Ordering::Relaxed), 1);
     sealed_once_space_returns(&spool, &writer, pack_id, &acked, filler);
 
@@ -130,8 +140,15 @@ async fn a_seal_refused_by_a_full_disk_is_done_once_space_returns_without_a_rest
 async fn a_start_on_a_full_disk_leaves_the_pack_to_the_sealer_which_seals_it_once_space_returns() {
     let filesystem = SmallFilesystem::mount(8);
     let spool = open_spool(&filesystem);
+    // The first capture came from an inbox file whose removal was lost (a crash between append and unlink).
+    let inbox_file = spool.paths().inbox.join("disk/full/reading.bin");
+    std::fs::create_dir_all(inbox_file.parent().unwrap()).unwrap();
+    std::fs::write(&inbox_file, b"reading").unwrap();
+    let stat = std::fs::metadata(&inbox_file).unwrap();
+    let mtime_ns = i128::from(stat.mtime()) * 1_000_000_000 + i128::from(stat.mtime_nsec());
+    let source_key = format!("disk/full/reading.bin@{}:{}:{mtime_ns}", stat.ino(), stat.len());
     let (writer, thread) = start_writer(&spool);
-    let (pack_id, acked, filler) = a_seal_refused(&filesystem, &spool, &writer).await;
+    let (pack_id, acked, filler) = a_seal_refused(&filesystem, &spool, &writer, Some(source_key)).await;
     // Stopped while the disk is still full: the close's last try fails too, and the pack stays open.
     close(writer, thread).await;
     drop(spool);
@@ -140,6 +157,7 @@ async fn a_start_on_a_full_disk_leaves_the_pack_to_the_sealer_which_seals_it_onc
     // A start on the full disk: recovery cannot seal the pack, and leaves it to the new writer's sealer.
     let spool = open_spool(&filesystem);
     assert_eq!(spool.index().left_open_packs(), vec![pack_id]);
+    assert!(!inbox_file.exists(), "the inbox file its record came from is captured once, not ingested again");
     let (writer, thread) = start_writer(&spool);
     assert_eq!(writer.stats().packs_left_open.load(Ordering::Relaxed), 1);
     sealed_once_space_returns(&spool, &writer, pack_id, &acked, filler);

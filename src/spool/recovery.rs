@@ -8,8 +8,8 @@
 //!    and trailer are written and the pack is renamed `.sealed`. A pack with no valid record is removed; a pack whose
 //!    header is unreadable but holds more than a header's worth of bytes is quarantined (it is not ours to delete).
 //!    ([`super::unsealed`], which the writer's sealer also uses for a pack whose seal failed during a run.) A pack
-//!    that cannot be sealed for an I/O error (a full disk) is indexed as left open and left to that sealer, which
-//!    [`super::writer::spawn_writer`] hands every pack the index shows left open.
+//!    that cannot be sealed for an I/O error (a full disk) but can be read is indexed as left open (its records'
+//!    source keys count for step 4), and the writer's sealer seals it once it runs.
 //! 3. Each `.sealed` and `.uploaded` pack has its trailer and footer checked; a pack that fails goes to quarantine.
 //! 4. Inbox exactly-once: an inbox file whose source key is already recorded in a pack was captured before the crash
 //!    (its unlink was lost), so it is removed instead of being ingested twice; one that cannot be removed is recorded
@@ -98,10 +98,11 @@ fn recover_open_pack(
         // The disk, not the bytes (a full disk, EIO): the writer's sealer tries again once it runs, as after a seal
         // that failed during a run. The start goes on; the packs after it wait for it.
         Err(error) => {
-            tracing::error!(%error, %pack_id, "an open pack could not be sealed; it is tried again once the writer runs");
-            if let Err(scan_error) = index_left_open(paths, index, pack_id) {
-                tracing::warn!(error = %scan_error, %pack_id, "a pack left open could not be read to index it");
-            }
+            // Its records' source keys keep the inbox exactly-once (step 4): a pack that cannot even be read fails
+            // the start, as it always did.
+            let entries = index_left_open(paths, index, pack_id).map_err(|_| error)?;
+            tracing::error!(%pack_id, "an open pack could not be sealed; it is tried again once the writer runs");
+            collect_source_keys(&entries, source_keys);
             report.open_packs_left_open += 1;
             return Ok(());
         }
