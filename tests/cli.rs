@@ -270,6 +270,53 @@ fn spool_verify_finds_a_damaged_pack_and_inspect_counts_by_state() {
     assert!(stdout.contains("BAD"), "{stdout}");
 }
 
+/// At a start, a sealed pack that cannot be read for an I/O error (here: a directory named like a pack, EISDIR) fails
+/// the start with an error naming it and is left where it is, for the next start; one whose bytes are bad (a damaged
+/// trailer) goes to quarantine and the start goes on.
+#[test]
+fn a_start_fails_on_a_pack_it_cannot_read_and_quarantines_one_with_bad_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let spool_dir = dir.path().join("spool");
+    let stream = spool_dir.join("inbox").join("s");
+    std::fs::create_dir_all(&stream).unwrap();
+    std::fs::write(stream.join("a"), vec![7u8; 5000]).unwrap();
+    let daemon = start_daemon(&spool_dir, &[]);
+    wait_until("ingested", || inbox_files(&spool_dir).is_empty());
+    stop_daemon(daemon);
+    let packs = list_packs(&SpoolPaths::new(&spool_dir)).unwrap();
+    assert_eq!(packs.len(), 1, "{packs:?}");
+    let pack_path = packs[0].path.clone();
+
+    let unreadable = spool_dir.join("packs").join(format!("{}.sealed", uuid::Uuid::now_v7()));
+    std::fs::create_dir(&unreadable).unwrap();
+    let mut refused = DaemonEnv::offline(&spool_dir).start(dir.path().join("refused.log"));
+    let mut status = None;
+    let exited = common::wait_until(Duration::from_secs(30), || {
+        status = refused.exited();
+        status.is_some()
+    });
+    // (Dropping `refused` kills a daemon that started anyway.)
+    assert!(exited, "the start must fail, not run:\n{}", refused.log());
+    let log = refused.log();
+    assert_eq!(status.unwrap().code(), Some(1), "{log}");
+    assert!(log.contains(&format!("{} cannot be read", unreadable.display())), "{log}");
+    assert!(unreadable.is_dir() && pack_path.is_file(), "a failed start moves nothing");
+    assert!(!spool_dir.join("quarantine").join("packs").exists(), "nothing is quarantined for an I/O error");
+
+    std::fs::remove_dir(&unreadable).unwrap();
+    let mut bytes = std::fs::read(&pack_path).unwrap();
+    *bytes.last_mut().unwrap() ^= 0x01;
+    std::fs::write(&pack_path, bytes).unwrap();
+    let log = stop_daemon(start_daemon(&spool_dir, &[]));
+    assert!(!pack_path.exists(), "{log}");
+    let quarantined: Vec<String> = std::fs::read_dir(spool_dir.join("quarantine").join("packs"))
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    let name = pack_path.file_name().unwrap().to_string_lossy().into_owned();
+    assert!(quarantined.iter().any(|file| file.ends_with(&name)), "the damaged pack is in quarantine: {quarantined:?}");
+}
+
 #[test]
 fn an_unreachable_catalog_is_warned_about_once_while_the_daemon_keeps_retrying() {
     let dir = tempfile::tempdir().unwrap();

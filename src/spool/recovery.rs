@@ -10,7 +10,9 @@
 //!    ([`super::unsealed`], which the writer's sealer also uses for a pack whose seal failed during a run.) A pack
 //!    that cannot be sealed for an I/O error (a full disk) but can be read is indexed as left open (its records'
 //!    source keys count for step 4), and the writer's sealer seals it once it runs.
-//! 3. Each `.sealed` and `.uploaded` pack has its trailer and footer checked; a pack that fails goes to quarantine.
+//! 3. Each `.sealed` and `.uploaded` pack has its trailer and footer checked; a pack whose bytes fail goes to
+//!    quarantine. One that cannot be read for an I/O error fails the start (naming it), as an `.open` pack that
+//!    cannot be read does: the next start tries again.
 //! 4. Inbox exactly-once: an inbox file whose source key is already recorded in a pack was captured before the crash
 //!    (its unlink was lost), so it is removed instead of being ingested twice; one that cannot be removed is recorded
 //!    in the inbox ledger instead, and ledger entries of files now gone are dropped. A file or directory of the inbox
@@ -61,10 +63,17 @@ pub fn recover(paths: &SpoolPaths, inbox_ledger: &InboxLedger, index: &SpoolInde
                     collect_source_keys(pack_file.entries(), &mut source_keys);
                     index.add_sealed(listing.pack_id, pack_file.entries());
                 }
-                Err(error) => {
+                Err(error) if error.is_data_error() => {
                     let reason = format!("unreadable {} pack: {error}", listing.state.extension());
                     quarantine_pack(paths, &listing.path, &reason)?;
                     report.packs_quarantined += 1;
+                }
+                // The disk, not the bytes (EIO, EMFILE, not a file): the start fails, naming the pack, and the next
+                // start tries again. Quarantine would keep acknowledged captures from being read and published until
+                // an operator acts, and a start that went on without the pack would not know its inbox source keys.
+                Err(error) => {
+                    let path = listing.path.display();
+                    return Err(io::Error::other(format!("{path} cannot be read, so the spool cannot start: {error}")));
                 }
             },
         }
