@@ -270,9 +270,9 @@ fn spool_verify_finds_a_damaged_pack_and_inspect_counts_by_state() {
     assert!(stdout.contains("BAD"), "{stdout}");
 }
 
-/// At a start, a sealed pack that cannot be read for an I/O error (here: a directory named like a pack, EISDIR) fails
-/// the start with an error naming it and is left where it is, for the next start; one whose bytes are bad (a damaged
-/// trailer) goes to quarantine and the start goes on.
+/// At a start, a pack (sealed, uploaded or open) that cannot be read for an I/O error (here: a directory named like a
+/// pack, EISDIR) fails the start with an error naming it and is left where it is, for the next start; one whose bytes
+/// are bad (a damaged trailer) goes to quarantine and the start goes on.
 #[test]
 fn a_start_fails_on_a_pack_it_cannot_read_and_quarantines_one_with_bad_bytes() {
     let dir = tempfile::tempdir().unwrap();
@@ -287,23 +287,25 @@ fn a_start_fails_on_a_pack_it_cannot_read_and_quarantines_one_with_bad_bytes() {
     assert_eq!(packs.len(), 1, "{packs:?}");
     let pack_path = packs[0].path.clone();
 
-    let unreadable = spool_dir.join("packs").join(format!("{}.sealed", uuid::Uuid::now_v7()));
-    std::fs::create_dir(&unreadable).unwrap();
-    let mut refused = DaemonEnv::offline(&spool_dir).start(dir.path().join("refused.log"));
-    let mut status = None;
-    let exited = common::wait_until(Duration::from_secs(30), || {
-        status = refused.exited();
-        status.is_some()
-    });
-    // (Dropping `refused` kills a daemon that started anyway.)
-    assert!(exited, "the start must fail, not run:\n{}", refused.log());
-    let log = refused.log();
-    assert_eq!(status.unwrap().code(), Some(1), "{log}");
-    assert!(log.contains(&format!("{} cannot be read", unreadable.display())), "{log}");
-    assert!(unreadable.is_dir() && pack_path.is_file(), "a failed start moves nothing");
-    assert!(!spool_dir.join("quarantine").join("packs").exists(), "nothing is quarantined for an I/O error");
-
-    std::fs::remove_dir(&unreadable).unwrap();
+    for state in ["sealed", "uploaded", "open"] {
+        let unreadable = spool_dir.join("packs").join(format!("{}.{state}", uuid::Uuid::now_v7()));
+        std::fs::create_dir(&unreadable).unwrap();
+        let log_path = dir.path().join(format!("refused-{state}.log"));
+        let mut refused = DaemonEnv::offline(&spool_dir).start(log_path);
+        let mut status = None;
+        let exited = common::wait_until(Duration::from_secs(30), || {
+            status = refused.exited();
+            status.is_some()
+        });
+        // (Dropping `refused` kills a daemon that started anyway.)
+        assert!(exited, "the start must fail, not run:\n{}", refused.log());
+        let log = refused.log();
+        assert_eq!(status.unwrap().code(), Some(1), "{log}");
+        assert!(log.contains(&format!("{} cannot be read", unreadable.display())), "{log}");
+        assert!(unreadable.is_dir() && pack_path.is_file(), "a failed start moves nothing");
+        assert!(!spool_dir.join("quarantine").join("packs").exists(), "nothing is quarantined for an I/O error");
+        std::fs::remove_dir(&unreadable).unwrap();
+    }
     let mut bytes = std::fs::read(&pack_path).unwrap();
     *bytes.last_mut().unwrap() ^= 0x01;
     std::fs::write(&pack_path, bytes).unwrap();

@@ -109,7 +109,10 @@ fn recover_open_pack(
         Err(error) => {
             // Its records' source keys keep the inbox exactly-once (step 4): a pack that cannot even be read fails
             // the start, as it always did.
-            let entries = index_left_open(paths, index, pack_id).map_err(|_| error)?;
+            let entries = index_left_open(paths, index, pack_id).map_err(|_| {
+                let path = paths.pack_path(pack_id, PackState::Open);
+                io::Error::other(format!("{} cannot be read, so the spool cannot start: {error}", path.display()))
+            })?;
             tracing::error!(%pack_id, "an open pack could not be sealed; it is tried again once the writer runs");
             collect_source_keys(&entries, source_keys);
             report.open_packs_left_open += 1;
