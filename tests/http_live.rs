@@ -390,6 +390,78 @@ async fn captures_acknowledged_before_a_seal_the_full_disk_refused_are_published
     assert!(daemon.log().contains("a pack whose seal failed is sealed now"), "{}", daemon.log());
 }
 
+/// The capture in `pack_path` with `id`, read from the spool's pack file: its bytes.
+fn payload_in_pack(pack_path: &std::path::Path, id: uuid::Uuid) -> Option<Vec<u8>> {
+    let pack = capstore::pack::PackFile::open(pack_path).unwrap();
+    let index = pack.entries().iter().position(|entry| entry.meta.capture_id == id)?;
+    Some(pack.read_capture(index).unwrap().1)
+}
+
+#[tokio::test]
+async fn a_capture_posted_again_after_the_clock_stepped_back_across_a_restart_is_its_last_post() {
+    // The first post is made by a daemon whose wall clock is an hour ahead (libfaketime), and it dies before it
+    // publishes (no catalog). The daemon restarted on the right clock takes the second post; both are published by
+    // the next start, in the order of their packs' ids.
+    let live_catalog = common::clickhouse::shared_server().url();
+    let libfaketime = common::libfaketime();
+    let mut daemon = HttpDaemon::start(&[
+        ("CAPSTORE_CATALOG_URL", "http://127.0.0.1:1".to_string()),
+        ("CAPSTORE_SPOOL_PACK_MAX_RECORDS", "1".to_string()),
+        ("LD_PRELOAD", libfaketime),
+        ("FAKETIME", "+1h".to_string()),
+        ("FAKETIME_DONT_FAKE_MONOTONIC", "1".to_string()),
+    ])
+    .await;
+    let client = reqwest::Client::new();
+    let c = uuid::Uuid::now_v7();
+    let post = |daemon: &HttpDaemon, body: &'static str| {
+        let (client, url) = (&client, daemon.url(&format!("/v1/captures?stream=clock/step&id={c}")));
+        async move {
+            let response = client.post(url).body(body).send().await.unwrap();
+            assert_eq!(response.status(), StatusCode::CREATED, "{}", response.text().await.unwrap());
+        }
+    };
+    let spool = capstore::spool::SpoolPaths::new(std::path::Path::new(daemon.env.get("CAPSTORE_SPOOL_DIR").unwrap()));
+    let sealed = || {
+        let packs = capstore::spool::list_packs(&spool).unwrap();
+        packs.into_iter().filter(|pack| pack.state == capstore::spool::PackState::Sealed).collect::<Vec<_>>()
+    };
+    post(&daemon, "c, first").await;
+    wait_until_async(&daemon, Duration::from_secs(30), "the first post's pack sealed", || async {
+        sealed().len() == 1
+    })
+    .await;
+    let half_an_hour_ahead = (now_ns() / 1_000_000) + 30 * 60 * 1000;
+    let first_pack = sealed()[0].pack_id;
+    assert!(
+        first_pack > uuid::Builder::from_unix_timestamp_millis(half_an_hour_ahead, &[0; 10]).into_uuid(),
+        "the first daemon's clock was not ahead: pack {first_pack}"
+    );
+    daemon.daemon.signal(nix::sys::signal::Signal::SIGKILL);
+
+    daemon.restart(&[("LD_PRELOAD", ""), ("FAKETIME", "")]).await;
+    post(&daemon, "c, again").await;
+    wait_until_async(&daemon, Duration::from_secs(30), "the second post's pack sealed", || async {
+        sealed().len() == 2
+    })
+    .await;
+    // Packs are published in id order: the later post's pack sorts last, though its clock says an hour earlier.
+    let packs = sealed();
+    let bodies: Vec<Option<Vec<u8>>> = packs.iter().map(|pack| payload_in_pack(&pack.path, c)).collect();
+    assert_eq!(bodies, [Some(b"c, first".to_vec()), Some(b"c, again".to_vec())], "packs in id order: {packs:?}");
+    daemon.daemon.signal(nix::sys::signal::Signal::SIGKILL);
+
+    daemon.restart(&[("CAPSTORE_CATALOG_URL", &live_catalog)]).await;
+    wait_until_async(&daemon, Duration::from_secs(60), "both packs published", || async {
+        capstore::spool::list_packs(&spool).unwrap().is_empty()
+    })
+    .await;
+    let response = daemon.get_ok(&client, &format!("/v1/captures/{c}")).await;
+    assert_eq!(&response.bytes().await.unwrap()[..], b"c, again", "the last post is the capture");
+    let page = json(daemon.get_ok(&client, "/v1/captures?stream=clock/step").await).await;
+    assert_eq!(page["captures"].as_array().unwrap().len(), 1, "{page}");
+}
+
 #[tokio::test]
 async fn catalog_unreachable_writes_work_reads_wait_and_shutdown_is_clean() {
     // Nothing listens on the catalog port: ingest is up, the catalog never connects.

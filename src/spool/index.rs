@@ -126,6 +126,14 @@ impl SpoolIndex {
         self.left_open.read().unwrap_or_else(|poisoned| poisoned.into_inner()).iter().copied().collect()
     }
 
+    /// The newest pack the index holds (open with records, sealed, uploaded or left open): a new pack's id must sort
+    /// after it (see [`super::writer`]).
+    pub fn newest_pack(&self) -> Option<Uuid> {
+        let newest_indexed = self.read().keys().next_back().copied();
+        let newest_left_open = self.left_open.read().unwrap_or_else(|poisoned| poisoned.into_inner()).last().copied();
+        newest_indexed.max(newest_left_open)
+    }
+
     pub fn holds_pack(&self, pack_id: Uuid) -> bool {
         self.read().contains_key(&pack_id)
     }
@@ -246,6 +254,22 @@ mod tests {
         index.mark_left_open(current);
         index.add_sealed(current, &[entry(Uuid::now_v7(), 40)]);
         assert_eq!(index.left_open_packs(), Vec::<Uuid>::new());
+    }
+
+    #[test]
+    fn the_newest_pack_is_the_highest_id_of_every_pack_held() {
+        let index = SpoolIndex::default();
+        assert_eq!(index.newest_pack(), None);
+        let (sealed, open, left_open) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
+        index.add_sealed(sealed, &[entry(Uuid::now_v7(), 40)]);
+        assert_eq!(index.newest_pack(), Some(sealed));
+        index.add_open(open, &entry(Uuid::now_v7(), 40));
+        assert_eq!(index.newest_pack(), Some(open));
+        index.mark_left_open(left_open);
+        assert_eq!(index.newest_pack(), Some(left_open), "a pack left open counts before it is re-indexed");
+        index.forget(left_open);
+        index.forget(open);
+        assert_eq!(index.newest_pack(), Some(sealed));
     }
 
     #[test]

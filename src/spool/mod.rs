@@ -18,8 +18,10 @@
 //! Invariants:
 //! - a capture is acknowledged only after the fsync that covers its record (group commit, [`writer`]);
 //! - a spool file is deleted only after the catalog shows it published (I5);
-//! - recovery keeps every complete record of a torn `.open` file and quarantines what it cannot read (I6);
-//! - pack ids are UUIDv7, so sorting names sorts packs oldest first.
+//! - recovery keeps every complete record of a torn `.open` file and quarantines what has bad bytes (I6); a pack it
+//!   cannot read for an I/O error fails the start;
+//! - pack ids are UUIDv7 and a new pack's sorts after every pack the spool holds, even when the wall clock stepped
+//!   back ([`writer`]), so sorting names sorts packs oldest first.
 //!
 //! Files: this one opens a spool ([`Spool::open`]: directories, lock, spool id, recovery); [`layout`] names the paths
 //! and states and is the only code that renames or deletes a spool file; [`index`] knows which pack holds which

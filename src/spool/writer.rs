@@ -543,7 +543,7 @@ impl WriterState {
     }
 
     fn open_new_pack(&mut self) -> Result<(), PackError> {
-        let pack_id = Uuid::now_v7();
+        let pack_id = new_pack_id(self.index.newest_pack());
         let path = self.paths.pack_path(pack_id, PackState::Open);
         // No directory fsync here: the pack's first SyncPoint fsyncs the directory before any of its records is
         // acknowledged, and doing it on this thread would stall writing.
@@ -630,6 +630,26 @@ impl WriterState {
             }
         }
     }
+}
+
+/// A new pack's id: a UUIDv7 of the wall clock, unless that does not sort after `newest`, the newest pack the spool
+/// still holds (the clock stepped back, across a restart say, or the packs were made by a clock ahead of it). Then it
+/// is a UUIDv7 of the millisecond after `newest`'s. The spool reads a capture id from its newest pack, and uploads and
+/// publishes packs in id order, so a pack made later must sort after every pack still waiting: else a capture posted
+/// again after such a step would lose to its earlier post. Once the spool holds none of those packs, ids follow the
+/// clock again.
+fn new_pack_id(newest: Option<Uuid>) -> Uuid {
+    let now = Uuid::now_v7();
+    let Some(newest) = newest.filter(|newest| now <= *newest) else { return now };
+    let Some(newest_ms) = newest.get_timestamp().map(|timestamp| {
+        let (seconds, nanos) = timestamp.to_unix();
+        seconds * 1000 + u64::from(nanos) / 1_000_000
+    }) else {
+        // Not a UUIDv7: no pack id of ours, so nothing to order against.
+        return now;
+    };
+    let random: [u8; 10] = Uuid::new_v4().as_bytes()[..10].try_into().expect("ten of sixteen bytes");
+    uuid::Builder::from_unix_timestamp_millis(newest_ms + 1, &random).into_uuid()
 }
 
 fn answer(acks: Vec<(AckReply, Ack)>, outcome: &Result<(), AppendError>) {
@@ -862,6 +882,30 @@ mod tests {
                 let _ = open_rx.recv();
             }
         }
+    }
+
+    fn uuid_v7_at_ms(ms: u64) -> Uuid {
+        uuid::Builder::from_unix_timestamp_millis(ms, &[0xff; 10]).into_uuid()
+    }
+
+    #[test]
+    fn a_new_pack_id_follows_the_clock_and_sorts_after_every_pack_the_spool_holds() {
+        let before = Uuid::now_v7();
+        let id = new_pack_id(None);
+        assert!(id > before && id.get_version_num() == 7);
+        // The spool's newest pack is older than now: the clock's id (below one of a minute ahead).
+        let now_ms = crate::util::now_ns() / 1_000_000;
+        let id = new_pack_id(Some(before));
+        assert!(id > before && id < uuid_v7_at_ms(now_ms + 60_000), "{id}");
+        // A pack made by a clock an hour ahead, with the largest random bits: the new id is of its next millisecond.
+        let ahead = uuid_v7_at_ms(now_ms + 3_600_000);
+        let id = new_pack_id(Some(ahead));
+        assert!(id > ahead && id.get_version_num() == 7, "{id} after {ahead}");
+        let (seconds, nanos) = id.get_timestamp().unwrap().to_unix();
+        assert_eq!(seconds * 1000 + u64::from(nanos) / 1_000_000, now_ms + 3_600_001);
+        // Not a UUIDv7 (no pack of ours): the clock's id.
+        let id = new_pack_id(Some(Uuid::from_u128(u128::MAX)));
+        assert!(id.get_version_num() == 7 && id > before);
     }
 
     fn settings() -> WriterSettings {

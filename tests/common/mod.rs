@@ -154,6 +154,20 @@ pub fn free_port(with_grpc_twin: bool) -> u16 {
     panic!("no free loopback port found");
 }
 
+/// The LD_PRELOAD library of libfaketime (Debian's `faketime`), which sets a child's wall clock (`FAKETIME`) for real:
+/// the tests that step the clock run `capstore` under it. Panics, saying how to install it, when it is missing.
+pub fn libfaketime() -> String {
+    let candidates = ["/usr/lib/x86_64-linux-gnu/faketime", "/usr/lib/aarch64-linux-gnu/faketime", "/usr/lib/faketime"];
+    candidates
+        .iter()
+        .map(|dir| std::path::Path::new(dir).join("libfaketime.so.1"))
+        .find(|path| path.is_file())
+        .map(|path| path.display().to_string())
+        .unwrap_or_else(|| {
+            panic!("libfaketime is missing: install it with `apt-get install faketime` (or run .ci/run)")
+        })
+}
+
 /// Several distinct free ports.
 pub fn free_ports(count: usize, with_grpc_twin: bool) -> Vec<u16> {
     let mut ports: Vec<u16> = Vec::with_capacity(count);
