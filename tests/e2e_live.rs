@@ -451,7 +451,7 @@ async fn a_lost_spool_is_repaired_from_upload_intents_without_a_listing(server: 
     std::fs::remove_dir_all(world.spool_dir()).unwrap();
     // Objects no intent names: a start must not find them (it does not list the bucket); `capstore reconcile` does.
     let invalid_key = world.plant_invalid_object(&uploaded[0].0);
-    let stray = world.plant_valid_pack(STRAY_DAY_NS);
+    let stray = world.plant_valid_pack(STRAY_DAY_NS).await;
 
     let mut daemon = world.start(&[]);
     daemon.wait_for_log_async("reconcile done", Duration::from_secs(60)).await;
@@ -484,6 +484,59 @@ async fn a_lost_spool_is_repaired_from_upload_intents_without_a_listing(server: 
     assert_eq!(report["published"].as_u64(), Some(0), "{report}");
     assert_eq!(report["invalid"], serde_json::json!([invalid_key]), "{report}");
     assert_eq!(world.listed().await.len(), listed.len() + stray.len());
+    world.assert_versions_gapless();
+}
+
+// The order is the bucket listing's and reconcile's own: one catalog release, and S3, which lists in key order.
+for_each_version!(
+    reconcile_publishes_the_packs_it_finds_in_pack_order_across_its_whole_listing,
+    flavor = "multi_thread",
+    versions = [v18_16 => V18_16]
+);
+async fn reconcile_publishes_the_packs_it_finds_in_pack_order_across_its_whole_listing(
+    server: &'static ClickHouseServer,
+) {
+    let world = World::new(server, BucketKind::S3(common::s3::shared_s3()), false);
+    let mut daemon = world.start(&[]);
+    daemon.wait_for_log_async("capstore running", Duration::from_secs(30)).await;
+    let (code, _, log) = daemon.terminate();
+    assert_eq!(code, 0, "{log}");
+    // A capture posted twice, and the spool lost before either pack was published. The first post's pack was made
+    // first, but its capture is a day later, so its key (dated by capture day) is listed after the second's; 2,000
+    // objects not named like packs between the two keys put them in different slices of the listing.
+    let c = Uuid::now_v7();
+    let capture = |captured_at_ns: u64, body: &str| {
+        let meta = capstore::capture::CaptureMeta {
+            capture_id: c,
+            stream: "reposted".into(),
+            captured_at_ns,
+            labels: Default::default(),
+            content_type: None,
+            source_name: None,
+        };
+        (meta, body.as_bytes().to_vec())
+    };
+    let (first_pack, second_pack) = (Uuid::now_v7(), Uuid::now_v7());
+    let first_key = world.plant_pack(first_pack, vec![capture(STRAY_DAY_NS + 86_400_000_000_000, "c, first")]).await;
+    let second_key = world.plant_pack(second_pack, vec![capture(STRAY_DAY_NS, "c, again")]).await;
+    assert!(second_key < first_key, "{second_key} is listed before {first_key}");
+    let bucket = Bucket::from_config(&world.config).unwrap();
+    let day = second_key.rsplit_once('/').unwrap().0.to_string();
+    use futures::StreamExt;
+    futures::stream::iter(0..2000)
+        .for_each_concurrent(32, |n| {
+            let (store, key) = (bucket.store().clone(), format!("{day}/zz-not-a-pack-{n:04}"));
+            async move {
+                store.put(&key.as_str().into(), b"x".to_vec().into()).await.unwrap();
+            }
+        })
+        .await;
+
+    let report = world.reconcile(&[], 1);
+    assert_eq!((report["published"].as_u64(), report["invalid_count"].as_u64()), (Some(2), Some(2000)), "{report}");
+    let reader = world.reader().await;
+    let capture = reader.get(c).await.unwrap().unwrap();
+    assert_eq!(capture.payload, b"c, again", "the later pack's post is the capture");
     world.assert_versions_gapless();
 }
 
@@ -602,8 +655,19 @@ impl World {
         key
     }
 
+    /// The pack `pack_id` of `captures` put straight into the bucket (no intent, no catalog row); returns its key.
+    async fn plant_pack(&self, pack_id: Uuid, captures: Vec<(capstore::capture::CaptureMeta, Vec<u8>)>) -> String {
+        let first_captured_at_ns = captures.iter().map(|(meta, _)| meta.captured_at_ns).min().unwrap();
+        let bucket = Bucket::from_config(&self.config).unwrap();
+        let scratch = self.dir.path().join(format!("{pack_id}.cpk"));
+        let written = common::packs::write_pack(&scratch, pack_id, first_captured_at_ns, captures);
+        let key = bucket.pack_key(&written.summary);
+        bucket.store().put(&key, std::fs::read(&scratch).unwrap().into()).await.unwrap();
+        key.to_string()
+    }
+
     /// A valid pack put straight into the bucket (no intent, no catalog row), its first capture at `captured_at_ns`.
-    fn plant_valid_pack(&self, captured_at_ns: u64) -> Vec<(capstore::capture::CaptureMeta, Vec<u8>)> {
+    async fn plant_valid_pack(&self, captured_at_ns: u64) -> Vec<(capstore::capture::CaptureMeta, Vec<u8>)> {
         let captures: Vec<_> = (0..3u64)
             .map(|index| {
                 let meta = capstore::capture::CaptureMeta {
@@ -617,14 +681,8 @@ impl World {
                 (meta, format!("stray capture {index}").into_bytes())
             })
             .collect();
-        let bucket = Bucket::from_config(&self.config).unwrap();
-        let scratch = self.dir.path().join("stray.cpk");
-        let written = common::packs::write_pack(&scratch, Uuid::now_v7(), captured_at_ns, captures);
-        let key = bucket.pack_key(&written.summary).to_string();
-        let path = self.dir.path().join("bucket").join(&key);
-        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-        std::fs::rename(&scratch, &path).unwrap();
-        written.captures
+        self.plant_pack(Uuid::now_v7(), captures.clone()).await;
+        captures
     }
 
     /// Runs `capstore reconcile ARGS` (the daemon stopped) and returns its JSON report; asserts its exit code.

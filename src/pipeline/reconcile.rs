@@ -7,12 +7,14 @@
 //!   This is what repairs a crash between upload and publish whose spool was lost with it.
 //! - **Listing** (`capstore reconcile`, optionally by UTC day of the key; and once at start when the catalog has no
 //!   mark yet, i.e. it was written before intents existed, if `catalog.reconcile_on_start`): every object under the
-//!   catalog prefix, streamed and resolved 2,000 at a time, so memory stays bounded whatever the bucket holds.
+//!   catalog prefix, streamed and checked against the catalog 2,000 at a time, so memory stays bounded whatever the
+//!   bucket holds.
 //!
 //! Resolving a candidate: published already (the replay guard's query) -> skipped; still in the local spool -> left to
-//! the uploader and indexer; no object at its key (an intent whose upload never landed) -> nothing to publish;
-//! otherwise the pack is read and checked as a stranger's (footer bounded, header pack id against the key, SHA-256,
-//! every capture against the capture rules) and published. Objects that are not valid packs, and packs whose rows
+//! the uploader and indexer; else it is *missing*. The missing packs of the whole source are published in pack id
+//! order (up to [`PUBLISH_ORDER_WINDOW`] at a time), as the spool that made them would have: no object at its key (an
+//! intent whose upload never landed) -> nothing to publish; otherwise the pack is read and checked as a stranger's
+//! (footer bounded, header pack id against the key, SHA-256, every capture against the capture rules) and published. Objects that are not valid packs, and packs whose rows
 //! the server rejects, are reported (WARN, with the reason) and skipped, never retried in a loop.
 //!
 //! No periodic background listing: what it would find beyond the intents is a dead holder's upload that landed after
@@ -42,6 +44,11 @@ use crate::pack::PackSummary;
 /// each query reads most of its granules whatever its size: fewer, larger queries are faster (2,000 ids keep the
 /// statement, which names them twice, under the server's 256 KiB max_query_size).
 const CANDIDATES_PER_CHECK: usize = 2000;
+/// Missing packs held before they are published: a reconcile publishes the packs the catalog lacks in pack id order
+/// (the order a spool made and would have published them, so that a capture id posted again is published above its
+/// earlier post) across its whole source, a listing in key order (capture day first) or the intents, up to this many
+/// at a time: about 11 MB, and far more than a lost spool leaves (100 GB of 64 MiB packs is 1,600).
+const PUBLISH_ORDER_WINDOW: usize = 100_000;
 /// Keys of invalid objects kept in a report (all are counted and logged).
 const INVALID_KEYS_KEPT: usize = 100;
 
@@ -133,6 +140,7 @@ impl Pipeline {
         let mut report = ReconcileReport::new(ReconcileSource::Intents);
         let local = self.local_pack_ids().await?;
         let mut seen = HashSet::new();
+        let mut missing = Vec::new();
         let mut last: Option<Intent> = None;
         loop {
             let intents = self.intents.read(since_ms, last.as_ref()).await?;
@@ -144,8 +152,12 @@ impl Pipeline {
                     candidates.push((pack_id, intent.object_key.clone()));
                 }
             }
-            self.resolve(candidates, &local, &mut report).await?;
+            missing.extend(self.missing(candidates, &local, &mut report).await?);
+            if missing.len() >= PUBLISH_ORDER_WINDOW {
+                self.publish_in_pack_order(std::mem::take(&mut missing), &mut report).await?;
+            }
             if (intents.len() as u64) < crate::catalog::intents::INTENTS_PER_READ {
+                self.publish_in_pack_order(missing, &mut report).await?;
                 return Ok(report);
             }
             last = intents.last().cloned();
@@ -163,6 +175,7 @@ impl Pipeline {
         let mut report = ReconcileReport::new(ReconcileSource::Listing);
         let local = self.local_pack_ids().await?;
         let mut listing = self.bucket.list_objects(days).chunks(CANDIDATES_PER_CHECK);
+        let mut missing = Vec::new();
         while let Some(slice) = listing.next().await {
             self.unless_stopping()?;
             let mut candidates = Vec::with_capacity(slice.len());
@@ -180,9 +193,14 @@ impl Pipeline {
                     }
                 }
             }
-            self.resolve(candidates, &local, &mut report).await?;
+            missing.extend(self.missing(candidates, &local, &mut report).await?);
+            if missing.len() >= PUBLISH_ORDER_WINDOW {
+                self.publish_in_pack_order(std::mem::take(&mut missing), &mut report).await?;
+            }
             progress(&report);
         }
+        self.publish_in_pack_order(missing, &mut report).await?;
+        progress(&report);
         Ok(report)
     }
 
@@ -190,82 +208,92 @@ impl Pipeline {
         Ok(super::list_spool_packs(&self.paths).await?.iter().map(|pack| pack.pack_id).collect())
     }
 
-    /// Resolve candidate packs (id, key); see the module doc.
-    async fn resolve(
+    /// The candidate packs (id, key) that are neither in the local spool (the uploader and indexer publish those) nor
+    /// published already; see the module doc.
+    async fn missing(
         &self,
         candidates: Vec<(Uuid, String)>,
         local: &HashSet<Uuid>,
         report: &mut ReconcileReport,
-    ) -> Result<(), RoundError> {
-        let (local_ones, mut candidates): (Vec<_>, Vec<_>) =
+    ) -> Result<Vec<(Uuid, String)>, RoundError> {
+        let (local_ones, candidates): (Vec<_>, Vec<_>) =
             candidates.into_iter().partition(|(pack_id, _)| local.contains(pack_id));
-        // In the order the packs were made (keys sort by capture day first), as a spool publishes them: a capture id
-        // posted again into a later pack is then published above its earlier post.
-        candidates.sort_by_key(|(pack_id, _)| *pack_id);
         report.local += local_ones.len() as u64;
+        let mut missing = Vec::new();
         for slice in candidates.chunks(CANDIDATES_PER_CHECK) {
             let pack_ids: Vec<Uuid> = slice.iter().map(|(pack_id, _)| *pack_id).collect();
             let committed = self.publisher.committed_packs(&pack_ids).await?;
-            for (pack_id, key) in slice {
-                // Between two packs, never inside a publish: a publish is given up only through its own outcome.
-                self.unless_stopping()?;
-                if committed.contains(pack_id) {
-                    report.already_published += 1;
+            let (published, unpublished): (Vec<_>, Vec<_>) =
+                slice.iter().cloned().partition(|(pack_id, _)| committed.contains(pack_id));
+            report.already_published += published.len() as u64;
+            missing.extend(unpublished);
+        }
+        Ok(missing)
+    }
+
+    /// Publish `missing` packs (see [`Pipeline::missing`]) in pack id order ([`PUBLISH_ORDER_WINDOW`]), each read and
+    /// checked as a stranger's first.
+    async fn publish_in_pack_order(
+        &self,
+        mut missing: Vec<(Uuid, String)>,
+        report: &mut ReconcileReport,
+    ) -> Result<(), RoundError> {
+        missing.sort_by_key(|(pack_id, _)| *pack_id);
+        for (pack_id, key) in &missing {
+            // Between two packs, never inside a publish: a publish is given up only through its own outcome.
+            self.unless_stopping()?;
+            let remote = match self.read_verified(key, *pack_id).await {
+                Ok(remote) => remote,
+                Err(error) if error.kind == BucketErrorKind::NotFound => {
+                    report.not_uploaded += 1;
                     continue;
                 }
-                let remote = match self.read_verified(key, *pack_id).await {
-                    Ok(remote) => remote,
-                    Err(error) if error.kind == BucketErrorKind::NotFound => {
-                        report.not_uploaded += 1;
-                        continue;
-                    }
-                    Err(error) if error.kind == BucketErrorKind::InvalidPack => {
-                        tracing::warn!(%key, %error, "object under the catalog prefix is not a valid pack; skipped");
-                        report.add_invalid(key.clone());
-                        continue;
-                    }
-                    Err(error) => return Err(RoundError::Bucket(error)),
-                };
-                let summary = PackSummary {
-                    pack_id: *pack_id,
-                    bytes: remote.size,
-                    records: remote.entries.len() as u64,
-                    sha256_hex: hex::encode(remote.trailer.sha256),
-                    first_captured_at_ns: remote.entries.iter().map(|e| e.meta.captured_at_ns).min().unwrap_or(0),
-                    last_captured_at_ns: remote.entries.iter().map(|e| e.meta.captured_at_ns).max().unwrap_or(0),
-                    created_at_ns: 0,
-                };
-                let descriptor = PackDescriptor { summary, object_key: key.clone(), entries: remote.entries };
-                // A fence refusal (a renewal running late: on 18.16's whole-second clock now and then) or a moment
-                // without enough lease left is waited out here, as a deletion waits it out: `capstore reconcile`
-                // has no loop of its own to try again later.
-                let started = std::time::Instant::now();
-                let outcome = loop {
-                    match self.publisher.publish_batch(std::slice::from_ref(&descriptor)).await {
-                        Err(PublishError::NoLease | PublishError::NotCommitted)
-                            if started.elapsed() < super::deletion::LEASE_WAIT =>
-                        {
-                            self.unless_stopping()?;
-                            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                        }
-                        other => break other,
-                    }
-                };
-                match outcome {
-                    Ok(PublishOutcome::Committed { version, .. }) => {
-                        report.published += 1;
-                        self.counters.packs_reconciled.fetch_add(1, Ordering::Relaxed);
-                        tracing::info!(%key, version, captures = descriptor.entries.len(), "reconciled pack published");
-                    }
-                    Ok(PublishOutcome::AlreadyPublished) => report.already_published += 1,
-                    // The server refuses the pack's rows (as the indexer's quarantine does after its attempts): a
-                    // pack no retry can publish must not stop every later reconcile, and with it every mark.
-                    Err(PublishError::Catalog(error)) if error.is_data_rejection() => {
-                        tracing::warn!(%key, %error, "the catalog rejects the rows of a pack in the bucket; skipped");
-                        report.add_invalid(key.clone());
-                    }
-                    Err(error) => return Err(error.into()),
+                Err(error) if error.kind == BucketErrorKind::InvalidPack => {
+                    tracing::warn!(%key, %error, "object under the catalog prefix is not a valid pack; skipped");
+                    report.add_invalid(key.clone());
+                    continue;
                 }
+                Err(error) => return Err(RoundError::Bucket(error)),
+            };
+            let summary = PackSummary {
+                pack_id: *pack_id,
+                bytes: remote.size,
+                records: remote.entries.len() as u64,
+                sha256_hex: hex::encode(remote.trailer.sha256),
+                first_captured_at_ns: remote.entries.iter().map(|e| e.meta.captured_at_ns).min().unwrap_or(0),
+                last_captured_at_ns: remote.entries.iter().map(|e| e.meta.captured_at_ns).max().unwrap_or(0),
+                created_at_ns: 0,
+            };
+            let descriptor = PackDescriptor { summary, object_key: key.clone(), entries: remote.entries };
+            // A fence refusal (a renewal running late: on 18.16's whole-second clock now and then) or a moment
+            // without enough lease left is waited out here, as a deletion waits it out: `capstore reconcile`
+            // has no loop of its own to try again later.
+            let started = std::time::Instant::now();
+            let outcome = loop {
+                match self.publisher.publish_batch(std::slice::from_ref(&descriptor)).await {
+                    Err(PublishError::NoLease | PublishError::NotCommitted)
+                        if started.elapsed() < super::deletion::LEASE_WAIT =>
+                    {
+                        self.unless_stopping()?;
+                        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    }
+                    other => break other,
+                }
+            };
+            match outcome {
+                Ok(PublishOutcome::Committed { version, .. }) => {
+                    report.published += 1;
+                    self.counters.packs_reconciled.fetch_add(1, Ordering::Relaxed);
+                    tracing::info!(%key, version, captures = descriptor.entries.len(), "reconciled pack published");
+                }
+                Ok(PublishOutcome::AlreadyPublished) => report.already_published += 1,
+                // The server refuses the pack's rows (as the indexer's quarantine does after its attempts): a
+                // pack no retry can publish must not stop every later reconcile, and with it every mark.
+                Err(PublishError::Catalog(error)) if error.is_data_rejection() => {
+                    tracing::warn!(%key, %error, "the catalog rejects the rows of a pack in the bucket; skipped");
+                    report.add_invalid(key.clone());
+                }
+                Err(error) => return Err(error.into()),
             }
         }
         Ok(())
