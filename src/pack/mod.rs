@@ -204,6 +204,18 @@ impl PackError {
     }
 }
 
+/// A pack file opened for reading, with its length. Something in its place that is not a regular file (a directory, a
+/// FIFO someone made there) is an I/O error, not bad bytes, on every filesystem (a directory's length differs between
+/// them), and is refused before it is opened (a FIFO's open would wait for a writer).
+fn open_pack_file(path: &std::path::Path) -> Result<(std::fs::File, u64), PackError> {
+    if !std::fs::metadata(path)?.is_file() {
+        return Err(PackError::Io(io::Error::other(format!("{} is not a regular file", path.display()))));
+    }
+    let file = std::fs::File::open(path)?;
+    let len = file.metadata()?.len();
+    Ok((file, len))
+}
+
 fn corrupt(offset: u64, reason: impl Into<String>) -> PackError {
     PackError::Corrupt { offset, reason: reason.into() }
 }

@@ -176,8 +176,7 @@ pub fn scan_bytes(bytes: &[u8]) -> Result<ScanReport, PackError> {
 
 /// Scans a pack file (typically `.open`) from the start without changing it: what [`PackWriter::recover`] would keep.
 pub fn scan_file(path: &Path) -> Result<ScanReport, PackError> {
-    let file = File::open(path)?;
-    let total_len = file.metadata()?.len();
+    let (file, total_len) = open_pack_file(path)?;
     let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, PositionedReader::new(&file, 0));
     Ok(scan_stream(&mut reader, total_len)?.report)
 }

@@ -58,8 +58,7 @@ pub struct PackFile {
 impl PackFile {
     /// Opens a sealed pack with three small reads: header, trailer, footer.
     pub fn open(path: &Path) -> Result<Self, PackError> {
-        let file = File::open(path)?;
-        let object_len = file.metadata()?.len();
+        let (file, object_len) = open_pack_file(path)?;
         let minimum_len = (HEADER_LEN + FOOTER_HEADER_LEN + TRAILER_LEN) as u64;
         if object_len < minimum_len {
             return Err(PackError::Truncated { what: "pack", offset: 0, needed: minimum_len, available: object_len });

@@ -18,8 +18,8 @@
 //! Invariants:
 //! - a capture is acknowledged only after the fsync that covers its record (group commit, [`writer`]);
 //! - a spool file is deleted only after the catalog shows it published (I5);
-//! - recovery keeps every complete record of a torn `.open` file and quarantines what has bad bytes (I6); a pack it
-//!   cannot read for an I/O error fails the start;
+//! - recovery keeps every complete record of a torn `.open` file and quarantines what it cannot read (I6), after a
+//!   few tries for an I/O error;
 //! - pack ids are UUIDv7 and a new pack's sorts after every pack the spool holds, even when the wall clock stepped
 //!   back ([`writer`]), so sorting names sorts packs oldest first.
 //!

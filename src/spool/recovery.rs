@@ -10,9 +10,9 @@
 //!    ([`super::unsealed`], which the writer's sealer also uses for a pack whose seal failed during a run.) A pack
 //!    that cannot be sealed for an I/O error (a full disk) but can be read is indexed as left open (its records'
 //!    source keys count for step 4), and the writer's sealer seals it once it runs.
-//! 3. Each `.sealed` and `.uploaded` pack has its trailer and footer checked; a pack whose bytes fail goes to
-//!    quarantine. One that cannot be read for an I/O error fails the start (naming it), as an `.open` pack that
-//!    cannot be read does: the next start tries again.
+//! 3. Each `.sealed` and `.uploaded` pack has its trailer and footer checked; a pack that fails goes to quarantine:
+//!    at once for bad bytes, after a few tries over 0.75 s for an I/O error ([`READ_TRIES`]; an `.open` pack that
+//!    cannot even be read likewise).
 //! 4. Inbox exactly-once: an inbox file whose source key is already recorded in a pack was captured before the crash
 //!    (its unlink was lost), so it is removed instead of being ingested twice; one that cannot be removed is recorded
 //!    in the inbox ledger instead, and ledger entries of files now gone are dropped. A file or directory of the inbox
@@ -20,6 +20,7 @@
 
 use std::collections::HashSet;
 use std::io;
+use std::time::Duration;
 
 use serde::Serialize;
 
@@ -27,7 +28,7 @@ use super::inbox::ledger::InboxLedger;
 use super::index::SpoolIndex;
 use super::unsealed::{index_left_open, quarantine_pack, seal_open_pack, OpenPackSealed};
 use super::{inbox, list_packs, PackState, SpoolPaths};
-use crate::pack::{self, PackFile};
+use crate::pack::{self, PackError, PackFile};
 
 #[derive(Debug, Default, Clone, Serialize, PartialEq, Eq)]
 pub struct RecoveryReport {
@@ -58,22 +59,15 @@ pub fn recover(paths: &SpoolPaths, inbox_ledger: &InboxLedger, index: &SpoolInde
     for listing in list_packs(paths)? {
         match listing.state {
             PackState::Open => recover_open_pack(paths, index, listing.pack_id, &mut report, &mut source_keys)?,
-            PackState::Sealed | PackState::Uploaded => match PackFile::open(&listing.path) {
+            PackState::Sealed | PackState::Uploaded => match read_with_retries(|| PackFile::open(&listing.path)) {
                 Ok(pack_file) => {
                     collect_source_keys(pack_file.entries(), &mut source_keys);
                     index.add_sealed(listing.pack_id, pack_file.entries());
                 }
-                Err(error) if error.is_data_error() => {
+                Err(error) => {
                     let reason = format!("unreadable {} pack: {error}", listing.state.extension());
                     quarantine_pack(paths, &listing.path, &reason)?;
                     report.packs_quarantined += 1;
-                }
-                // The disk, not the bytes (EIO, EMFILE, not a file): the start fails, naming the pack, and the next
-                // start tries again. Quarantine would keep acknowledged captures from being read and published until
-                // an operator acts, and a start that went on without the pack would not know its inbox source keys.
-                Err(error) => {
-                    let path = listing.path.display();
-                    return Err(io::Error::other(format!("{path} cannot be read, so the spool cannot start: {error}")));
                 }
             },
         }
@@ -107,12 +101,19 @@ fn recover_open_pack(
         // The disk, not the bytes (a full disk, EIO): the writer's sealer tries again once it runs, as after a seal
         // that failed during a run. The start goes on; the packs after it wait for it.
         Err(error) => {
-            // Its records' source keys keep the inbox exactly-once (step 4): a pack that cannot even be read fails
-            // the start, as it always did.
-            let entries = index_left_open(paths, index, pack_id).map_err(|_| {
-                let path = paths.pack_path(pack_id, PackState::Open);
-                io::Error::other(format!("{} cannot be read, so the spool cannot start: {error}", path.display()))
-            })?;
+            // Its records' source keys keep the inbox exactly-once (step 4). A pack that cannot even be read goes
+            // to quarantine, as a sealed one does.
+            let entries = match read_with_retries(|| index_left_open(paths, index, pack_id)) {
+                Ok(entries) => entries,
+                Err(read_error) => {
+                    let path = paths.pack_path(pack_id, PackState::Open);
+                    let reason = format!("unreadable open pack: {read_error} (its seal failed: {error})");
+                    quarantine_pack(paths, &path, &reason)?;
+                    index.forget(pack_id);
+                    report.packs_quarantined += 1;
+                    return Ok(());
+                }
+            };
             tracing::error!(%pack_id, "an open pack could not be sealed; it is tried again once the writer runs");
             collect_source_keys(&entries, source_keys);
             report.open_packs_left_open += 1;
@@ -135,6 +136,68 @@ fn recover_open_pack(
     Ok(())
 }
 
+/// Tries a start gives a pack it cannot read for an I/O error (EMFILE, ENOMEM, EIO, not a regular file) before the
+/// pack goes to quarantine, the wait doubling from [`READ_RETRY_FIRST`] (0.75 s in all): a passing shortage clears
+/// without parking acknowledged captures, and a disk that keeps failing does not keep the daemon from starting (a
+/// start that failed instead would be restarted every few seconds, with every other pack and all ingest stopped).
+const READ_TRIES: u32 = 5;
+const READ_RETRY_FIRST: Duration = Duration::from_millis(50);
+
+/// `read`, tried again while it fails for an I/O error ([`READ_TRIES`]); bad bytes are answered at once.
+fn read_with_retries<T>(mut read: impl FnMut() -> Result<T, PackError>) -> Result<T, PackError> {
+    let mut wait = READ_RETRY_FIRST;
+    for _ in 1..READ_TRIES {
+        match read() {
+            Err(error) if !error.is_data_error() => {
+                tracing::warn!(%error, "a pack could not be read; trying again");
+                std::thread::sleep(wait);
+                wait *= 2;
+            }
+            answer => return answer,
+        }
+    }
+    read()
+}
+
 fn collect_source_keys(entries: &[pack::IndexEntry], source_keys: &mut HashSet<String>) {
     source_keys.extend(entries.iter().filter_map(|entry| entry.meta.source_name.clone()));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn io_error() -> PackError {
+        PackError::Io(io::Error::from_raw_os_error(24)) // EMFILE
+    }
+
+    #[test]
+    fn a_read_is_tried_again_while_it_fails_for_an_i_o_error_and_not_for_bad_bytes() {
+        let mut tries = 0;
+        let answer = read_with_retries(|| {
+            tries += 1;
+            if tries < 3 {
+                Err(io_error())
+            } else {
+                Ok(tries)
+            }
+        });
+        assert_eq!(answer.unwrap(), 3, "a passing shortage clears");
+
+        let mut tries = 0;
+        let answer: Result<(), _> = read_with_retries(|| {
+            tries += 1;
+            Err(io_error())
+        });
+        assert!(matches!(answer, Err(PackError::Io(_))));
+        assert_eq!(tries, READ_TRIES, "a disk that keeps failing is given up on");
+
+        let mut tries = 0;
+        let answer: Result<(), _> = read_with_retries(|| {
+            tries += 1;
+            Err(PackError::BadMagic { what: "header", offset: 0 })
+        });
+        assert!(answer.unwrap_err().is_data_error());
+        assert_eq!(tries, 1, "bad bytes are answered at once");
+    }
 }
