@@ -26,6 +26,14 @@ pub fn age_of_uuid_v7(id: uuid::Uuid) -> Option<Duration> {
     SystemTime::now().duration_since(UNIX_EPOCH + Duration::new(seconds, nanos)).ok()
 }
 
+/// How long ago `ns` (nanoseconds since the epoch) was, by the wall clock; `None` for 0 (unknown) or the future.
+pub fn age_of_ns(ns: u64) -> Option<Duration> {
+    if ns == 0 {
+        return None;
+    }
+    SystemTime::now().duration_since(UNIX_EPOCH + Duration::from_nanos(ns)).ok()
+}
+
 /// `ids` with each id once, at its first place: a list of ids asked for is answered once per id.
 pub fn unique_ids(ids: &[uuid::Uuid]) -> Vec<uuid::Uuid> {
     let mut seen = std::collections::HashSet::new();

@@ -451,7 +451,14 @@ async fn a_capture_posted_again_after_the_clock_stepped_back_across_a_restart_is
     assert_eq!(bodies, [Some(b"c, first".to_vec()), Some(b"c, again".to_vec())], "packs in id order: {packs:?}");
     daemon.daemon.signal(nix::sys::signal::Signal::SIGKILL);
 
-    daemon.restart(&[("CAPSTORE_CATALOG_URL", &live_catalog)]).await;
+    // With the catalog back but uploads stalled, a read finds the capture in the spool: in its newest pack.
+    daemon.restart(&[("CAPSTORE_CATALOG_URL", &live_catalog), ("CAPSTORE_FAILPOINTS", "stall_upload")]).await;
+    let response = daemon.get_ok(&client, &format!("/v1/captures/{c}")).await;
+    assert_eq!(&response.bytes().await.unwrap()[..], b"c, again", "read from the spool");
+    assert_eq!(sealed().len(), 2, "nothing was uploaded");
+    daemon.daemon.signal(nix::sys::signal::Signal::SIGKILL);
+
+    daemon.restart(&[("CAPSTORE_FAILPOINTS", "")]).await;
     wait_until_async(&daemon, Duration::from_secs(60), "both packs published", || async {
         capstore::spool::list_packs(&spool).unwrap().is_empty()
     })

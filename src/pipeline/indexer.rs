@@ -148,7 +148,10 @@ impl Pipeline {
         for descriptor in batch {
             self.published.announce(descriptor.summary.pack_id, version);
             if version.is_some() {
-                if let Some(waited) = crate::util::age_of_uuid_v7(descriptor.summary.pack_id) {
+                // (The header's creation time where the id is ahead of the clock: made after it stepped back.)
+                let waited = crate::util::age_of_uuid_v7(descriptor.summary.pack_id)
+                    .or_else(|| crate::util::age_of_ns(descriptor.summary.created_at_ns));
+                if let Some(waited) = waited {
                     self.counters.ack_to_published_latency.observe(waited);
                 }
             }

@@ -74,8 +74,9 @@ pub struct PipelineCounters {
     pub upload_latency: Latency,
     /// One publish (its fenced statements and any read-back), sent to answered (committed, already committed, refused).
     pub publish_latency: Latency,
-    /// Per published pack: from its first acknowledged capture (the pack's open, the time in its UUIDv7 id) to the
-    /// publish that made it readable, which is the longest wait of any capture in the pack.
+    /// Per published pack: from its first acknowledged capture (the pack's open, the time in its UUIDv7 id, or in its
+    /// header when the id is ahead of the clock) to the publish that made it readable, which is the longest wait of any
+    /// capture in the pack.
     pub ack_to_published_latency: Latency,
 }
 

@@ -49,8 +49,12 @@ impl SpoolCounts {
             entry.packs += 1;
             entry.bytes += pack.bytes;
             counts.total_bytes += pack.bytes;
-            // Pack ids are UUIDv7: their timestamp is when the pack was opened.
-            let age = crate::util::age_of_uuid_v7(pack.pack_id).unwrap_or_default().as_secs_f64();
+            // Pack ids are UUIDv7: their timestamp is when the pack was opened, unless it is ahead of the clock (made
+            // after the clock stepped back, see `spool::writer`); then the file's last write, a later time, stands in.
+            let age = crate::util::age_of_uuid_v7(pack.pack_id)
+                .or_else(|| pack.modified.elapsed().ok())
+                .unwrap_or_default()
+                .as_secs_f64();
             counts.oldest_unpublished_age_seconds = counts.oldest_unpublished_age_seconds.max(age);
         }
         Ok(counts)

@@ -38,8 +38,8 @@ use crate::spool::{PackListing, PackState};
 /// The sealed packs older than the oldest pack left open by a failed seal: every sealed pack in a healthy spool, but
 /// none made after such a pack until the spool's sealer has sealed it (see [`crate::spool::writer`]). So packs are
 /// still uploaded, and published, in the order the spool made them. (Only packs left open by a failure count: the
-/// open pack and those being sealed are always newer than every sealed pack, unless the clock stepped back across a
-/// restart, which must not stall uploads.)
+/// open pack and those being sealed are always newer than every sealed pack, as a new pack's id sorts after every
+/// pack the spool holds.)
 fn sealed_before(sealed: Vec<PackListing>, oldest_left_open: Option<Uuid>) -> Vec<PackListing> {
     match oldest_left_open {
         Some(unsealed) => sealed.into_iter().filter(|pack| pack.pack_id < unsealed).collect(),

@@ -332,6 +332,10 @@ struct WriterState {
     /// Set by any write failure during the current batch: none of its appends may be acknowledged, because the
     /// failure may have cost records appended before it.
     batch_io_failed: bool,
+    /// The newest pack id this writer made, or found in `packs/` when it started: with the index's newest pack, what
+    /// a new pack's id must sort after ([`new_pack_id`]; the index alone would not know the packs of a spool whose
+    /// index a library caller made empty).
+    newest_made: Option<Uuid>,
 }
 
 /// Cached quota readings: bytes under `packs/` and free bytes on the filesystem.
@@ -349,6 +353,7 @@ impl WriterState {
         sync_tx: flume::Sender<SyncJob>,
         index: Arc<SpoolIndex>,
     ) -> WriterState {
+        let newest_made = list_packs(&paths).ok().and_then(|packs| packs.last().map(|pack| pack.pack_id));
         WriterState {
             paths,
             index,
@@ -359,6 +364,7 @@ impl WriterState {
             quota: QuotaReadings { spool_bytes: 0, free_bytes: u64::MAX, read_at: None },
             batch_acks: Vec::new(),
             batch_io_failed: false,
+            newest_made,
         }
     }
 
@@ -543,7 +549,8 @@ impl WriterState {
     }
 
     fn open_new_pack(&mut self) -> Result<(), PackError> {
-        let pack_id = new_pack_id(self.index.newest_pack());
+        let pack_id = new_pack_id(self.index.newest_pack().max(self.newest_made));
+        self.newest_made = Some(pack_id);
         let path = self.paths.pack_path(pack_id, PackState::Open);
         // No directory fsync here: the pack's first SyncPoint fsyncs the directory before any of its records is
         // acknowledged, and doing it on this thread would stall writing.
