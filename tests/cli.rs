@@ -323,10 +323,10 @@ fn a_start_tries_a_pack_it_cannot_read_again_before_quarantine_and_quarantines_b
         let name = path.file_name().unwrap().to_string_lossy().into_owned();
         assert!(moved.iter().any(|(moved, _)| moved.ends_with(&name)), "{name} in quarantine: {moved:?}");
         // Tried again before it was given up on; the damaged pack was not.
-        let retries = log.lines().filter(|line| line.contains("trying again") && line.contains(&name)).count();
+        let retries = log.lines().filter(|line| line.contains("trying it again") && line.contains(&name)).count();
         assert_eq!(retries, 4, "{name}:\n{log}");
     }
-    assert!(!log.lines().any(|line| line.contains("trying again") && line.contains(&damaged)), "{log}");
+    assert!(!log.lines().any(|line| line.contains("trying it again") && line.contains(&damaged)), "{log}");
 }
 
 #[test]

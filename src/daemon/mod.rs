@@ -167,7 +167,18 @@ impl Running {
         config: Arc<Config>,
         writer_tx: Option<tokio::sync::oneshot::Sender<SpoolWriter>>,
     ) -> Result<Running, DaemonError> {
-        let (spool, recovery) = Spool::open(&config.spool)?;
+        // Recovery reads every pack of the spool (and waits to try an unreadable one again): off the async threads,
+        // which a library caller's runtime may have only one of.
+        let spool_config = config.spool.clone();
+        let (spool, recovery) =
+            tokio::task::spawn_blocking(move || Spool::open(&spool_config)).await.unwrap_or_else(|stopped| {
+                match stopped.try_into_panic() {
+                    Ok(panic) => std::panic::resume_unwind(panic),
+                    Err(cancelled) => {
+                        Err(SpoolError::Io { dir: config.spool.dir.clone(), source: std::io::Error::other(cancelled) })
+                    }
+                }
+            })?;
         let paths = spool.paths().clone();
         let (writer, writer_thread) =
             spawn_writer(paths.clone(), WriterSettings::from_config(&config.spool), spool.index());

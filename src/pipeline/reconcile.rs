@@ -154,10 +154,10 @@ impl Pipeline {
             }
             missing.extend(self.missing(candidates, &local, &mut report).await?);
             if missing.len() >= PUBLISH_ORDER_WINDOW {
-                self.publish_in_pack_order(std::mem::take(&mut missing), &mut report).await?;
+                self.publish_in_pack_order(std::mem::take(&mut missing), &mut report, &|_| {}).await?;
             }
             if (intents.len() as u64) < crate::catalog::intents::INTENTS_PER_READ {
-                self.publish_in_pack_order(missing, &mut report).await?;
+                self.publish_in_pack_order(missing, &mut report, &|_| {}).await?;
                 return Ok(report);
             }
             last = intents.last().cloned();
@@ -171,11 +171,34 @@ impl Pipeline {
         days: Option<DayRange>,
         progress: &(dyn Fn(&ReconcileReport) + Sync),
     ) -> Result<ReconcileReport, RoundError> {
-        use futures::StreamExt;
         let mut report = ReconcileReport::new(ReconcileSource::Listing);
+        let mut missing = Vec::new();
+        let listed = self.list_missing(days, &mut missing, &mut report, progress).await;
+        if let Err(error) = listed {
+            // What the listing found before it failed (the bucket or the catalog away) is published still, in order
+            // among itself, so that a long listing tried again makes progress; not when the process is stopping.
+            if !matches!(error, RoundError::Stopped) {
+                if let Err(publish_error) = self.publish_in_pack_order(missing, &mut report, progress).await {
+                    tracing::warn!(%publish_error, "packs the listing found before it failed are not published");
+                }
+            }
+            return Err(error);
+        }
+        self.publish_in_pack_order(missing, &mut report, progress).await?;
+        Ok(report)
+    }
+
+    /// The listing's packs that the catalog lacks, into `missing` (those past [`PUBLISH_ORDER_WINDOW`] published).
+    async fn list_missing(
+        &self,
+        days: Option<DayRange>,
+        missing: &mut Vec<(Uuid, String)>,
+        report: &mut ReconcileReport,
+        progress: &(dyn Fn(&ReconcileReport) + Sync),
+    ) -> Result<(), RoundError> {
+        use futures::StreamExt;
         let local = self.local_pack_ids().await?;
         let mut listing = self.bucket.list_objects(days).chunks(CANDIDATES_PER_CHECK);
-        let mut missing = Vec::new();
         while let Some(slice) = listing.next().await {
             self.unless_stopping()?;
             let mut candidates = Vec::with_capacity(slice.len());
@@ -193,15 +216,13 @@ impl Pipeline {
                     }
                 }
             }
-            missing.extend(self.missing(candidates, &local, &mut report).await?);
+            missing.extend(self.missing(candidates, &local, report).await?);
             if missing.len() >= PUBLISH_ORDER_WINDOW {
-                self.publish_in_pack_order(std::mem::take(&mut missing), &mut report).await?;
+                self.publish_in_pack_order(std::mem::take(missing), report, progress).await?;
             }
-            progress(&report);
+            progress(report);
         }
-        self.publish_in_pack_order(missing, &mut report).await?;
-        progress(&report);
-        Ok(report)
+        Ok(())
     }
 
     async fn local_pack_ids(&self) -> Result<HashSet<Uuid>, RoundError> {
@@ -237,6 +258,7 @@ impl Pipeline {
         &self,
         mut missing: Vec<(Uuid, String)>,
         report: &mut ReconcileReport,
+        progress: &(dyn Fn(&ReconcileReport) + Sync),
     ) -> Result<(), RoundError> {
         missing.sort_by_key(|(pack_id, _)| *pack_id);
         for (pack_id, key) in &missing {
@@ -285,6 +307,7 @@ impl Pipeline {
                     report.published += 1;
                     self.counters.packs_reconciled.fetch_add(1, Ordering::Relaxed);
                     tracing::info!(%key, version, captures = descriptor.entries.len(), "reconciled pack published");
+                    progress(report);
                 }
                 Ok(PublishOutcome::AlreadyPublished) => report.already_published += 1,
                 // The server refuses the pack's rows (as the indexer's quarantine does after its attempts): a

@@ -27,7 +27,7 @@ use serde::Serialize;
 use super::inbox::ledger::InboxLedger;
 use super::index::SpoolIndex;
 use super::unsealed::{index_left_open, quarantine_pack, seal_open_pack, OpenPackSealed};
-use super::{inbox, list_packs, PackState, SpoolPaths};
+use super::{inbox, list_packs, PackListing, PackState, SpoolPaths};
 use crate::pack::{self, PackError, PackFile};
 
 #[derive(Debug, Default, Clone, Serialize, PartialEq, Eq)]
@@ -56,21 +56,41 @@ pub fn recover(paths: &SpoolPaths, inbox_ledger: &InboxLedger, index: &SpoolInde
     report.temp_files_removed += paths.remove_leftover_temp_files(&paths.root)?;
 
     let mut source_keys = HashSet::new();
+    // Packs that could not be read for an I/O error, with the error: tried again after the others (READ_TRIES).
+    let mut unread: Vec<(PackListing, PackError)> = Vec::new();
     for listing in list_packs(paths)? {
-        match listing.state {
-            PackState::Open => recover_open_pack(paths, index, listing.pack_id, &mut report, &mut source_keys)?,
-            PackState::Sealed | PackState::Uploaded => match read_with_retries(|| PackFile::open(&listing.path)) {
-                Ok(pack_file) => {
-                    collect_source_keys(pack_file.entries(), &mut source_keys);
-                    index.add_sealed(listing.pack_id, pack_file.entries());
-                }
-                Err(error) => {
-                    let reason = format!("unreadable {} pack: {error}", listing.state.extension());
-                    quarantine_pack(paths, &listing.path, &reason)?;
-                    report.packs_quarantined += 1;
-                }
-            },
+        if listing.state == PackState::Open
+            && !seal_open_pack_for_start(paths, index, &listing, &mut report, &mut source_keys)?
+        {
+            continue;
         }
+        if let Err(error) = read_pack(paths, index, &listing, &mut report, &mut source_keys)? {
+            unread.push((listing, error));
+        }
+    }
+    let mut wait = READ_RETRY_FIRST;
+    for _ in 1..READ_TRIES {
+        if unread.is_empty() {
+            break;
+        }
+        for (listing, error) in &unread {
+            tracing::warn!(pack = %listing.path.display(), %error, "a pack could not be read; trying it again");
+        }
+        std::thread::sleep(wait);
+        wait *= 2;
+        let mut still_unread = Vec::new();
+        for (listing, _) in unread {
+            if let Err(error) = read_pack(paths, index, &listing, &mut report, &mut source_keys)? {
+                still_unread.push((listing, error));
+            }
+        }
+        unread = still_unread;
+    }
+    for (listing, error) in unread {
+        let reason = format!("unreadable {} pack after {READ_TRIES} tries: {error}", listing.state.extension());
+        quarantine_pack(paths, &listing.path, &reason)?;
+        index.forget(listing.pack_id);
+        report.packs_quarantined += 1;
     }
     report.inbox_duplicates_removed = inbox::remove_already_captured(paths, inbox_ledger, &source_keys)?;
     if !report.is_clean() {
@@ -89,115 +109,87 @@ pub fn recover(paths: &SpoolPaths, inbox_ledger: &InboxLedger, index: &SpoolInde
     Ok(report)
 }
 
-fn recover_open_pack(
+/// The first step for an `.open` pack: seal it (its records' source keys into `source_keys`, step 4). True when it is
+/// left to read (its seal failed for an I/O error, a full disk say: [`read_pack`] then indexes it as left open, and
+/// the writer's sealer tries again once it runs, as after a seal that failed during a run; the packs after it wait
+/// for it).
+fn seal_open_pack_for_start(
     paths: &SpoolPaths,
     index: &SpoolIndex,
-    pack_id: uuid::Uuid,
+    listing: &PackListing,
     report: &mut RecoveryReport,
     source_keys: &mut HashSet<String>,
-) -> io::Result<()> {
-    let sealed = match seal_open_pack(paths, index, pack_id) {
-        Ok(sealed) => sealed,
-        // The disk, not the bytes (a full disk, EIO): the writer's sealer tries again once it runs, as after a seal
-        // that failed during a run. The start goes on; the packs after it wait for it.
-        Err(error) => {
-            // Its records' source keys keep the inbox exactly-once (step 4). A pack that cannot even be read goes
-            // to quarantine, as a sealed one does.
-            let entries = match read_with_retries(|| index_left_open(paths, index, pack_id)) {
-                Ok(entries) => entries,
-                Err(read_error) => {
-                    let path = paths.pack_path(pack_id, PackState::Open);
-                    let reason = format!("unreadable open pack: {read_error} (its seal failed: {error})");
-                    quarantine_pack(paths, &path, &reason)?;
-                    index.forget(pack_id);
-                    report.packs_quarantined += 1;
-                    return Ok(());
-                }
-            };
-            tracing::error!(%pack_id, "an open pack could not be sealed; it is tried again once the writer runs");
-            collect_source_keys(&entries, source_keys);
-            report.open_packs_left_open += 1;
-            return Ok(());
-        }
-    };
-    match sealed {
-        OpenPackSealed::Sealed { entries, bytes_cut } => {
+) -> io::Result<bool> {
+    match seal_open_pack(paths, index, listing.pack_id) {
+        Ok(OpenPackSealed::Sealed { entries, bytes_cut }) => {
             collect_source_keys(&entries, source_keys);
             report.open_packs_sealed += 1;
             report.records_recovered += entries.len() as u64;
             report.bytes_cut += bytes_cut;
+            Ok(false)
         }
-        OpenPackSealed::Removed { bytes_cut } => {
+        Ok(OpenPackSealed::Removed { bytes_cut }) => {
             report.empty_packs_removed += 1;
             report.bytes_cut += bytes_cut;
+            Ok(false)
         }
-        OpenPackSealed::Quarantined => report.packs_quarantined += 1,
+        Ok(OpenPackSealed::Quarantined) => {
+            report.packs_quarantined += 1;
+            Ok(false)
+        }
+        Err(error) => {
+            tracing::error!(pack_id = %listing.pack_id, %error, "an open pack could not be sealed; it is tried again once the writer runs");
+            Ok(true)
+        }
     }
-    Ok(())
+}
+
+/// Reads a pack into the index and its records' source keys into `source_keys` (step 4): a sealed or uploaded pack's
+/// footer, or the records a read-only scan finds in an open pack left open. Bad bytes send it to quarantine; an I/O
+/// error is returned inside the Ok, for the start to try again.
+fn read_pack(
+    paths: &SpoolPaths,
+    index: &SpoolIndex,
+    listing: &PackListing,
+    report: &mut RecoveryReport,
+    source_keys: &mut HashSet<String>,
+) -> io::Result<Result<(), PackError>> {
+    let read = match listing.state {
+        PackState::Open => index_left_open(paths, index, listing.pack_id),
+        PackState::Sealed | PackState::Uploaded => PackFile::open(&listing.path).map(|pack| {
+            index.add_sealed(listing.pack_id, pack.entries());
+            pack.entries().to_vec()
+        }),
+    };
+    match read {
+        Ok(entries) => {
+            collect_source_keys(&entries, source_keys);
+            if listing.state == PackState::Open {
+                report.open_packs_left_open += 1;
+            }
+            Ok(Ok(()))
+        }
+        Err(error) if error.is_data_error() => {
+            let reason = format!("unreadable {} pack: {error}", listing.state.extension());
+            quarantine_pack(paths, &listing.path, &reason)?;
+            index.forget(listing.pack_id);
+            report.packs_quarantined += 1;
+            Ok(Ok(()))
+        }
+        Err(error) => Ok(Err(error)),
+    }
 }
 
 /// Tries a start gives a pack it cannot read for an I/O error (EMFILE, ENOMEM, EIO, not a regular file) before the
-/// pack goes to quarantine, the wait doubling from [`READ_RETRY_FIRST`] (0.75 s in all): a passing shortage clears
-/// without parking acknowledged captures, and a disk that keeps failing does not keep the daemon from starting (a
-/// start that failed instead would be restarted every few seconds, with every other pack and all ingest stopped).
+/// pack goes to quarantine: the packs that failed are tried again after the others, the wait doubling from
+/// [`READ_RETRY_FIRST`] (0.75 s in all, however many they are). A passing shortage clears without parking
+/// acknowledged captures, and a disk that keeps failing does not keep the daemon from starting (a start that failed
+/// instead would be restarted every few seconds, with every other pack and all ingest stopped). The price of the
+/// quarantine: the pack's captures are not read from the spool until an operator restores it, and its records' inbox
+/// source keys are unknown, so an inbox file whose unlink a crash lost just before is captured again.
 const READ_TRIES: u32 = 5;
 const READ_RETRY_FIRST: Duration = Duration::from_millis(50);
 
-/// `read`, tried again while it fails for an I/O error ([`READ_TRIES`]); bad bytes are answered at once.
-fn read_with_retries<T>(mut read: impl FnMut() -> Result<T, PackError>) -> Result<T, PackError> {
-    let mut wait = READ_RETRY_FIRST;
-    for _ in 1..READ_TRIES {
-        match read() {
-            Err(error) if !error.is_data_error() => {
-                tracing::warn!(%error, "a pack could not be read; trying again");
-                std::thread::sleep(wait);
-                wait *= 2;
-            }
-            answer => return answer,
-        }
-    }
-    read()
-}
-
 fn collect_source_keys(entries: &[pack::IndexEntry], source_keys: &mut HashSet<String>) {
     source_keys.extend(entries.iter().filter_map(|entry| entry.meta.source_name.clone()));
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn io_error() -> PackError {
-        PackError::Io(io::Error::from_raw_os_error(24)) // EMFILE
-    }
-
-    #[test]
-    fn a_read_is_tried_again_while_it_fails_for_an_i_o_error_and_not_for_bad_bytes() {
-        let mut tries = 0;
-        let answer = read_with_retries(|| {
-            tries += 1;
-            if tries < 3 {
-                Err(io_error())
-            } else {
-                Ok(tries)
-            }
-        });
-        assert_eq!(answer.unwrap(), 3, "a passing shortage clears");
-
-        let mut tries = 0;
-        let answer: Result<(), _> = read_with_retries(|| {
-            tries += 1;
-            Err(io_error())
-        });
-        assert!(matches!(answer, Err(PackError::Io(_))));
-        assert_eq!(tries, READ_TRIES, "a disk that keeps failing is given up on");
-
-        let mut tries = 0;
-        let answer: Result<(), _> = read_with_retries(|| {
-            tries += 1;
-            Err(PackError::BadMagic { what: "header", offset: 0 })
-        });
-        assert!(answer.unwrap_err().is_data_error());
-        assert_eq!(tries, 1, "bad bytes are answered at once");
-    }
 }

@@ -53,8 +53,9 @@ pub fn seal_open_pack(paths: &SpoolPaths, index: &SpoolIndex, pack_id: Uuid) -> 
             );
             Ok(OpenPackSealed::Sealed { entries: recovered.entries, bytes_cut: recovered.bytes_cut })
         }
-        // The disk, not the bytes (EIO, EMFILE, ...): left as it is, to be tried again. Quarantine would keep
-        // acknowledged captures from being published until an operator acts.
+        // The disk, not the bytes (EIO, EMFILE, ...): left as it is, to be tried again (by the sealer; at a start, a
+        // pack that cannot even be read goes to quarantine after a few tries, see `super::recovery`). Quarantine
+        // would keep acknowledged captures from being published until an operator acts.
         Err(error) if !error.is_data_error() => Err(io::Error::other(error.to_string())),
         Err(error) => {
             let length = fs::metadata(&path)?.len();

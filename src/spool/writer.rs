@@ -353,7 +353,13 @@ impl WriterState {
         sync_tx: flume::Sender<SyncJob>,
         index: Arc<SpoolIndex>,
     ) -> WriterState {
-        let newest_made = list_packs(&paths).ok().and_then(|packs| packs.last().map(|pack| pack.pack_id));
+        let newest_made = match list_packs(&paths) {
+            Ok(packs) => packs.last().map(|pack| pack.pack_id),
+            Err(error) => {
+                tracing::warn!(%error, "cannot list the spool's packs: new pack ids are ordered by the index alone");
+                None
+            }
+        };
         WriterState {
             paths,
             index,
