@@ -23,15 +23,17 @@ pub fn ns_to_rfc3339(ns: u64) -> String {
 /// How long ago a UUIDv7 (a pack id) was made, by the wall clock; `None` for other UUIDs or a time in the future.
 pub fn age_of_uuid_v7(id: uuid::Uuid) -> Option<Duration> {
     let (seconds, nanos) = id.get_timestamp()?.to_unix();
-    SystemTime::now().duration_since(UNIX_EPOCH + Duration::new(seconds, nanos)).ok()
+    age_of(Duration::new(seconds, nanos))
 }
 
 /// How long ago `ns` (nanoseconds since the epoch) was, by the wall clock; `None` for 0 (unknown) or the future.
 pub fn age_of_ns(ns: u64) -> Option<Duration> {
-    if ns == 0 {
-        return None;
-    }
-    SystemTime::now().duration_since(UNIX_EPOCH + Duration::from_nanos(ns)).ok()
+    (ns != 0).then(|| age_of(Duration::from_nanos(ns))).flatten()
+}
+
+/// How long ago the instant `since_epoch` after the epoch was; `None` for the future.
+fn age_of(since_epoch: Duration) -> Option<Duration> {
+    SystemTime::now().duration_since(UNIX_EPOCH + since_epoch).ok()
 }
 
 /// `ids` with each id once, at its first place: a list of ids asked for is answered once per id.

@@ -239,16 +239,21 @@ fn a_full_spool_leaves_files_in_the_inbox_and_resumes_when_space_returns() {
     assert_eq!(total, 6, "every file captured exactly once");
 }
 
+/// A spool at `spool_dir` whose one sealed pack holds one inbox file of 5000 bytes, ingested by a daemon now stopped.
+fn ingest_one_file(spool_dir: &Path) {
+    let stream = spool_dir.join("inbox").join("s");
+    std::fs::create_dir_all(&stream).unwrap();
+    std::fs::write(stream.join("a"), vec![7u8; 5000]).unwrap();
+    let daemon = start_daemon(spool_dir, &[]);
+    wait_until("ingested", || inbox_files(spool_dir).is_empty());
+    stop_daemon(daemon);
+}
+
 #[test]
 fn spool_verify_finds_a_damaged_pack_and_inspect_counts_by_state() {
     let dir = tempfile::tempdir().unwrap();
     let spool_dir = dir.path().join("spool");
-    let stream = spool_dir.join("inbox").join("s");
-    std::fs::create_dir_all(&stream).unwrap();
-    std::fs::write(stream.join("a"), vec![7u8; 5000]).unwrap();
-    let daemon = start_daemon(&spool_dir, &[]);
-    wait_until("ingested", || inbox_files(&spool_dir).is_empty());
-    stop_daemon(daemon);
+    ingest_one_file(&spool_dir);
 
     let (code, stdout, stderr) = output(capstore(&spool_dir).args(["spool", "inspect", "--json"]));
     assert_eq!(code, 0, "{stderr}");
@@ -277,12 +282,7 @@ fn spool_verify_finds_a_damaged_pack_and_inspect_counts_by_state() {
 fn a_start_tries_a_pack_it_cannot_read_again_before_quarantine_and_quarantines_bad_bytes_at_once() {
     let dir = tempfile::tempdir().unwrap();
     let spool_dir = dir.path().join("spool");
-    let stream = spool_dir.join("inbox").join("s");
-    std::fs::create_dir_all(&stream).unwrap();
-    std::fs::write(stream.join("a"), vec![7u8; 5000]).unwrap();
-    let daemon = start_daemon(&spool_dir, &[]);
-    wait_until("ingested", || inbox_files(&spool_dir).is_empty());
-    stop_daemon(daemon);
+    ingest_one_file(&spool_dir);
     let packs = list_packs(&SpoolPaths::new(&spool_dir)).unwrap();
     assert_eq!(packs.len(), 1, "{packs:?}");
     let pack_path = packs[0].path.clone();

@@ -14,8 +14,9 @@
 //! the uploader and indexer; else it is *missing*. The missing packs of the whole source are published in pack id
 //! order (up to [`PUBLISH_ORDER_WINDOW`] at a time), as the spool that made them would have: no object at its key (an
 //! intent whose upload never landed) -> nothing to publish; otherwise the pack is read and checked as a stranger's
-//! (footer bounded, header pack id against the key, SHA-256, every capture against the capture rules) and published. Objects that are not valid packs, and packs whose rows
-//! the server rejects, are reported (WARN, with the reason) and skipped, never retried in a loop.
+//! (footer bounded, header pack id against the key, SHA-256, every capture against the capture rules) and published.
+//! Objects that are not valid packs, and packs whose rows the server rejects, are reported (WARN, with the reason) and
+//! skipped, never retried in a loop.
 //!
 //! No periodic background listing: what it would find beyond the intents is a dead holder's upload that landed after
 //! the next holder reconciled (its own spool still owes and publishes it) or packs copied into the bucket by hand,

@@ -155,20 +155,17 @@ fn read_pack(
     source_keys: &mut HashSet<String>,
 ) -> io::Result<Result<(), PackError>> {
     let read = match listing.state {
-        PackState::Open => index_left_open(paths, index, listing.pack_id),
+        PackState::Open => index_left_open(paths, index, listing.pack_id).map(|entries| {
+            collect_source_keys(&entries, source_keys);
+            report.open_packs_left_open += 1;
+        }),
         PackState::Sealed | PackState::Uploaded => PackFile::open(&listing.path).map(|pack| {
+            collect_source_keys(pack.entries(), source_keys);
             index.add_sealed(listing.pack_id, pack.entries());
-            pack.entries().to_vec()
         }),
     };
     match read {
-        Ok(entries) => {
-            collect_source_keys(&entries, source_keys);
-            if listing.state == PackState::Open {
-                report.open_packs_left_open += 1;
-            }
-            Ok(Ok(()))
-        }
+        Ok(()) => Ok(Ok(())),
         Err(error) if error.is_data_error() => {
             let reason = format!("unreadable {} pack: {error}", listing.state.extension());
             quarantine_pack(paths, &listing.path, &reason)?;
