@@ -307,7 +307,13 @@ fn a_start_tries_a_pack_it_cannot_read_again_before_quarantine_and_quarantines_b
     for path in &unreadable {
         std::fs::create_dir(path).unwrap();
     }
-    let log = stop_daemon(start_daemon(&spool_dir, &[]));
+    let daemon = start_daemon(&spool_dir, &[]);
+    // The status counts the packs waiting in quarantine (as the gauge `capstore_packs_in_quarantine` does).
+    let status_path = spool_dir.join("status.json");
+    wait_until("status written", || status_path.exists());
+    let status: serde_json::Value = serde_json::from_slice(&std::fs::read(&status_path).unwrap()).unwrap();
+    assert_eq!(status["spool_packs"]["packs_in_quarantine"], 4, "{status}");
+    let log = stop_daemon(daemon);
     assert!(list_packs(&SpoolPaths::new(&spool_dir)).unwrap().is_empty(), "{log}");
     let moved = quarantined();
     assert_eq!(moved.len(), 4, "{moved:?}");

@@ -6,6 +6,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -968,6 +969,41 @@ async fn a_read_over_read_max_memory_fails_naming_the_key_and_the_server_stays_u
     let page = reader.list(&small).await.unwrap();
     let times: Vec<u64> = page.captures.iter().map(|c| c.captured_at_ns).collect();
     assert_eq!(times, (300_000..300_010).collect::<Vec<u64>>());
+}
+
+for_each_version!(reads_of_a_page_or_less_run_on_one_server_thread_and_reads_of_a_whole_table_do_not);
+async fn reads_of_a_page_or_less_run_on_one_server_thread_and_reads_of_a_whole_table_do_not(
+    server: &'static ClickHouseServer,
+) {
+    let catalog = catalog(server, true).await;
+    let publish_id = Uuid::now_v7();
+    let capture = Uuid::now_v7();
+    catalog.insert_capture_row(capture, "s/1", 1_000, 1, publish_id);
+    catalog.commit_row(1, publish_id);
+    let reader = catalog.reader();
+    let proxy = catalog.proxy.as_ref().unwrap();
+    // (The setting is in the request's URL, which travels in one chunk with the request's head.)
+    let one_thread = proxy.count_requests_containing("max_threads=1");
+    let requests = proxy.count_requests_containing("POST /");
+    let count = |counter: &Arc<AtomicU64>| counter.load(Ordering::SeqCst);
+
+    // A whole-table read keeps the server's threads.
+    let (one_thread_before, requests_before) = (count(&one_thread), count(&requests));
+    reader.committed_packs().await.unwrap();
+    assert_eq!(count(&one_thread), one_thread_before, "a read of the whole inventory ran on one thread");
+    assert!(count(&requests) > requests_before, "the inventory was not read through the proxy");
+
+    // The watermark, a lookup by id and a page (its setup, its window) each read a page or less, on one thread.
+    let before = count(&one_thread);
+    assert_eq!(reader.watermark().await.unwrap(), 1);
+    assert_eq!(count(&one_thread), before + 1, "the watermark did not run on one thread");
+    let before = count(&one_thread);
+    assert!(reader.get(capture, None).await.unwrap().is_some());
+    assert!(count(&one_thread) >= before + 2, "a lookup and its horizons did not run on one thread");
+    let before = count(&one_thread);
+    let page = reader.list(&ListQuery { stream: Some("s/1".into()), limit: 10, ..Default::default() }).await.unwrap();
+    assert_eq!(page.captures.len(), 1);
+    assert!(count(&one_thread) > before, "a first page's setup did not run on one thread");
 }
 
 /// Every page of a listing, following the cursors.

@@ -175,6 +175,11 @@ impl MetricsSample {
                 "packs whose seal failed, tried again until sealed (newer packs wait for them)",
                 as_i64(writer.packs_left_open),
             ),
+            (
+                "capstore_packs_in_quarantine",
+                "packs in <spool>/quarantine/packs, whenever they were moved there: their captures wait for an operator",
+                as_i64(spool.packs_in_quarantine),
+            ),
             ("capstore_spool_max_bytes", "the spool quota (spool.max_bytes)", as_i64(config.max_bytes.0)),
             ("capstore_spool_free_bytes", "free bytes on the spool's filesystem (-1 if unknown)", free_bytes),
             (

@@ -36,6 +36,9 @@ pub struct SpoolCounts {
     pub total_bytes: u64,
     /// Age of the oldest pack not yet published (open, sealed or uploaded), in seconds.
     pub oldest_unpublished_age_seconds: f64,
+    /// Packs in `quarantine/packs`, whenever they were moved there (at a start, or by a process before this one):
+    /// their captures wait for an operator.
+    pub packs_in_quarantine: u64,
 }
 
 impl SpoolCounts {
@@ -57,6 +60,7 @@ impl SpoolCounts {
                 .as_secs_f64();
             counts.oldest_unpublished_age_seconds = counts.oldest_unpublished_age_seconds.max(age);
         }
+        counts.packs_in_quarantine = paths.quarantined_packs()?;
         Ok(counts)
     }
 }

@@ -92,6 +92,22 @@ impl SpoolPaths {
         Ok(target)
     }
 
+    /// How many packs `quarantine/packs/` holds (its files less their `.reason` files; none when it is missing).
+    pub fn quarantined_packs(&self) -> io::Result<u64> {
+        let entries = match std::fs::read_dir(self.quarantine.join("packs")) {
+            Ok(entries) => entries,
+            Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(0),
+            Err(error) => return Err(error),
+        };
+        let mut packs = 0;
+        for entry in entries {
+            if !entry?.file_name().to_string_lossy().ends_with(REASON_SUFFIX) {
+                packs += 1;
+            }
+        }
+        Ok(packs)
+    }
+
     /// A fresh place in `quarantine/<subdir>/` for a file called `name`, its `.reason` file already written: the
     /// caller moves the file there (inbox files are moved relative to the inbox's descriptor, see
     /// [`super::inbox`]).
@@ -191,8 +207,11 @@ fn parse_pack_file_name(path: &Path) -> Option<(Uuid, PackState)> {
 /// `<quarantined file>.reason`.
 pub fn reason_path(quarantined: &Path) -> PathBuf {
     let name = quarantined.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    quarantined.with_file_name(format!("{name}.reason"))
+    quarantined.with_file_name(format!("{name}{REASON_SUFFIX}"))
 }
+
+/// The end of the name of a quarantined file's reason ([`reason_path`]).
+const REASON_SUFFIX: &str = ".reason";
 
 #[cfg(test)]
 mod tests {
@@ -218,5 +237,20 @@ mod tests {
         assert_eq!(fs::read(&moved).unwrap(), b"payload");
         let reason = fs::read_to_string(reason_path(&moved)).unwrap();
         assert_eq!(reason, "no stream");
+    }
+
+    #[test]
+    fn quarantined_packs_are_counted_without_their_reasons_and_inbox_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = SpoolPaths::new(dir.path());
+        paths.create_dirs().unwrap();
+        assert_eq!(paths.quarantined_packs().unwrap(), 0, "no quarantine/packs yet");
+        for name in ["a.sealed", "b.open", "inbox-file"] {
+            let file = paths.root.join(name);
+            fs::write(&file, b"bytes").unwrap();
+            let subdir = if name == "inbox-file" { "inbox" } else { "packs" };
+            paths.quarantine(subdir, &file, "damaged").unwrap();
+        }
+        assert_eq!(paths.quarantined_packs().unwrap(), 2);
     }
 }
