@@ -307,9 +307,11 @@ fn a_start_tries_a_pack_it_cannot_read_again_before_quarantine_and_quarantines_b
     for path in &unreadable {
         std::fs::create_dir(path).unwrap();
     }
+    // (The status the daemon that ingested the file left is removed: the one read below is this start's.)
+    let status_path = spool_dir.join("status.json");
+    std::fs::remove_file(&status_path).unwrap();
     let daemon = start_daemon(&spool_dir, &[]);
     // The status counts the packs waiting in quarantine (as the gauge `capstore_packs_in_quarantine` does).
-    let status_path = spool_dir.join("status.json");
     wait_until("status written", || status_path.exists());
     let status: serde_json::Value = serde_json::from_slice(&std::fs::read(&status_path).unwrap()).unwrap();
     assert_eq!(status["spool_packs"]["packs_in_quarantine"], 4, "{status}");

@@ -971,8 +971,8 @@ async fn a_read_over_read_max_memory_fails_naming_the_key_and_the_server_stays_u
     assert_eq!(times, (300_000..300_010).collect::<Vec<u64>>());
 }
 
-for_each_version!(reads_of_a_page_or_less_run_on_one_server_thread_and_reads_of_a_whole_table_do_not);
-async fn reads_of_a_page_or_less_run_on_one_server_thread_and_reads_of_a_whole_table_do_not(
+for_each_version!(reads_of_a_few_granules_run_on_one_server_thread_and_reads_that_grow_do_not);
+async fn reads_of_a_few_granules_run_on_one_server_thread_and_reads_that_grow_do_not(
     server: &'static ClickHouseServer,
 ) {
     let catalog = catalog(server, true).await;
@@ -987,23 +987,29 @@ async fn reads_of_a_page_or_less_run_on_one_server_thread_and_reads_of_a_whole_t
     let requests = proxy.count_requests_containing("POST /");
     let count = |counter: &Arc<AtomicU64>| counter.load(Ordering::SeqCst);
 
-    // A whole-table read keeps the server's threads.
+    // Reads whose rows read grow with the catalog keep the server's threads.
     let (one_thread_before, requests_before) = (count(&one_thread), count(&requests));
-    reader.committed_packs().await.unwrap();
-    assert_eq!(count(&one_thread), one_thread_before, "a read of the whole inventory ran on one thread");
-    assert!(count(&requests) > requests_before, "the inventory was not read through the proxy");
+    assert_eq!(reader.committed_packs().await.unwrap().len(), 0);
+    assert_eq!(reader.streams().await.unwrap().len(), 1);
+    assert_eq!(count(&one_thread), one_thread_before, "a read that grows ran on one thread");
+    assert_eq!(count(&requests), requests_before + 2, "the reads did not go through the proxy");
 
-    // The watermark, a lookup by id and a page (its setup, its window) each read a page or less, on one thread.
+    // The watermark, a lookup by id (and the horizons beside it), a page's setup and the lease head each read a few
+    // granules, on one thread.
     let before = count(&one_thread);
     assert_eq!(reader.watermark().await.unwrap(), 1);
     assert_eq!(count(&one_thread), before + 1, "the watermark did not run on one thread");
     let before = count(&one_thread);
     assert!(reader.get(capture, None).await.unwrap().is_some());
-    assert!(count(&one_thread) >= before + 2, "a lookup and its horizons did not run on one thread");
-    let before = count(&one_thread);
+    assert_eq!(count(&one_thread), before + 2, "a lookup and its horizons did not run on one thread");
+    let (before, requests_before) = (count(&one_thread), count(&requests));
     let page = reader.list(&ListQuery { stream: Some("s/1".into()), limit: 10, ..Default::default() }).await.unwrap();
     assert_eq!(page.captures.len(), 1);
-    assert!(count(&one_thread) > before, "a first page's setup did not run on one thread");
+    assert_eq!(count(&one_thread), before + 1, "a first page's setup did not run on one thread");
+    assert!(count(&requests) > requests_before + 1, "a first page read its setup only");
+    let before = count(&one_thread);
+    catalog.store(&catalog.config.catalog_name).read_head().await.unwrap();
+    assert_eq!(count(&one_thread), before + 1, "the lease head was not read on one thread");
 }
 
 /// Every page of a listing, following the cursors.

@@ -419,11 +419,10 @@ const REPLICA_CANNOT_SERVE: &[u32] = &[289, 242];
 /// ClickHouse's error code for a query over its `max_memory_usage`.
 const MEMORY_LIMIT_EXCEEDED: u32 = 241;
 
-/// The setting of a read of a page or less ([`CatalogClient::fetch_page`], and every read a decision rests on): one
-/// server thread. A server reads with `max_threads` streams (one per core by default) however few rows a read has,
-/// and on 18.16 starting them costs much of such a read: a first page across streams at 1M captures, its statements
-/// replayed 300 times in turn, took 18.5 ms on one thread against 21.0 (two cores). Current servers (26.9) take
-/// the same time either way.
+/// The setting of a read of a few granules ([`CatalogClient::fetch_few`], [`CatalogClient::fetch_few_deciding`]):
+/// one server thread. On 18.16 such reads took less time so (two cores, at 1M captures: the watermark 3.2 -> 2.5 ms, a
+/// lookup by id 17.4 -> 10.8, a page's setup statement replayed 300 times 8.4 -> 6.8); 26.9 took the same time
+/// either way.
 fn one_thread() -> (&'static str, String) {
     ("max_threads", "1".to_string())
 }
@@ -668,6 +667,16 @@ impl CatalogClient {
     where
         T: RowOwned + RowRead,
     {
+        let settings: Vec<_> = self.sequential_consistency().into_iter().collect();
+        self.fetch_all_with(sql, &settings, self.request_timeout).await
+    }
+
+    /// [`CatalogClient::fetch_all_deciding`] for a read of a few granules (the lease head, the read-back of a
+    /// publish): on one server thread, as [`CatalogClient::fetch_few`].
+    pub async fn fetch_few_deciding<T>(&self, sql: &str) -> Result<Vec<T>, CatalogError>
+    where
+        T: RowOwned + RowRead,
+    {
         let settings: Vec<_> = self.sequential_consistency().into_iter().chain([one_thread()]).collect();
         self.fetch_all_with(sql, &settings, self.request_timeout).await
     }
@@ -684,11 +693,11 @@ impl CatalogClient {
         self.fetch_all_with(sql, &[], self.request_timeout).await
     }
 
-    /// [`CatalogClient::fetch_all`] for a read of one page of rows or fewer, by design (a listing's window, a page of
-    /// the log, a lookup by id, a page's setup, the watermark): on one server thread ([`one_thread`]). Where such
-    /// reads can overlap, the reader runs them side by side itself (a window beside its check in `by_id`, the
-    /// batches of a multi-get, the pages a catching-up tail reads ahead).
-    pub async fn fetch_page<T>(&self, sql: &str) -> Result<Vec<T>, CatalogError>
+    /// [`CatalogClient::fetch_all`] for a read of a few granules whatever the catalog holds (a page's setup, the
+    /// watermark, the horizons, a lookup by id): on one server thread ([`one_thread`]). Not for a read whose rows
+    /// read grow with what it looks for (a listing's window, its check in `by_id`, a page of the log, a list of ids):
+    /// on a server of many cores those gain from its threads.
+    pub async fn fetch_few<T>(&self, sql: &str) -> Result<Vec<T>, CatalogError>
     where
         T: RowOwned + RowRead,
     {

@@ -87,7 +87,7 @@ impl IntentLog {
     pub async fn newest_mark(&self) -> Result<Option<u64>, CatalogError> {
         let rows: Vec<MarkRow> = self
             .client
-            .fetch_all_deciding(&format!(
+            .fetch_few_deciding(&format!(
                 "SELECT maxMerge(marked_at_ms) AS marked_at_ms, count() AS marks FROM {} WHERE catalog = {}",
                 self.tables.intent_marks,
                 self.catalog_literal()

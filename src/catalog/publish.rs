@@ -305,7 +305,7 @@ impl Publisher {
     pub async fn read_back(&self, version: u64, publish_id: Uuid) -> Result<Option<u64>, CatalogError> {
         let rows: Vec<VersionRow> = self
             .client
-            .fetch_all_deciding(&format!(
+            .fetch_few_deciding(&format!(
                 "SELECT version FROM {} WHERE catalog = {} AND version = {version} AND publish_id = {}",
                 self.tables.publishes,
                 self.catalog_literal(),

@@ -794,7 +794,7 @@ impl CatalogReader {
             bounds = self.time_bounds_of(query.stream.as_deref()),
             horizons = self.horizons_sql(u64::MAX),
         );
-        let row = match self.client.fetch_page::<SetupRow>(&sql).await {
+        let row = match self.client.fetch_few::<SetupRow>(&sql).await {
             Ok(mut rows) => rows.pop().ok_or_else(|| {
                 CatalogError::new(ErrorKind::DefinitelyFailed, "a page's setup read no row".to_string())
             })?,
@@ -868,7 +868,7 @@ impl CatalogReader {
                 /// [rows of the density sample, and whether they are not the listing's]
                 setup_sample: Vec<u64>,
             }
-            let rows: Vec<Sample> = self.client.fetch_page(&format!("SELECT ({sample}) AS setup_sample")).await?;
+            let rows: Vec<Sample> = self.client.fetch_few(&format!("SELECT ({sample}) AS setup_sample")).await?;
             match rows.first().map(|row| row.setup_sample.as_slice()) {
                 Some(&[rows, not_the_listings]) => Ok(sampled_rows(rows, not_the_listings)),
                 _ => Err(CatalogError::new(ErrorKind::DefinitelyFailed, "the row count read a row of another shape")),
@@ -991,7 +991,7 @@ impl CatalogReader {
     pub async fn watermark(&self) -> Result<u64, CatalogError> {
         let rows: Vec<BoundedMax> = self
             .client
-            .fetch_page(&format!(
+            .fetch_few(&format!(
                 "SELECT max(version) AS max_version, count() AS rows FROM {}",
                 self.publishes_from_watermark()
             ))
@@ -1052,7 +1052,7 @@ impl CatalogReader {
     /// The committed retention horizons at versions up to `through` (one primary-key read of the few rows of
     /// `horizons`; none in tables older than schema 6).
     pub async fn horizons(&self, through: u64) -> Result<Horizons, CatalogError> {
-        let rows: Result<Vec<HorizonRow>, CatalogError> = self.client.fetch_page(&self.horizons_sql(through)).await;
+        let rows: Result<Vec<HorizonRow>, CatalogError> = self.client.fetch_few(&self.horizons_sql(through)).await;
         match rows {
             Ok(rows) => Ok(Horizons { committed: rows.into_iter().map(|row| (row.version, row.before_ns)).collect() }),
             Err(error) if error.is_unknown_table() => Ok(Horizons::default()),
@@ -1110,7 +1110,7 @@ impl CatalogReader {
             by_id = self.tables.by_id,
         );
         let (rows, horizons) = tokio::join!(
-            self.client.fetch_page::<CaptureLocation>(&row_sql),
+            self.client.fetch_few::<CaptureLocation>(&row_sql),
             self.horizons(watermark_opt.unwrap_or(u64::MAX))
         );
         let watermark = watermark_opt.unwrap_or(u64::MAX);
@@ -1294,7 +1294,7 @@ impl CatalogReader {
             );
             let check_horizon = std::mem::take(&mut horizon_unchecked);
             let (rows, newest, horizon_ns) = tokio::try_join!(
-                self.client.fetch_page::<CaptureLocation>(&sql),
+                self.client.fetch_all::<CaptureLocation>(&sql),
                 self.newest_versions_of_first_rows(span.table, &first_rows, watermark),
                 async {
                     match check_horizon {
@@ -1430,7 +1430,7 @@ impl CatalogReader {
     async fn time_bounds(&self, stream: Option<&str>) -> Result<Option<(u64, u64)>, CatalogError> {
         let rows: Vec<TimeBounds> = self
             .client
-            .fetch_page(&format!(
+            .fetch_few(&format!(
                 "SELECT minMerge(first_at) AS first_ns, maxMerge(last_at) AS last_ns, count() AS rows FROM {}",
                 self.time_bounds_of(stream)
             ))
@@ -1526,7 +1526,7 @@ impl CatalogReader {
         watermark: u64,
     ) -> Result<Vec<NewestVersion>, CatalogError> {
         let ids = format!("SELECT UUIDStringToNum(capture_id) FROM {table} WHERE {first_rows}");
-        self.client.fetch_page(&self.newest_versions_sql(&ids, watermark)).await
+        self.client.fetch_all(&self.newest_versions_sql(&ids, watermark)).await
     }
 
     /// [`CatalogReader::newest_versions_of_first_rows`] for the candidates it did not answer, by their ids:
@@ -1538,7 +1538,7 @@ impl CatalogReader {
             .map(|batch| batch.iter().map(|id| sql_uuid_num(id)).collect::<Vec<_>>().join(", "))
             .collect();
         let answers: Vec<Vec<NewestVersion>> = futures::stream::iter(batches)
-            .map(|ids| async move { self.client.fetch_page(&self.newest_versions_sql(&ids, watermark)).await })
+            .map(|ids| async move { self.client.fetch_all(&self.newest_versions_sql(&ids, watermark)).await })
             .buffer_unordered(CONCURRENT_BATCHES)
             .try_collect()
             .await?;
@@ -1572,7 +1572,7 @@ impl CatalogReader {
             self.catalog_literal(),
             after.saturating_add(limit),
         );
-        self.client.fetch_page(&sql).await
+        self.client.fetch_few(&sql).await
     }
 
     /// The next captures of the log of publishes after `from`, in tail order ((version, capture_id), each version as
@@ -1680,7 +1680,7 @@ impl CatalogReader {
                 // Room for rows written twice: a span of more rows than that is sorted by the server after all.
                 let rows_read = limit.saturating_mul(2);
                 let mut rows: Vec<CaptureLocation> =
-                    self.client.fetch_page(&format!("{entries} LIMIT {}", rows_read + 1)).await?;
+                    self.client.fetch_all(&format!("{entries} LIMIT {}", rows_read + 1)).await?;
                 if rows.len() as u64 <= rows_read {
                     // What `ORDER BY version, capture_id LIMIT 1 BY version, capture_id` makes of them.
                     rows.sort_by(|a, b| (a.version, &a.capture_id).cmp(&(b.version, &b.capture_id)));
@@ -1690,7 +1690,7 @@ impl CatalogReader {
                 }
             }
             let sql = format!("{entries} ORDER BY version, capture_id LIMIT 1 BY version, capture_id LIMIT {one_more}");
-            self.client.fetch_page::<CaptureLocation>(&sql).await
+            self.client.fetch_all::<CaptureLocation>(&sql).await
         };
         let (mut captures, horizons) = tokio::try_join!(captures, self.horizons(upto))?;
         let cut = captures.len() as u64 > limit;

@@ -177,8 +177,8 @@ impl MetricsSample {
             ),
             (
                 "capstore_packs_in_quarantine",
-                "packs in <spool>/quarantine/packs, whenever they were moved there: their captures wait for an operator",
-                as_i64(spool.packs_in_quarantine),
+                "packs waiting for an operator in <spool>/quarantine/packs (-1 if it cannot be read)",
+                spool.packs_in_quarantine.map_or(-1, as_i64),
             ),
             ("capstore_spool_max_bytes", "the spool quota (spool.max_bytes)", as_i64(config.max_bytes.0)),
             ("capstore_spool_free_bytes", "free bytes on the spool's filesystem (-1 if unknown)", free_bytes),

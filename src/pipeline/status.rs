@@ -37,8 +37,8 @@ pub struct SpoolCounts {
     /// Age of the oldest pack not yet published (open, sealed or uploaded), in seconds.
     pub oldest_unpublished_age_seconds: f64,
     /// Packs in `quarantine/packs`, whenever they were moved there (at a start, or by a process before this one):
-    /// their captures wait for an operator.
-    pub packs_in_quarantine: u64,
+    /// they wait for an operator. None when that directory cannot be read (the rest is measured all the same).
+    pub packs_in_quarantine: Option<u64>,
 }
 
 impl SpoolCounts {
@@ -60,7 +60,10 @@ impl SpoolCounts {
                 .as_secs_f64();
             counts.oldest_unpublished_age_seconds = counts.oldest_unpublished_age_seconds.max(age);
         }
-        counts.packs_in_quarantine = paths.quarantined_packs()?;
+        counts.packs_in_quarantine = paths
+            .quarantined_packs()
+            .inspect_err(|error| tracing::debug!(%error, "cannot count the packs in quarantine"))
+            .ok();
         Ok(counts)
     }
 }

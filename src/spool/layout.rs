@@ -92,20 +92,25 @@ impl SpoolPaths {
         Ok(target)
     }
 
-    /// How many packs `quarantine/packs/` holds (its files less their `.reason` files; none when it is missing).
+    /// How many packs `quarantine/packs/` holds: the entries beside which a `.reason` file says why they are there
+    /// (a temporary file of a reason being written, or a note an operator left, is not a pack; none when the
+    /// directory is missing).
     pub fn quarantined_packs(&self) -> io::Result<u64> {
         let entries = match std::fs::read_dir(self.quarantine.join("packs")) {
             Ok(entries) => entries,
             Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(0),
             Err(error) => return Err(error),
         };
-        let mut packs = 0;
+        let mut names = std::collections::HashSet::new();
         for entry in entries {
-            if !entry?.file_name().to_string_lossy().ends_with(REASON_SUFFIX) {
-                packs += 1;
-            }
+            names.insert(entry?.file_name().to_string_lossy().into_owned());
         }
-        Ok(packs)
+        let is_pack = |name: &&String| {
+            !name.starts_with('.')
+                && !name.ends_with(REASON_SUFFIX)
+                && names.contains(&format!("{name}{REASON_SUFFIX}"))
+        };
+        Ok(names.iter().filter(is_pack).count() as u64)
     }
 
     /// A fresh place in `quarantine/<subdir>/` for a file called `name`, its `.reason` file already written: the
@@ -251,6 +256,21 @@ mod tests {
             let subdir = if name == "inbox-file" { "inbox" } else { "packs" };
             paths.quarantine(subdir, &file, "damaged").unwrap();
         }
+        // Neither a reason's temporary file (a crash while one was written) nor a note of an operator is a pack.
+        let quarantined = paths.quarantine.join("packs");
+        fs::write(quarantined.join(".1-c.sealed.reason.x.tmp"), b"half").unwrap();
+        fs::write(quarantined.join("NOTES"), b"looked at a.sealed").unwrap();
+        fs::create_dir(quarantined.join("handled")).unwrap();
         assert_eq!(paths.quarantined_packs().unwrap(), 2);
+        // An operator takes one out, with its reason.
+        let taken = fs::read_dir(&quarantined)
+            .unwrap()
+            .map(|entry| entry.unwrap().path())
+            .find(|path| path.to_string_lossy().ends_with("-a.sealed"))
+            .unwrap();
+        let handled = quarantined.join("handled");
+        durable::rename_durable(&reason_path(&taken), &handled.join("a.sealed.reason")).unwrap();
+        durable::rename_durable(&taken, &handled.join("a.sealed")).unwrap();
+        assert_eq!(paths.quarantined_packs().unwrap(), 1);
     }
 }

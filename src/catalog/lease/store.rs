@@ -118,7 +118,7 @@ impl LeaseStore {
             now = self.server_now_ms(),
             table = self.table,
         );
-        let entries: Vec<HeadEntry> = self.client.fetch_all_deciding(&sql).await?;
+        let entries: Vec<HeadEntry> = self.client.fetch_few_deciding(&sql).await?;
         Ok(Head { term: entries.first().map_or(0, |entry| entry.term), entries })
     }
 
@@ -131,7 +131,7 @@ impl LeaseStore {
             table = self.table,
             catalog = self.catalog_literal(),
         );
-        self.client.fetch_all_deciding(&sql).await
+        self.client.fetch_few_deciding(&sql).await
     }
 
     /// Claim the lease at head+1 (see the module doc). `identity` decides same-spool takeover.
