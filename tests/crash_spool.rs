@@ -206,3 +206,38 @@ fn inbox_ingest_is_exactly_once_across_sigkills() {
     assert_eq!(captured, producer.dropped.len(), "every dropped file is captured exactly once");
     assert!(producer.dropped.len() > KILLS * 10, "too few files ({}) to mean anything", producer.dropped.len());
 }
+
+#[test]
+fn a_start_removes_the_temporary_files_a_crash_left_in_quarantine_and_keeps_everything_else() {
+    let dir = tempfile::tempdir().unwrap();
+    let spool_dir = dir.path().join("spool");
+    let config =
+        SpoolConfig { dir: spool_dir.clone(), min_free_bytes: capstore::config::ByteSize(0), ..Default::default() };
+    drop(Spool::open(&config).unwrap());
+    let quarantine = spool_dir.join("quarantine");
+    // What a crash leaves while a `.reason` file is written (`.<name>.<nonce>.tmp`), in quarantine's directories,
+    // one of them an operator's; beside a quarantined pack with its reason, and an operator's files.
+    let leftovers = [
+        quarantine.join("packs").join(".1-a.sealed.reason.00000000000000aa.tmp"),
+        quarantine.join("inbox").join(".2-b.reason.00000000000000bb.tmp"),
+        quarantine.join("handled").join(".3-c.sealed.reason.00000000000000cc.tmp"),
+    ];
+    let kept = [
+        quarantine.join("packs").join("1-a.sealed"),
+        quarantine.join("packs").join("1-a.sealed.reason"),
+        quarantine.join("packs").join("notes.tmp"),
+        quarantine.join("handled").join("3-c.sealed"),
+    ];
+    for path in leftovers.iter().chain(&kept) {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, b"bytes").unwrap();
+    }
+    let (_spool, report) = Spool::open(&config).unwrap();
+    assert_eq!(report.temp_files_removed, 3, "{report:?}");
+    for path in &leftovers {
+        assert!(!path.exists(), "{} left", path.display());
+    }
+    for path in &kept {
+        assert!(path.exists(), "{} removed", path.display());
+    }
+}

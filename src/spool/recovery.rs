@@ -3,7 +3,7 @@
 //! Runs once, under the spool lock, before anything else touches the spool. Every step is idempotent, so a crash
 //! during recovery is recovered by the next start.
 //!
-//! 1. Leftover temporary files of our own crash-safe writes are removed.
+//! 1. Leftover temporary files of our own crash-safe writes are removed (in `quarantine/` too).
 //! 2. Each `.open` pack is scanned: every complete record whose checksum verifies is kept, the torn tail is cut, footer
 //!    and trailer are written and the pack is renamed `.sealed`. A pack with no valid record is removed; a pack whose
 //!    header is unreadable but holds more than a header's worth of bytes is quarantined (it is not ours to delete).
@@ -50,10 +50,35 @@ impl RecoveryReport {
     }
 }
 
+/// Delete the temporary files a crash left in the directories of `quarantine/` (a `.reason` file being written when a
+/// pack or an inbox file was quarantined; they would stay there for good). Quarantine is the operator's: a directory
+/// of it that cannot be read is warned about and never fails the start.
+fn remove_leftover_temp_files_of_quarantine(paths: &SpoolPaths) -> u64 {
+    let mut removed = 0;
+    let dirs = match std::fs::read_dir(&paths.quarantine) {
+        Ok(entries) => entries.filter_map(Result::ok).filter(|entry| entry.file_type().is_ok_and(|t| t.is_dir())),
+        Err(error) if error.kind() == io::ErrorKind::NotFound => return 0,
+        Err(error) => {
+            tracing::warn!(dir = %paths.quarantine.display(), %error, "recovery: cannot read the quarantine");
+            return 0;
+        }
+    };
+    for dir in dirs {
+        match paths.remove_leftover_temp_files(&dir.path()) {
+            Ok(count) => removed += count,
+            Err(error) => {
+                tracing::warn!(dir = %dir.path().display(), %error, "recovery: cannot clean a quarantine directory")
+            }
+        }
+    }
+    removed
+}
+
 pub fn recover(paths: &SpoolPaths, inbox_ledger: &InboxLedger, index: &SpoolIndex) -> io::Result<RecoveryReport> {
     let mut report = RecoveryReport::default();
     report.temp_files_removed += paths.remove_leftover_temp_files(&paths.packs)?;
     report.temp_files_removed += paths.remove_leftover_temp_files(&paths.root)?;
+    report.temp_files_removed += remove_leftover_temp_files_of_quarantine(paths);
 
     let mut source_keys = HashSet::new();
     // Packs that could not be read for an I/O error, with the error: tried again after the others (READ_TRIES).
