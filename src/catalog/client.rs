@@ -420,8 +420,8 @@ const REPLICA_CANNOT_SERVE: &[u32] = &[289, 242];
 const MEMORY_LIMIT_EXCEEDED: u32 = 241;
 
 /// The setting of a read of a few granules ([`CatalogClient::fetch_few`], [`CatalogClient::fetch_few_deciding`]):
-/// one server thread. On 18.16 such reads took less time so (two cores, at 1M captures: the watermark 3.2 -> 2.5 ms, a
-/// lookup by id 17.4 -> 10.8, a page's setup statement replayed 300 times 8.4 -> 6.8); 26.9 took the same time
+/// one server thread. On 18.16 such reads took less time so (two cores, at 1M captures: the watermark 3.1 -> 2.2 ms, a
+/// lookup by id 14.8 -> 12.1, a page's setup statement replayed 300 times 8.4 -> 6.8); 26.9 took the same time
 /// either way.
 fn one_thread() -> (&'static str, String) {
     ("max_threads", "1".to_string())
@@ -667,8 +667,7 @@ impl CatalogClient {
     where
         T: RowOwned + RowRead,
     {
-        let settings: Vec<_> = self.sequential_consistency().into_iter().collect();
-        self.fetch_all_with(sql, &settings, self.request_timeout).await
+        self.fetch_all_with(sql, self.sequential_consistency().as_slice(), self.request_timeout).await
     }
 
     /// [`CatalogClient::fetch_all_deciding`] for a read of a few granules (the lease head, the read-back of a
