@@ -375,6 +375,7 @@ async fn check_config_online_passes_a_working_setup_and_leaves_nothing_behind(se
     for check in [
         "catalog reachable",
         "catalog version",
+        "catalog read settings",
         "catalog grants",
         "catalog schema",
         "bucket",
@@ -390,6 +391,7 @@ async fn check_config_online_passes_a_working_setup_and_leaves_nothing_behind(se
         "{report}"
     );
     assert!(line_of(&report, "catalog schema").contains("no tables yet"), "{report}");
+    assert!(line_of(&report, "catalog read settings").contains("max_threads = 1 for reads of a few"), "{report}");
     assert!(line_of(&report, "bucket").contains("refused a second create"), "{report}");
     // The probes leave nothing behind: no scratch table or view, no probe object.
     let leftovers = server.query(&format!("SELECT count() FROM system.tables WHERE database = '{database}'")).unwrap();
@@ -399,6 +401,82 @@ async fn check_config_online_passes_a_working_setup_and_leaves_nothing_behind(se
 }
 
 for_each_version!(check_config_online_passes_a_working_setup_and_leaves_nothing_behind);
+
+/// Users of a chDB server: one whose settings profile pins `max_threads` with a constraint, one with a read-only
+/// profile (which lets a request change no setting), and `default`.
+const PROFILED_USERS: &str = r#"<profiles>
+        <default/>
+        <threads_pinned>
+            <max_threads>2</max_threads>
+            <constraints><max_threads><readonly/></max_threads></constraints>
+        </threads_pinned>
+        <read_only><readonly>1</readonly></read_only>
+    </profiles>
+    <users>
+        <default><password/><networks><ip>127.0.0.1</ip></networks><profile>default</profile><quota>default</quota></default>
+        <threads_pinned><password/><networks><ip>127.0.0.1</ip></networks><profile>threads_pinned</profile><quota>default</quota></threads_pinned>
+        <read_only><password/><networks><ip>127.0.0.1</ip></networks><profile>read_only</profile><quota>default</quota></read_only>
+    </users>
+    <quotas><default/></quotas>"#;
+
+/// A catalog user whose settings profile does not let a request set `max_threads` (a constraint: 20.x and later)
+/// gets a daemon that publishes and reads all the same (its reads of a few granules run with the profile's threads),
+/// and `check-config --online` says so; one whose profile lets a read set nothing is told which settings to allow.
+#[tokio::test]
+async fn a_settings_profile_that_pins_max_threads_slows_small_reads_and_breaks_nothing() {
+    let server = common::clickhouse::start_chdb_with_users(common::clickhouse::Version::V26_9, PROFILED_USERS);
+    let dir = tempfile::tempdir().unwrap();
+    let port = common::free_port(false);
+    let env =
+        DaemonEnv::live_on(&server, "pinned", dir.path()).set("CAPSTORE_HTTP_LISTEN", format!("127.0.0.1:{port}"));
+    let pinned = env.clone().set("CAPSTORE_CATALOG_USER", "threads_pinned");
+
+    let (code, report) = check_config_online(&env);
+    assert_eq!(code, 0, "{report}");
+    assert!(line_of(&report, "catalog read settings").contains("max_threads = 1 for reads of a few"), "{report}");
+    let (code, report) = check_config_online(&pinned);
+    assert_eq!(code, 0, "{report}");
+    let line = line_of(&report, "catalog read settings");
+    assert!(line.starts_with("ok  ") && line.contains("does not let them set max_threads"), "{report}");
+    let (code, report) = check_config_online(&env.clone().set("CAPSTORE_CATALOG_USER", "read_only"));
+    assert_eq!(code, 2, "{report}");
+    let line = line_of(&report, "catalog read settings");
+    assert!(line.starts_with("FAIL") && line.contains("settings profile must let a request change them"), "{report}");
+
+    // The daemon, as the pinned user, publishes a capture; the CLI reads it back by id and lists it.
+    let mut daemon = pinned.start(dir.path().join("daemon.log"));
+    let client = reqwest::Client::new();
+    let payload = b"pinned threads".to_vec();
+    let started = Instant::now();
+    let capture_id = loop {
+        let posted = client
+            .post(format!("http://127.0.0.1:{port}/v1/captures?stream=cam/1&wait=published"))
+            .body(payload.clone())
+            .send()
+            .await;
+        if let Ok(response) = posted {
+            if response.status() == reqwest::StatusCode::CREATED {
+                let answer: serde_json::Value = response.json().await.unwrap();
+                break answer["capture_id"].as_str().unwrap().to_string();
+            }
+        }
+        assert!(daemon.exited().is_none(), "{}", daemon.log());
+        assert!(started.elapsed() < Duration::from_secs(30), "no published capture:\n{}", daemon.log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let read = pinned.command().args(["get", &capture_id]).output().unwrap();
+    assert!(read.status.success(), "{}", String::from_utf8_lossy(&read.stderr));
+    assert_eq!(read.stdout, payload);
+    let listed = pinned.command().args(["ls", "--stream", "cam/1"]).output().unwrap();
+    assert!(listed.status.success(), "{}", String::from_utf8_lossy(&listed.stderr));
+    assert!(
+        String::from_utf8_lossy(&listed.stdout).contains(&capture_id),
+        "{}",
+        String::from_utf8_lossy(&listed.stdout)
+    );
+    assert!(daemon.log().contains("does not let reads set max_threads"), "{}", daemon.log());
+    daemon.kill();
+}
 
 #[test]
 fn check_config_online_names_every_broken_part_and_exits_2() {

@@ -91,7 +91,7 @@
 
 use std::fmt;
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -149,6 +149,7 @@ pub const DEFINITELY_FAILED_CODES: &[(u32, &str)] = &[
     (215, "NOT_AN_AGGREGATE"),
     (352, "AMBIGUOUS_COLUMN_NAME"),
     (386, "NO_COMMON_TYPE"),
+    (452, "SETTING_CONSTRAINT_VIOLATION"),
     (497, "ACCESS_DENIED"),
     (516, "AUTHENTICATION_FAILED"),
 ];
@@ -208,6 +209,12 @@ impl CatalogError {
     /// UNKNOWN_DATABASE): tables of an older capstore lack the newer ones, which read-only tools read as empty.
     pub fn is_unknown_table(&self) -> bool {
         matches!(self.server_code, Some(60 | 81))
+    }
+
+    /// The server refused a setting the request carried, by name: a constraint of the user's settings profile
+    /// (SETTING_CONSTRAINT_VIOLATION), or a read-only profile (READONLY). Raised before the statement runs.
+    pub fn refuses_setting(&self, name: &str) -> bool {
+        matches!(self.server_code, Some(SETTING_CONSTRAINT_VIOLATION | READONLY)) && self.message.contains(name)
     }
 
     /// The server refused the statement for the user's rights (ACCESS_DENIED).
@@ -398,6 +405,9 @@ pub struct CatalogClient {
     server_version: Arc<ServerVersion>,
     /// With `catalog.cluster`: the replicas (of the connected server's shard) every insert waits for.
     insert_quorum: Option<u64>,
+    /// Whether the user's settings profile refused [`one_thread`] (a constraint on `max_threads`): reads of a few
+    /// granules run with the profile's `max_threads` from then on (shared by the clones).
+    one_thread_refused: Arc<AtomicBool>,
 }
 
 impl fmt::Debug for CatalogClient {
@@ -418,6 +428,16 @@ const REPLICA_CANNOT_SERVE: &[u32] = &[289, 242];
 
 /// ClickHouse's error code for a query over its `max_memory_usage`.
 const MEMORY_LIMIT_EXCEEDED: u32 = 241;
+
+/// ClickHouse's error codes for a setting the user's profile does not let a request change: a read-only profile,
+/// and a constraint.
+const READONLY: u32 = 164;
+const SETTING_CONSTRAINT_VIOLATION: u32 = 452;
+
+/// What an error about a setting a read sends says to the operator.
+const READ_SETTINGS_HINT: &str = "every read sets max_execution_time and max_memory_usage (catalog.request_timeout, \
+     catalog.read_max_memory), and on 20.x and later readonly = 2 and cancel_http_readonly_queries_on_client_close: \
+     the catalog user's settings profile must let a request change them";
 
 /// The setting of a read of a few granules ([`CatalogClient::fetch_few`], [`CatalogClient::fetch_few_deciding`]):
 /// one server thread. On 18.16 such reads took less time so (two cores, at 1M captures: the watermark 3.1 -> 2.2 ms, a
@@ -569,6 +589,7 @@ impl CatalogClient {
             read_max_memory: config.read_max_memory.0,
             server_version: Arc::new(server_version),
             insert_quorum,
+            one_thread_refused: Arc::default(),
         })
     }
 
@@ -676,8 +697,7 @@ impl CatalogClient {
     where
         T: RowOwned + RowRead,
     {
-        let settings: Vec<_> = self.sequential_consistency().into_iter().chain([one_thread()]).collect();
-        self.fetch_all_with(sql, &settings, self.request_timeout).await
+        self.fetch_few_with(sql, self.sequential_consistency().as_slice()).await
     }
 
     /// Read every row of a SELECT. `sql` is sent verbatim; columns map to the row's fields by position.
@@ -700,7 +720,38 @@ impl CatalogClient {
     where
         T: RowOwned + RowRead,
     {
-        self.fetch_all_with(sql, &[one_thread()], self.request_timeout).await
+        self.fetch_few_with(sql, &[]).await
+    }
+
+    /// A read of a few granules with `settings` and [`one_thread`], unless the user's settings profile refuses that
+    /// (a constraint on `max_threads`, which the server checks before it runs anything): then the read is sent again
+    /// without it, and so are the reads after it. The setting only makes those reads faster.
+    async fn fetch_few_with<T>(&self, sql: &str, settings: &[(&'static str, String)]) -> Result<Vec<T>, CatalogError>
+    where
+        T: RowOwned + RowRead,
+    {
+        if !self.one_thread_refused.load(Ordering::Relaxed) {
+            let with_one_thread: Vec<_> = settings.iter().cloned().chain([one_thread()]).collect();
+            match self.fetch_all_with(sql, &with_one_thread, self.request_timeout).await {
+                Err(error) if error.refuses_setting(one_thread().0) => {
+                    if !self.one_thread_refused.swap(true, Ordering::Relaxed) {
+                        tracing::info!(
+                            %error,
+                            "catalog: the user's settings profile does not let reads set max_threads; small reads \
+                             run with the profile's from now on"
+                        );
+                    }
+                }
+                answer => return answer,
+            }
+        }
+        self.fetch_all_with(sql, settings, self.request_timeout).await
+    }
+
+    /// Whether the reads of a few granules still run on one server thread: false once the user's settings profile
+    /// refused `max_threads` ([`CatalogClient::fetch_few`]).
+    pub fn small_reads_on_one_thread(&self) -> bool {
+        !self.one_thread_refused.load(Ordering::Relaxed)
     }
 
     /// The one number `sql` (a `SELECT count()` or the like) answers; 0 for none (a scalar subquery is Nullable on
@@ -750,8 +801,14 @@ impl CatalogClient {
         self.request("fetch", timeout, |client| with_settings(client.query_raw(sql), settings).fetch_all::<T>())
             .await
             .map_err(|mut error| {
-                if error.server_code == Some(MEMORY_LIMIT_EXCEEDED) {
-                    error.message = format!("{} (the limit is catalog.read_max_memory)", error.message);
+                match error.server_code {
+                    Some(MEMORY_LIMIT_EXCEEDED) => {
+                        error.message = format!("{} (the limit is catalog.read_max_memory)", error.message)
+                    }
+                    Some(SETTING_CONSTRAINT_VIOLATION | READONLY) => {
+                        error.message = format!("{} ({READ_SETTINGS_HINT})", error.message)
+                    }
+                    _ => {}
                 }
                 error
             })

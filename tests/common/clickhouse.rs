@@ -234,10 +234,32 @@ fn find_chdb_python(release: &str) -> PathBuf {
 
 /// chDB serving HTTP from inside its Python process: `SYSTEM START LISTEN HTTP`, the port written to a file, then a
 /// read of stdin that returns only when the pipe closes (see TESTING.md).
+/// A chDB server of its own (not shared with other tests) whose users are `users_xml`: the elements of a users file
+/// (`<profiles>`, `<users>`, `<quotas>`), which replace the built-in `default` user (define it there too). For
+/// tests of what a user's settings profile does to capstore: constraints need a current server.
+pub fn start_chdb_with_users(version: Version, users_xml: &str) -> ClickHouseServer {
+    let release = version.chdb_release().expect("a chDB-served version");
+    try_start_chdb_with(version, &find_chdb_python(release), users_xml)
+        .unwrap_or_else(|error| panic!("ClickHouse {version:?} (chDB) with users did not start: {error}"))
+}
+
 fn try_start_chdb(version: Version, python: &Path) -> Result<ClickHouseServer, String> {
+    try_start_chdb_with(version, python, "")
+}
+
+fn try_start_chdb_with(version: Version, python: &Path, users_xml: &str) -> Result<ClickHouseServer, String> {
     let dir = super::scratch_dir("chdb");
     let http_port = super::free_port(false);
-    std::fs::write(dir.join("config.xml"), chdb_config(&dir, http_port)).unwrap();
+    let config_path = dir.join("config.xml");
+    let users = match users_xml {
+        "" => String::new(),
+        // The server reads the users from its own configuration file.
+        users => format!(
+            "{users}\n    <user_directories><users_xml><path>{}</path></users_xml></user_directories>",
+            config_path.display()
+        ),
+    };
+    std::fs::write(&config_path, chdb_config(&dir, http_port, &users)).unwrap();
     let port_file = dir.join("http_port");
     let script = format!(
         "import chdb._chdb as c\n\
@@ -270,7 +292,7 @@ fn try_start_chdb(version: Version, python: &Path) -> Result<ClickHouseServer, S
     })
 }
 
-fn chdb_config(dir: &Path, http_port: u16) -> String {
+fn chdb_config(dir: &Path, http_port: u16, extra: &str) -> String {
     let dir = dir.display();
     format!(
         r#"<?xml version="1.0"?>
@@ -280,6 +302,7 @@ fn chdb_config(dir: &Path, http_port: u16) -> String {
     <path>{dir}/data/</path>
     <tmp_path>{dir}/tmp/</tmp_path>
     <max_concurrent_queries>100</max_concurrent_queries>
+    {extra}
 </clickhouse>
 "#
     )
