@@ -11,6 +11,9 @@
 //! pass dropped, the others not); `capstore repartition`'s `repartition_after_a_rename` (one table swapped, the
 //! others not).
 //!
+//! Error points make the caller fail instead, once: `fsync_fails` (an fsync of the open pack answers EIO, as a failed
+//! writeback does; no device here can fail one for real).
+//!
 //! Stall points never return instead (the watchdog tests wedge a part with them): `stall_before_fsync` (blocks the
 //! spool's syncer thread before an append's fsync), `stall_upload` (an upload that never answers, as a black-holed
 //! bucket connection without timeouts would).
@@ -67,6 +70,17 @@ pub async fn stall_async(name: &str) {
         eprintln!("failpoint {name} reached: this task hangs");
         std::future::pending::<()>().await;
     }
+}
+
+/// True once, the n-th time execution passes `name` if it is armed: the caller fails there as the fault it stands for
+/// would (the spool tests' `fsync_fails`, an fsync answering EIO once, as a failed writeback does).
+pub fn fails(name: &str) -> bool {
+    let Some((nth, passes)) = armed().get(name) else { return false };
+    let failing = passes.fetch_add(1, Ordering::SeqCst) + 1 == *nth;
+    if failing {
+        eprintln!("failpoint {name} reached: failing here");
+    }
+    failing
 }
 
 /// Whether `name` is armed at all (for points that need set-up before they can fire).

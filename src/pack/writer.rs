@@ -4,7 +4,7 @@ use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
 use std::io::{self, BufReader, IoSlice, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::{Bytes, BytesMut};
@@ -54,6 +54,24 @@ pub struct PackWriter {
     max_payload_bytes: u64,
     /// Set by a failed write here or a failed fsync of a [`SyncPoint`], possibly on another thread.
     pub(super) poisoned: Arc<Mutex<Option<String>>>,
+    /// What the fsyncs of this file made durable (shared with every [`SyncPoint`]).
+    durability: Arc<Durability>,
+}
+
+/// What the fsyncs of one pack file made durable: the length the last successful one covered, and whether one
+/// failed. After a failed fsync Linux may go on showing the bytes whose writeback failed from its cache, and reports
+/// the failure to one fsync only, so the bytes past `durable_len` are not to be trusted from then on, whatever a read
+/// shows ([`PackWriter::durable_len_after_failed_fsync`]).
+#[derive(Debug, Default)]
+struct Durability {
+    durable_len: AtomicU64,
+    fsync_failed: AtomicBool,
+}
+
+impl Durability {
+    fn with_durable_len(len: u64) -> Arc<Durability> {
+        Arc::new(Durability { durable_len: AtomicU64::new(len), fsync_failed: AtomicBool::new(false) })
+    }
 }
 
 impl std::fmt::Debug for PackWriter {
@@ -82,8 +100,19 @@ const MAX_SPARE_BUFFERS: usize = 20;
 pub struct SyncPoint {
     path: PathBuf,
     file: Arc<File>,
+    /// The file's length when this point was handed out: what its sync makes durable.
+    len: u64,
     dir_synced: Arc<AtomicBool>,
     pub(super) poisoned: Arc<Mutex<Option<String>>>,
+    durability: Arc<Durability>,
+}
+
+/// fdatasync, or the EIO of a failed writeback where the test failpoint `fsync_fails` says so.
+fn fsync_data(file: &File) -> io::Result<()> {
+    if crate::failpoint::fails("fsync_fails") {
+        return Err(io::Error::from_raw_os_error(libc::EIO));
+    }
+    file.sync_data()
 }
 
 impl SyncPoint {
@@ -92,16 +121,18 @@ impl SyncPoint {
             // Linux reports a writeback error to one fsync only: once failed, a later "success" proves nothing.
             return Err(PackError::Poisoned { path: self.path.clone(), reason });
         }
-        let synced = self.file.sync_data().and_then(|()| {
+        let synced = fsync_data(&self.file).and_then(|()| {
             if self.dir_synced.load(Ordering::Acquire) {
                 return Ok(());
             }
             crate::durable::fsync_parent_dir(&self.path).map(|()| self.dir_synced.store(true, Ordering::Release))
         });
         if let Err(error) = synced {
+            self.durability.fsync_failed.store(true, Ordering::Release);
             self.poisoned.lock().expect("poison flag lock").get_or_insert_with(|| error.to_string());
             return Err(PackError::Io(error));
         }
+        self.durability.durable_len.fetch_max(self.len, Ordering::AcqRel);
         Ok(())
     }
 
@@ -134,6 +165,7 @@ impl PackWriter {
             meta_scratch: Vec::new(),
             max_payload_bytes: MAX_PAYLOAD_BYTES,
             poisoned: Arc::default(),
+            durability: Arc::default(),
         })
     }
 
@@ -151,8 +183,10 @@ impl PackWriter {
         let bytes_cut = total_len - valid_len;
         if bytes_cut > 0 {
             file.set_len(valid_len)?;
-            file.sync_all()?;
         }
+        // Whatever the file holds is made durable before anything is appended after it: so the writer knows what a
+        // later failed fsync leaves durable (see `Durability`).
+        file.sync_all()?;
         file.seek(SeekFrom::Start(valid_len))?;
         let report = RecoveryReport {
             records_kept: scan.report.entries.len() as u64,
@@ -176,6 +210,7 @@ impl PackWriter {
             meta_scratch: Vec::new(),
             max_payload_bytes: MAX_PAYLOAD_BYTES,
             poisoned: Arc::default(),
+            durability: Durability::with_durable_len(valid_len),
         };
         Ok((writer, report))
     }
@@ -347,6 +382,8 @@ impl PackWriter {
             file: self.file.clone(),
             dir_synced: self.dir_synced.clone(),
             poisoned: self.poisoned.clone(),
+            len: self.written_len,
+            durability: self.durability.clone(),
         };
         Ok(point)
     }
@@ -422,5 +459,14 @@ impl PackWriter {
 
     pub fn entries(&self) -> &[IndexEntry] {
         &self.entries
+    }
+
+    /// Once an fsync of this file failed: the length the last successful fsync covered (0 if none did). The bytes
+    /// after it are not to be trusted, whatever reading the file shows (see `Durability`). None while no fsync failed.
+    pub fn durable_len_after_failed_fsync(&self) -> Option<u64> {
+        self.durability
+            .fsync_failed
+            .load(Ordering::Acquire)
+            .then(|| self.durability.durable_len.load(Ordering::Acquire))
     }
 }

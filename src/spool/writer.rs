@@ -14,7 +14,10 @@
 //! be, and the catalog shows the capture once.
 //!
 //! A failed fsync poisons the pack (the syncer answers that batch and every later one of the pack with an error); the
-//! writer sees the poison at its next batch and recovers the pack from disk like a restart would.
+//! writer sees the poison at its next batch, cuts the pack to what the fsyncs before made durable (every record
+//! acknowledged in it), leaves it to the sealer and goes on in a new pack: after a failed fsync the kernel may show
+//! bytes the disk does not hold, so nothing is appended after them. A failed write (a full disk) is recovered from
+//! disk like a restart would, and the pack goes on.
 //!
 //! Seal: when the pack reaches `pack_max_bytes` or `pack_max_records`, when its first record is `pack_max_age` old
 //! (linger), on [`SpoolWriter::seal`], and at close. The writer moves on to a new pack at once; a sealer thread waits
@@ -228,8 +231,8 @@ enum SyncJob {
     /// Seal a pack the writer has moved on from: wait for its hash, write footer and trailer, fsync, rename `.open`
     /// -> `.sealed`, fsync the directory.
     Seal { pack: Box<OpenPack>, reason: &'static str, acks: Vec<(AckReply, Ack)>, reply: Option<SealReply> },
-    /// The writer gave up a pack it could not recover after a failed write (or an empty one it could not remove):
-    /// the sealer seals (or removes) it once it can.
+    /// The writer gave up a pack: one it could not recover after a failed write, one cut after a failed fsync, or
+    /// an empty one it could not remove. The sealer seals (or removes) it once it can.
     LeftOpen { pack_id: Uuid },
 }
 
@@ -412,7 +415,7 @@ impl WriterState {
     fn process_batch(&mut self, batch: Vec<Request>) -> bool {
         let mut keep_running = true;
         if let Some(reason) = self.open_pack.as_ref().and_then(|open| open.writer.poisoned_reason()) {
-            tracing::error!(reason, "an fsync of the open pack failed; recovering it from disk");
+            tracing::error!(reason, "an fsync of the open pack failed");
             self.reset_after_io_error();
         }
         // The failure above belongs to earlier batches, which the syncer answered with errors.
@@ -616,9 +619,15 @@ impl WriterState {
         self.send_to_syncer(SyncJob::Seal { pack: Box::new(pack), reason, acks, reply });
     }
 
-    /// After a failed write or fsync the open pack's tail is unknown: recover it like a crash would, so every record
-    /// that did reach the disk is kept and a torn tail is cut. Appends of the failed batch were answered with errors;
-    /// any of them that survive here are duplicates the catalog shows once.
+    /// After a failed write the open pack's tail is unknown: recover it like a crash would, so every record that did
+    /// reach the disk is kept and a torn tail is cut. Appends of the failed batch were answered with errors; any of
+    /// them that survive here are duplicates the catalog shows once.
+    ///
+    /// After a failed fsync what the file shows cannot be trusted (the kernel may go on showing bytes whose
+    /// writeback failed, and report the failure to no later fsync): the pack is cut to what the last successful
+    /// fsync covered (every acknowledged record; the appends after it were answered with errors) and left open for
+    /// the sealer, and appends go on in a new pack. Going on appending to it instead would acknowledge records after
+    /// a stretch the disk may not hold, which a restart after a power loss would cut, and them with it.
     fn reset_after_io_error(&mut self) {
         self.batch_io_failed = true;
         // Force fresh quota readings: the error was likely a full disk.
@@ -627,6 +636,32 @@ impl WriterState {
             return;
         };
         let pack_id = open.writer.pack_id();
+        if let Some(durable_len) = open.writer.durable_len_after_failed_fsync() {
+            let durable: Vec<_> = open
+                .writer
+                .entries()
+                .iter()
+                .filter(|entry| entry.record_offset + entry.record_len <= durable_len)
+                .cloned()
+                .collect();
+            drop(open.writer);
+            // Records past the cut must not be found any more.
+            self.index.replace_open(pack_id, &durable);
+            match cut_after_failed_fsync(&open.path, durable_len) {
+                Ok(()) => tracing::error!(
+                    pack = %open.path.display(), durable_len, records = durable.len(),
+                    "an fsync of the open pack failed: cut to what earlier fsyncs made durable and left for the \
+                     sealer; appends go on in a new pack"
+                ),
+                Err(error) => tracing::error!(
+                    pack = %open.path.display(), durable_len, %error,
+                    "an fsync of the open pack failed and cutting it failed too; left for the sealer, appends go on \
+                     in a new pack"
+                ),
+            }
+            self.send_to_syncer(SyncJob::LeftOpen { pack_id });
+            return;
+        }
         drop(open.writer);
         match PackWriter::recover(&open.path) {
             Ok((writer, recovered)) => {
@@ -643,6 +678,13 @@ impl WriterState {
             }
         }
     }
+}
+
+/// Cuts a pack whose fsync failed to `durable_len`, what earlier fsyncs made durable, and makes the cut durable.
+fn cut_after_failed_fsync(path: &std::path::Path, durable_len: u64) -> std::io::Result<()> {
+    let file = std::fs::OpenOptions::new().write(true).open(path)?;
+    file.set_len(durable_len)?;
+    file.sync_all()
 }
 
 /// A new pack's id: a UUIDv7 of the wall clock, unless that does not sort after `newest`, the newest pack the spool
@@ -739,7 +781,8 @@ fn run_syncer(jobs_rx: flume::Receiver<SyncJob>, paths: &SpoolPaths, stats: &Wri
 enum SealJob {
     /// Seal a pack the writer moved on from, then answer the acknowledgements its fsync covers.
     Seal { pack: Box<OpenPack>, reason: &'static str, acks: Vec<(AckReply, Ack)>, reply: Option<SealReply> },
-    /// A pack the writer gave up after a failed write ([`SyncJob::LeftOpen`]): left open until it can be sealed.
+    /// A pack the writer gave up after a failed write or fsync ([`SyncJob::LeftOpen`]): left open until it can be
+    /// sealed.
     LeftOpen { pack_id: Uuid },
 }
 
