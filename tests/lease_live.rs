@@ -1012,6 +1012,98 @@ async fn reads_of_a_few_granules_run_on_one_server_thread_and_reads_that_grow_do
     assert_eq!(count(&one_thread), before + 1, "the lease head was not read on one thread");
 }
 
+for_each_version!(a_short_range_is_read_in_one_window_beside_its_horizons_and_a_longer_one_from_its_setup);
+/// The first page of a range with both ends (`ls --since --until`) holding no more than four pages' rows reads the
+/// whole range in one window at the watermark, its horizons beside it, without the page's setup; a range holding
+/// more is read from its setup, in windows sized by its density. Either way the pages are the same.
+async fn a_short_range_is_read_in_one_window_beside_its_horizons_and_a_longer_one_from_its_setup(
+    server: &'static ClickHouseServer,
+) {
+    let catalog = catalog(server, false).await;
+    let name = &catalog.config.catalog_name;
+    // 30,000 captures of s/1, one µs apart from 1 s on, at version 1.
+    let publish_id = Uuid::now_v7();
+    server
+        .query(&format!(
+            "INSERT INTO {} (catalog, stream, captured_at_ns, capture_id, version, publish_id) SELECT '{name}', 's/1', \
+             1000000000 + number * 1000, toString(generateUUIDv4()), 1, '{publish_id}' FROM numbers(30000)",
+            catalog.tables.captures
+        ))
+        .unwrap();
+    catalog.commit_row(1, publish_id);
+    let reader = catalog.reader();
+    let everything = list_all(&reader, ListQuery { limit: 10_000, ..Default::default() }).await;
+    assert_eq!(everything.len(), 30_000);
+    let in_range = |since: u64, until: u64| -> Vec<(u64, String)> {
+        everything.iter().filter(|(at, _)| (since..until).contains(at)).cloned().collect()
+    };
+
+    // 50 captures in the range: one window, the whole range.
+    let (since, until) = (1_000_000_000 + 10_000_000, 1_000_000_000 + 10_050_000);
+    let query = ListQuery {
+        stream: Some("s/1".into()),
+        since_ns: Some(since),
+        until_ns: Some(until),
+        limit: 100,
+        ..Default::default()
+    };
+    let page = reader.list(&query).await.unwrap();
+    let listed: Vec<(u64, String)> = page.captures.iter().map(|c| (c.captured_at_ns, c.capture_id.clone())).collect();
+    assert_eq!(listed, in_range(since, until));
+    assert_eq!(page.first_window_ns(), until - since, "not read in one window of the whole range");
+    assert!(page.next_cursor.is_none());
+    // 40 of them, pages of 10: four pages' rows, still one window; the cursor goes on after the tenth.
+    let query = ListQuery { limit: 10, until_ns: Some(since + 40_000), ..query };
+    let page = reader.list(&query).await.unwrap();
+    assert_eq!(page.first_window_ns(), 40_000);
+    assert_eq!(page.captures.len(), 10);
+    assert_eq!(list_all(&reader, query).await, in_range(since, since + 40_000));
+
+    // All 30,000 with a page of 10: more than four pages, so the page is read from its setup, in a window sized by
+    // the stream's density; the pages still list every capture once.
+    let (since, until) = (0, 1_000_000_000 + 30_000_000);
+    let query = ListQuery {
+        stream: Some("s/1".into()),
+        since_ns: Some(since),
+        until_ns: Some(until),
+        limit: 10,
+        ..Default::default()
+    };
+    let page = reader.list(&query).await.unwrap();
+    assert!(page.first_window_ns() < until - since, "read in one window of {} ns", page.first_window_ns());
+    let listed: Vec<(u64, String)> = page.captures.iter().map(|c| (c.captured_at_ns, c.capture_id.clone())).collect();
+    assert_eq!(listed, everything[..10]);
+    assert_eq!(list_all(&reader, ListQuery { limit: 5000, ..query }).await, everything);
+
+    // A retention horizon in the middle of a short range, committed at version 2: a page at the watermark lists
+    // from the horizon on; one pinned at version 1, below it, lists the whole range.
+    let horizon_id = Uuid::now_v7();
+    let before_ns = 1_000_000_000 + 10_025_000;
+    server
+        .query(&format!(
+            "INSERT INTO {} (catalog, before_ns, version, publish_id, written_at_ms) VALUES ('{name}', {before_ns}, 2, \
+             '{horizon_id}', 0)",
+            catalog.tables.horizons
+        ))
+        .unwrap();
+    catalog.commit_row(2, horizon_id);
+    let (since, until) = (1_000_000_000 + 10_000_000, 1_000_000_000 + 10_050_000);
+    let query = ListQuery {
+        stream: Some("s/1".into()),
+        since_ns: Some(since),
+        until_ns: Some(until),
+        limit: 100,
+        ..Default::default()
+    };
+    let page = reader.list(&query).await.unwrap();
+    let listed: Vec<(u64, String)> = page.captures.iter().map(|c| (c.captured_at_ns, c.capture_id.clone())).collect();
+    assert_eq!(listed, in_range(before_ns, until), "the horizon read beside the window hides what is before it");
+    let pinned = reader.list(&ListQuery { watermark: Some(1), ..query }).await.unwrap();
+    let listed: Vec<(u64, String)> = pinned.captures.iter().map(|c| (c.captured_at_ns, c.capture_id.clone())).collect();
+    assert_eq!(listed, in_range(since, until), "a page pinned below the horizon lists the whole range");
+    assert_eq!(pinned.watermark, 1);
+}
+
 /// Every page of a listing, following the cursors.
 async fn list_all(reader: &CatalogReader, mut query: ListQuery) -> Vec<(u64, String)> {
     let mut seen = Vec::new();

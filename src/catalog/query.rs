@@ -43,7 +43,9 @@
 //!   after a position and one `by_version` range up to the version the page reaches, O(page) (a catching-up tail
 //!   plans a few pages from one read of `publishes` and reads them at once, in `super::tail`);
 //! - `list`: a setup statement on a first page (a later page has what its first window needs in its cursor, and
-//!   reads the horizons beside that window, the setup only if it falls short), then time windows
+//!   reads the horizons beside that window, the setup only if it falls short; a first page of a short range with
+//!   both ends reads the watermark and counts the range's rows instead, and then the range in one window, see
+//!   [`CatalogReader::short_range_span`]), then time windows
 //!   of `captures` (across streams: of `by_time` where the server keeps it, see [`CatalogReader::list`]), each a
 //!   primary-key range, visibility against the publishes at the versions of the window's rows, and beside each
 //!   window, in parallel, a `by_id` lookup for the ids of the window's first rows (about the page's); the ids with a
@@ -367,6 +369,16 @@ struct PageSpan<'a> {
     end: u64,
     end_known: bool,
     window: u64,
+}
+
+/// What [`CatalogReader::short_range_span`] found.
+enum ShortRange<'a> {
+    /// The range is short: its first page reads it in this one window.
+    Span(PageSpan<'a>),
+    /// The range holds more than a first window: the page is read from its setup, at this watermark.
+    Longer { watermark: u64 },
+    /// Not a range this applies to: the page is read from its setup.
+    NotBounded,
 }
 
 /// The time a stream's density sample counts rows in ([`CatalogReader::density_sample_sql`]), from the bounds
@@ -1218,7 +1230,15 @@ impl CatalogReader {
         if let Some(span) = cursor.as_ref().and_then(|cursor| self.later_page_span(query, cursor)) {
             return self.read_windows(query, cursor.as_ref(), span, limit, true).await;
         }
-        let pinned_opt = cursor.as_ref().map(|cursor| cursor.watermark).or(query.watermark);
+        let mut pinned_opt = cursor.as_ref().map(|cursor| cursor.watermark).or(query.watermark);
+        if cursor.is_none() {
+            match self.short_range_span(query, limit).await? {
+                ShortRange::Span(span) => return self.read_windows(query, None, span, limit, true).await,
+                // Read from the setup at the watermark read already.
+                ShortRange::Longer { watermark } => pinned_opt = Some(watermark),
+                ShortRange::NotBounded => {}
+            }
+        }
         let setup = self.page_setup(query, pinned_opt).await?;
         let Some(span) = self.first_window_span(query, cursor.as_ref(), &setup, limit) else {
             let watermark = setup.watermark;
@@ -1367,6 +1387,67 @@ impl CatalogReader {
             end_known: false,
             window: cursor.window_ns,
         })
+    }
+
+    /// Where the first page of a short range (both ends given, and no more rows between them than
+    /// [`FIRST_WINDOW_PAGES`] pages: `ls --since T --until T+10s`) reads, without the page's setup: the whole range in
+    /// one window, at the watermark, the horizons read beside it (as a later page reads them). One statement reads
+    /// the watermark (unless pinned) and counts the range's rows up to one more than that (duplicates included; the
+    /// count stops there, so it reads about a granule however long the range). A short range is so read in the time
+    /// of one small read and one window, not the setup's five small reads and then the window.
+    ///
+    /// [`ShortRange::Longer`] (the page is read from its setup, at that watermark) for a range holding more;
+    /// [`ShortRange::NotBounded`] for a range open at either end, a label filter (whose matches may be rare in many
+    /// rows), a listing that may read `by_time` while this reader does not know yet whether the catalog keeps it,
+    /// and where the `watermark` table names a version `publishes` lacks (the setup reads every publish then).
+    async fn short_range_span(&self, query: &ListQuery, limit: u64) -> Result<ShortRange<'_>, CatalogError> {
+        #[derive(clickhouse::Row, serde::Deserialize)]
+        struct RangeRow {
+            /// [the highest version from the `watermark` table's version on, the publishes counted there]
+            range_watermark: Vec<u64>,
+            /// [rows of the range, counted up to one more than a short range holds]
+            range_rows: Vec<u64>,
+        }
+        let (Some(since), Some(until)) = (query.since_ns, query.until_ns) else { return Ok(ShortRange::NotBounded) };
+        if since >= until || !query.labels.is_empty() {
+            return Ok(ShortRange::NotBounded);
+        }
+        let Some(table) = self.known_listing_table(query) else { return Ok(ShortRange::NotBounded) };
+        let watermark = match query.watermark {
+            Some(watermark) => format!("[toUInt64({watermark}), toUInt64(1)]"),
+            None => format!("(SELECT [max(version), count()] FROM {})", self.publishes_from_watermark()),
+        };
+        let stream = match &query.stream {
+            Some(stream) => format!(" AND stream = {}", sql_string_literal(stream)),
+            None => String::new(),
+        };
+        let short = limit.saturating_mul(FIRST_WINDOW_PAGES);
+        // The watermark first, as in the setup (see there).
+        let sql = format!(
+            "SELECT {watermark} AS range_watermark, (SELECT [count()] FROM (SELECT 1 FROM {table} WHERE catalog = \
+             {catalog}{stream} AND captured_at_ns >= {since} AND captured_at_ns < {until} LIMIT {over})) AS range_rows",
+            catalog = self.catalog_literal(),
+            over = short.saturating_add(1),
+        );
+        let rows: Vec<RangeRow> = self.client.fetch_few(&sql).await?;
+        let Some(RangeRow { range_watermark, range_rows }) = rows.into_iter().next() else {
+            return Err(CatalogError::new(ErrorKind::DefinitelyFailed, "a range's count read no row"));
+        };
+        let (watermark, range_rows) = match (range_watermark.as_slice(), range_rows.as_slice()) {
+            ([_, 0], _) => return Ok(ShortRange::NotBounded),
+            ([watermark, _], [rows]) => (*watermark, *rows),
+            _ => {
+                return Err(CatalogError::new(
+                    ErrorKind::DefinitelyFailed,
+                    "a range's count read a row of another shape",
+                ))
+            }
+        };
+        if range_rows > short {
+            return Ok(ShortRange::Longer { watermark });
+        }
+        let span = PageSpan { watermark, table, start: since, end: until, end_known: true, window: until - since };
+        Ok(ShortRange::Span(span))
     }
 
     /// Where a page reads, from its setup: from the first row it lists (after the horizon, the range's start and
