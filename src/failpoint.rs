@@ -83,6 +83,14 @@ pub fn fails(name: &str) -> bool {
     failing
 }
 
+/// Counts the passes of `name` from zero again, so that it fires once more: for a test that goes through several
+/// scenarios in one process.
+pub fn count_again(name: &str) {
+    if let Some((_, passes)) = armed().get(name) {
+        passes.store(0, Ordering::SeqCst);
+    }
+}
+
 /// Whether `name` is armed at all (for points that need set-up before they can fire).
 pub fn is_armed(name: &str) -> bool {
     armed().contains_key(name)

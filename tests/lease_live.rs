@@ -1057,7 +1057,18 @@ async fn a_short_range_is_read_in_one_window_beside_its_horizons_and_a_longer_on
     let page = reader.list(&query).await.unwrap();
     assert_eq!(page.first_window_ns(), 40_000);
     assert_eq!(page.captures.len(), 10);
-    assert_eq!(list_all(&reader, query).await, in_range(since, since + 40_000));
+    assert_eq!(list_all(&reader, query.clone()).await, in_range(since, since + 40_000));
+
+    // Across streams: the listing's table (`by_time`, where the server keeps it) is known after a first listing.
+    let across = ListQuery { stream: None, ..query.clone() };
+    let first = reader.list(&across).await.unwrap();
+    let again = reader.list(&across).await.unwrap();
+    for page in [&first, &again] {
+        let listed: Vec<(u64, String)> =
+            page.captures.iter().map(|c| (c.captured_at_ns, c.capture_id.clone())).collect();
+        assert_eq!(listed, in_range(since, since + 40_000)[..10]);
+    }
+    assert_eq!(again.first_window_ns(), 40_000, "across streams not read in one window of the whole range");
 
     // All 30,000 with a page of 10: more than four pages, so the page is read from its setup, in a window sized by
     // the stream's density; the pages still list every capture once.

@@ -211,10 +211,11 @@ impl CatalogError {
         matches!(self.server_code, Some(60 | 81))
     }
 
-    /// The server refused a setting the request carried, by name: a constraint of the user's settings profile
-    /// (SETTING_CONSTRAINT_VIOLATION), or a read-only profile (READONLY). Raised before the statement runs.
+    /// A constraint of the user's settings profile refused a setting the request carried, by name
+    /// (SETTING_CONSTRAINT_VIOLATION, raised before the statement runs). (A read-only profile refuses every setting,
+    /// with READONLY: that is not one setting's matter.)
     pub fn refuses_setting(&self, name: &str) -> bool {
-        matches!(self.server_code, Some(SETTING_CONSTRAINT_VIOLATION | READONLY)) && self.message.contains(name)
+        self.server_code == Some(SETTING_CONSTRAINT_VIOLATION) && self.message.contains(name)
     }
 
     /// The server refused the statement for the user's rights (ACCESS_DENIED).
@@ -435,9 +436,10 @@ const READONLY: u32 = 164;
 const SETTING_CONSTRAINT_VIOLATION: u32 = 452;
 
 /// What an error about a setting a read sends says to the operator.
-const READ_SETTINGS_HINT: &str = "every read sets max_execution_time and max_memory_usage (catalog.request_timeout, \
-     catalog.read_max_memory), and on 20.x and later readonly = 2 and cancel_http_readonly_queries_on_client_close: \
-     the catalog user's settings profile must let a request change them";
+const READ_SETTINGS_HINT: &str = "every read sets max_execution_time, timeout_overflow_mode and max_memory_usage \
+     (catalog.request_timeout, catalog.read_max_memory), on 20.x and later readonly = 2 and \
+     cancel_http_readonly_queries_on_client_close, and with catalog.cluster select_sequential_consistency: the catalog \
+     user's settings profile must let a request change them";
 
 /// The setting of a read of a few granules ([`CatalogClient::fetch_few`], [`CatalogClient::fetch_few_deciding`]):
 /// one server thread. On 18.16 such reads took less time so (two cores, at 1M captures: the watermark 3.1 -> 2.2 ms, a
@@ -1195,6 +1197,7 @@ mod tests {
             // Current servers.
             "Code: 53. DB::Exception: Type mismatch in IN or VALUES section. (TYPE_MISMATCH) (version 24.3.2.23)",
             "Code: 516. DB::Exception: default: Authentication failed. (AUTHENTICATION_FAILED)",
+            "Code: 452. DB::Exception: Setting max_threads should not be changed. (SETTING_CONSTRAINT_VIOLATION) (version 26.9.2.1)",
             // Only the exception-code header, empty body.
             "Code: 62",
         ] {

@@ -1393,7 +1393,7 @@ impl CatalogReader {
     /// [`FIRST_WINDOW_PAGES`] pages: `ls --since T --until T+10s`) reads, without the page's setup: the whole range in
     /// one window, at the watermark, the horizons read beside it (as a later page reads them). One statement reads
     /// the watermark (unless pinned) and counts the range's rows up to one more than that (duplicates included; the
-    /// count stops there, so it reads about a granule however long the range). A short range is so read in the time
+    /// count stops once it has found that many, however many the range holds). A short range is so read in the time
     /// of one small read and one window, not the setup's five small reads and then the window.
     ///
     /// [`ShortRange::Longer`] (the page is read from its setup, at that watermark) for a range holding more;

@@ -65,7 +65,7 @@ pub use codec::{
 };
 pub use scan::{scan_bytes, scan_file, ScanReport};
 pub use sealed::{decode_pack, PackFile};
-pub use writer::{PackWriter, SyncPoint};
+pub use writer::{Durability, PackWriter, SyncPoint};
 
 use std::io;
 use std::ops::Range;

@@ -63,7 +63,7 @@ pub struct PackWriter {
 /// the failure to one fsync only, so the bytes past `durable_len` are not to be trusted from then on, whatever a read
 /// shows ([`PackWriter::durable_len_after_failed_fsync`]).
 #[derive(Debug, Default)]
-struct Durability {
+pub struct Durability {
     durable_len: AtomicU64,
     fsync_failed: AtomicBool,
 }
@@ -71,6 +71,12 @@ struct Durability {
 impl Durability {
     fn with_durable_len(len: u64) -> Arc<Durability> {
         Arc::new(Durability { durable_len: AtomicU64::new(len), fsync_failed: AtomicBool::new(false) })
+    }
+
+    /// Once an fsync of the file failed: the length the last successful one covered (0 if none did). The bytes
+    /// after it are not to be trusted, whatever reading the file shows. None while no fsync failed.
+    pub fn durable_len_after_failed_fsync(&self) -> Option<u64> {
+        self.fsync_failed.load(Ordering::Acquire).then(|| self.durable_len.load(Ordering::Acquire))
     }
 }
 
@@ -461,12 +467,9 @@ impl PackWriter {
         &self.entries
     }
 
-    /// Once an fsync of this file failed: the length the last successful fsync covered (0 if none did). The bytes
-    /// after it are not to be trusted, whatever reading the file shows (see `Durability`). None while no fsync failed.
-    pub fn durable_len_after_failed_fsync(&self) -> Option<u64> {
-        self.durability
-            .fsync_failed
-            .load(Ordering::Acquire)
-            .then(|| self.durability.durable_len.load(Ordering::Acquire))
+    /// What the fsyncs of this file made durable: kept by whoever hands the writer on (a seal consumes it) and must
+    /// know, should that fail, whether an fsync failed ([`Durability::durable_len_after_failed_fsync`]).
+    pub fn durability(&self) -> Arc<Durability> {
+        self.durability.clone()
     }
 }

@@ -13,11 +13,13 @@
 //! seal after it failed may still be (its bytes reached the disk whole): it is then published as a retry of it would
 //! be, and the catalog shows the capture once.
 //!
-//! A failed fsync poisons the pack (the syncer answers that batch and every later one of the pack with an error); the
-//! writer sees the poison at its next batch, cuts the pack to what the fsyncs before made durable (every record
-//! acknowledged in it), leaves it to the sealer and goes on in a new pack: after a failed fsync the kernel may show
-//! bytes the disk does not hold, so nothing is appended after them. A failed write (a full disk) is recovered from
-//! disk like a restart would, and the pack goes on.
+//! A failed fsync poisons the pack (the syncer answers that batch and every later one of the pack with an error).
+//! After a failed fsync the kernel may show bytes the disk does not hold, so nothing is appended after them and no seal
+//! covers them: whoever meets the failure first cuts the pack to what the fsyncs before made durable (every record
+//! acknowledged in it) and leaves it open for the sealer. That is the writer at its next batch, which goes on in a new
+//! pack, or the sealer, when the pack was handed over for sealing (for its age, or full) before the writer saw it: its
+//! seal fails at the poison, or its own fsync fails. A failed write (a full disk) is recovered from disk like a restart
+//! would, and the pack goes on.
 //!
 //! Seal: when the pack reaches `pack_max_bytes` or `pack_max_records`, when its first record is `pack_max_age` old
 //! (linger), on [`SpoolWriter::seal`], and at close. The writer moves on to a new pack at once; a sealer thread waits
@@ -636,7 +638,7 @@ impl WriterState {
             return;
         };
         let pack_id = open.writer.pack_id();
-        if let Some(durable_len) = open.writer.durable_len_after_failed_fsync() {
+        if let Some(durable_len) = open.writer.durability().durable_len_after_failed_fsync() {
             let durable: Vec<_> = open
                 .writer
                 .entries()
@@ -647,18 +649,7 @@ impl WriterState {
             drop(open.writer);
             // Records past the cut must not be found any more.
             self.index.replace_open(pack_id, &durable);
-            match cut_after_failed_fsync(&open.path, durable_len) {
-                Ok(()) => tracing::error!(
-                    pack = %open.path.display(), durable_len, records = durable.len(),
-                    "an fsync of the open pack failed: cut to what earlier fsyncs made durable and left for the \
-                     sealer; appends go on in a new pack"
-                ),
-                Err(error) => tracing::error!(
-                    pack = %open.path.display(), durable_len, %error,
-                    "an fsync of the open pack failed and cutting it failed too; left for the sealer, appends go on \
-                     in a new pack"
-                ),
-            }
+            cut_after_failed_fsync(&open.path, durable_len);
             self.send_to_syncer(SyncJob::LeftOpen { pack_id });
             return;
         }
@@ -680,11 +671,25 @@ impl WriterState {
     }
 }
 
-/// Cuts a pack whose fsync failed to `durable_len`, what earlier fsyncs made durable, and makes the cut durable.
-fn cut_after_failed_fsync(path: &std::path::Path, durable_len: u64) -> std::io::Result<()> {
-    let file = std::fs::OpenOptions::new().write(true).open(path)?;
-    file.set_len(durable_len)?;
-    file.sync_all()
+/// Cuts a pack whose fsync failed to `durable_len`, what the fsyncs before made durable, and makes the cut durable;
+/// the pack is then left open, for the sealer (which seals what a read of it finds). Should the cut fail, the pack is
+/// left as it is: a start's recovery, after a restart that the failing disk will likely bring, cuts whatever the disk
+/// lost.
+fn cut_after_failed_fsync(path: &std::path::Path, durable_len: u64) {
+    let cut = std::fs::OpenOptions::new().write(true).open(path).and_then(|file| {
+        file.set_len(durable_len)?;
+        file.sync_all()
+    });
+    match cut {
+        Ok(()) => tracing::error!(
+            pack = %path.display(), durable_len,
+            "an fsync of the pack failed: cut to what the fsyncs before made durable, and left open for the sealer"
+        ),
+        Err(error) => tracing::error!(
+            pack = %path.display(), durable_len, %error,
+            "an fsync of the pack failed and cutting it failed too; left open for the sealer"
+        ),
+    }
 }
 
 /// A new pack's id: a UUIDv7 of the wall clock, unless that does not sort after `newest`, the newest pack the spool
@@ -800,10 +805,16 @@ fn run_sealer(seals_rx: flume::Receiver<SealJob>, paths: &SpoolPaths, stats: &Wr
         match received {
             Ok(SealJob::Seal { pack, reason, acks, reply }) => {
                 let pack_id = pack.writer.pack_id();
+                let durability = pack.writer.durability();
                 let sealed = seal_pack(*pack, paths, stats, index);
                 if let Err(error) = &sealed {
                     stats.seals_failed.fetch_add(1, Ordering::Relaxed);
                     tracing::error!(%error, reason, %pack_id, "sealing a pack failed; it is tried again until it is sealed");
+                    // The seal's own fsync failed, or one of the pack's before it did (the pack was sealed for its
+                    // age, or full, before the writer saw that): what reading it shows is not to be trusted.
+                    if let Some(durable_len) = durability.durable_len_after_failed_fsync() {
+                        cut_after_failed_fsync(&paths.pack_path(pack_id, PackState::Open), durable_len);
+                    }
                     leave_open(paths, index, pack_id);
                     retries.left_open(stats, index);
                 } else if !acks.is_empty() {

@@ -232,8 +232,6 @@ fn find_chdb_python(release: &str) -> PathBuf {
     python
 }
 
-/// chDB serving HTTP from inside its Python process: `SYSTEM START LISTEN HTTP`, the port written to a file, then a
-/// read of stdin that returns only when the pipe closes (see TESTING.md).
 /// A chDB server of its own (not shared with other tests) whose users are `users_xml`: the elements of a users file
 /// (`<profiles>`, `<users>`, `<quotas>`), which replace the built-in `default` user (define it there too). For
 /// tests of what a user's settings profile does to capstore: constraints need a current server.
@@ -247,6 +245,9 @@ fn try_start_chdb(version: Version, python: &Path) -> Result<ClickHouseServer, S
     try_start_chdb_with(version, python, "")
 }
 
+/// chDB serving HTTP from inside its Python process: `SYSTEM START LISTEN HTTP`, the port written to a file, then a
+/// read of stdin that returns only when the pipe closes (see TESTING.md).
+/// With `users_xml`, its users are those (see [`start_chdb_with_users`]).
 fn try_start_chdb_with(version: Version, python: &Path, users_xml: &str) -> Result<ClickHouseServer, String> {
     let dir = super::scratch_dir("chdb");
     let http_port = super::free_port(false);
