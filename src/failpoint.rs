@@ -12,7 +12,7 @@
 //! others not).
 //!
 //! Error points make the caller fail instead, once: `fsync_fails` (an fsync of the open pack answers EIO, as a failed
-//! writeback does; no device here can fail one for real).
+//! writeback does; no device here can fail one for real) and `cut_fails` (the cut of a pack after that fails too).
 //!
 //! Stall points never return instead (the watchdog tests wedge a part with them): `stall_before_fsync` (blocks the
 //! spool's syncer thread before an append's fsync), `stall_upload` (an upload that never answers, as a black-holed

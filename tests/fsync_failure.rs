@@ -5,8 +5,8 @@
 //! the sealer when the pack was handed over for sealing (for its age, or full) before the writer saw it.
 //!
 //! No device on these machines fails an fsync for real (no device-mapper), so the failpoint `fsync_fails` makes one
-//! fsync answer EIO. This binary holds one test, whose scenarios run one after another: the failpoint is armed for
-//! the whole process.
+//! fsync answer EIO (and `cut_fails` the cut after it, once). This binary holds one test, whose scenarios run one
+//! after another: the failpoints are armed for the whole process.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
@@ -94,7 +94,19 @@ async fn sealed_exactly(spool: &Spool, writer: SpoolWriter, thread: WriterThread
 
 #[tokio::test]
 async fn after_a_failed_fsync_a_pack_is_cut_to_its_acknowledged_records_and_appends_go_on_in_a_new_pack() {
-    std::env::set_var(capstore::failpoint::ENV, format!("{FAILPOINT}@3"));
+    // The first cut of the process fails too (the first scenario's).
+    std::env::set_var(capstore::failpoint::ENV, format!("{FAILPOINT}@3,cut_fails@1"));
+
+    // The writer meets the failure, and the cut fails: the pack is not sealed before the cut goes through (the
+    // sealer tries it again), and meanwhile the spool does not find the refused capture in it.
+    let dir = tempfile::tempdir().unwrap();
+    let (spool, writer, thread) = start(dir.path(), 100_000, Duration::from_secs(3600));
+    let (acked, pack_of, refused) = append_each(&writer, 0..5).await;
+    assert_eq!(refused.len(), 1);
+    assert!(spool.index().candidates(refused[0]).is_empty(), "a refused capture is found in the spool");
+    let (first, second) = (pack_of[&0], pack_of[&3]);
+    assert_ne!(second, first);
+    sealed_exactly(&spool, writer, thread, &[first, second], &acked).await;
 
     // The writer meets the failure: five appends, the third one's fsync fails.
     let dir = tempfile::tempdir().unwrap();

@@ -467,6 +467,22 @@ impl PackWriter {
         &self.entries
     }
 
+    /// fdatasyncs what was handed to the kernel so far, whatever became of earlier fsyncs (a write error poisons the
+    /// writer, and its sync points then fsync nothing): after a failed write, before the pack is read back. Records
+    /// the outcome in [`Durability`] like any fsync of the file.
+    pub fn sync_written(&self) -> io::Result<()> {
+        match fsync_data(&self.file) {
+            Ok(()) => {
+                self.durability.durable_len.fetch_max(self.written_len, Ordering::AcqRel);
+                Ok(())
+            }
+            Err(error) => {
+                self.durability.fsync_failed.store(true, Ordering::Release);
+                Err(error)
+            }
+        }
+    }
+
     /// What the fsyncs of this file made durable: kept by whoever hands the writer on (a seal consumes it) and must
     /// know, should that fail, whether an fsync failed ([`Durability::durable_len_after_failed_fsync`]).
     pub fn durability(&self) -> Arc<Durability> {

@@ -106,7 +106,22 @@ pub fn seal_left_open(paths: &SpoolPaths, index: &SpoolIndex, pack_id: Uuid) -> 
 /// were refused, must not be found at their places. Returns those records, or the scan's error (the pack is then
 /// indexed with none, and still waited for).
 pub fn index_left_open(paths: &SpoolPaths, index: &SpoolIndex, pack_id: Uuid) -> Result<Vec<IndexEntry>, PackError> {
-    let scanned = pack::scan_file(&paths.pack_path(pack_id, PackState::Open)).map(|scan| scan.entries);
+    index_left_open_within(paths, index, pack_id, u64::MAX)
+}
+
+/// [`index_left_open`] with only the records that end within `durable_len` bytes (a pack whose fsync failed, and
+/// whose cut to what the fsyncs before made durable has not gone through yet).
+pub fn index_left_open_within(
+    paths: &SpoolPaths,
+    index: &SpoolIndex,
+    pack_id: Uuid,
+    durable_len: u64,
+) -> Result<Vec<IndexEntry>, PackError> {
+    let scanned = pack::scan_file(&paths.pack_path(pack_id, PackState::Open)).map(|scan| {
+        let mut entries = scan.entries;
+        entries.retain(|entry| entry.record_offset + entry.record_len <= durable_len);
+        entries
+    });
     index.replace_open(pack_id, scanned.as_deref().unwrap_or_default());
     index.mark_left_open(pack_id);
     scanned

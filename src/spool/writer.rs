@@ -18,8 +18,10 @@
 //! covers them: whoever meets the failure first cuts the pack to what the fsyncs before made durable (every record
 //! acknowledged in it) and leaves it open for the sealer. That is the writer at its next batch, which goes on in a new
 //! pack, or the sealer, when the pack was handed over for sealing (for its age, or full) before the writer saw it: its
-//! seal fails at the poison, or its own fsync fails. A failed write (a full disk) is recovered from disk like a restart
-//! would, and the pack goes on.
+//! seal fails at the poison, or its own fsync fails. The sealer makes the cut (and, should it fail, tries it again
+//! before each try to seal the pack, which it does not seal before the cut has gone through). A failed write (a full
+//! disk) is fsynced (a failure there is a failed fsync, as above) and recovered from disk like a restart would, and
+//! the pack goes on.
 //!
 //! Seal: when the pack reaches `pack_max_bytes` or `pack_max_records`, when its first record is `pack_max_age` old
 //! (linger), on [`SpoolWriter::seal`], and at close. The writer moves on to a new pack at once; a sealer thread waits
@@ -37,6 +39,7 @@
 //! `spool.min_free_bytes` (free space on the filesystem). Both readings are refreshed at most every
 //! [`QUOTA_REFRESH`], so refused appends resume by themselves once the uploader frees space or the disk grows.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -235,7 +238,7 @@ enum SyncJob {
     Seal { pack: Box<OpenPack>, reason: &'static str, acks: Vec<(AckReply, Ack)>, reply: Option<SealReply> },
     /// The writer gave up a pack: one it could not recover after a failed write, one cut after a failed fsync, or
     /// an empty one it could not remove. The sealer seals (or removes) it once it can.
-    LeftOpen { pack_id: Uuid },
+    LeftOpen { pack_id: Uuid, cut_to: Option<u64> },
 }
 
 impl WriterThread {
@@ -606,7 +609,7 @@ impl WriterState {
                         let removed = self.paths.remove_unsealed(pack_id);
                         if removed.is_err() {
                             // The sealer removes it once it can (it holds no record).
-                            self.send_to_syncer(SyncJob::LeftOpen { pack_id });
+                            self.send_to_syncer(SyncJob::LeftOpen { pack_id, cut_to: None });
                         }
                         removed.map_err(|e| AppendError::Io(e.to_string()))
                     }
@@ -638,7 +641,13 @@ impl WriterState {
             return;
         };
         let pack_id = open.writer.pack_id();
-        if let Some(durable_len) = open.writer.durability().durable_len_after_failed_fsync() {
+        let durability = open.writer.durability();
+        if durability.durable_len_after_failed_fsync().is_none() {
+            // After a failed write: what the file holds is made durable (or its fsync fails) before recovery reads
+            // it, since an fsync that failed earlier on this file may not report to a new descriptor.
+            let _ = open.writer.sync_written();
+        }
+        if let Some(durable_len) = durability.durable_len_after_failed_fsync() {
             let durable: Vec<_> = open
                 .writer
                 .entries()
@@ -649,8 +658,7 @@ impl WriterState {
             drop(open.writer);
             // Records past the cut must not be found any more.
             self.index.replace_open(pack_id, &durable);
-            cut_after_failed_fsync(&open.path, durable_len);
-            self.send_to_syncer(SyncJob::LeftOpen { pack_id });
+            self.send_to_syncer(SyncJob::LeftOpen { pack_id, cut_to: Some(durable_len) });
             return;
         }
         drop(open.writer);
@@ -665,31 +673,20 @@ impl WriterState {
                     pack = %open.path.display(), %error,
                     "open pack unreadable after a write error; the sealer will seal or quarantine it"
                 );
-                self.send_to_syncer(SyncJob::LeftOpen { pack_id });
+                self.send_to_syncer(SyncJob::LeftOpen { pack_id, cut_to: None });
             }
         }
     }
 }
 
-/// Cuts a pack whose fsync failed to `durable_len`, what the fsyncs before made durable, and makes the cut durable;
-/// the pack is then left open, for the sealer (which seals what a read of it finds). Should the cut fail, the pack is
-/// left as it is: a start's recovery, after a restart that the failing disk will likely bring, cuts whatever the disk
-/// lost.
-fn cut_after_failed_fsync(path: &std::path::Path, durable_len: u64) {
-    let cut = std::fs::OpenOptions::new().write(true).open(path).and_then(|file| {
-        file.set_len(durable_len)?;
-        file.sync_all()
-    });
-    match cut {
-        Ok(()) => tracing::error!(
-            pack = %path.display(), durable_len,
-            "an fsync of the pack failed: cut to what the fsyncs before made durable, and left open for the sealer"
-        ),
-        Err(error) => tracing::error!(
-            pack = %path.display(), durable_len, %error,
-            "an fsync of the pack failed and cutting it failed too; left open for the sealer"
-        ),
+/// Cuts a pack whose fsync failed to `durable_len`, what the fsyncs before made durable, and makes the cut durable.
+fn cut_after_failed_fsync(path: &std::path::Path, durable_len: u64) -> std::io::Result<()> {
+    if crate::failpoint::fails("cut_fails") {
+        return Err(std::io::Error::from_raw_os_error(libc::EIO));
     }
+    let file = std::fs::OpenOptions::new().write(true).open(path)?;
+    file.set_len(durable_len)?;
+    file.sync_all()
 }
 
 /// A new pack's id: a UUIDv7 of the wall clock, unless that does not sort after `newest`, the newest pack the spool
@@ -771,9 +768,9 @@ fn run_syncer(jobs_rx: flume::Receiver<SyncJob>, paths: &SpoolPaths, stats: &Wri
                             answer(acks, &Err(AppendError::Io("the spool sealer thread died".into())));
                         }
                     }
-                    SyncJob::LeftOpen { pack_id } => {
+                    SyncJob::LeftOpen { pack_id, cut_to } => {
                         // (Should the sealer have panicked, the next start seals it.)
-                        let _ = seals_tx.send(SealJob::LeftOpen { pack_id });
+                        let _ = seals_tx.send(SealJob::LeftOpen { pack_id, cut_to });
                     }
                 }
             }
@@ -788,7 +785,7 @@ enum SealJob {
     Seal { pack: Box<OpenPack>, reason: &'static str, acks: Vec<(AckReply, Ack)>, reply: Option<SealReply> },
     /// A pack the writer gave up after a failed write or fsync ([`SyncJob::LeftOpen`]): left open until it can be
     /// sealed.
-    LeftOpen { pack_id: Uuid },
+    LeftOpen { pack_id: Uuid, cut_to: Option<u64> },
 }
 
 /// The sealer thread: seals packs in the order the writer left them, answering each seal's acknowledgements after it.
@@ -812,11 +809,8 @@ fn run_sealer(seals_rx: flume::Receiver<SealJob>, paths: &SpoolPaths, stats: &Wr
                     tracing::error!(%error, reason, %pack_id, "sealing a pack failed; it is tried again until it is sealed");
                     // The seal's own fsync failed, or one of the pack's before it did (the pack was sealed for its
                     // age, or full, before the writer saw that): what reading it shows is not to be trusted.
-                    if let Some(durable_len) = durability.durable_len_after_failed_fsync() {
-                        cut_after_failed_fsync(&paths.pack_path(pack_id, PackState::Open), durable_len);
-                    }
-                    leave_open(paths, index, pack_id);
-                    retries.left_open(stats, index);
+                    let cut_to = durability.durable_len_after_failed_fsync();
+                    retries.leave_open(paths, stats, index, pack_id, cut_to);
                 } else if !acks.is_empty() {
                     crate::failpoint::hit("after_append_before_ack");
                 }
@@ -826,10 +820,7 @@ fn run_sealer(seals_rx: flume::Receiver<SealJob>, paths: &SpoolPaths, stats: &Wr
                     let _ = reply.send(sealed.map(Some));
                 }
             }
-            Ok(SealJob::LeftOpen { pack_id }) => {
-                leave_open(paths, index, pack_id);
-                retries.left_open(stats, index);
-            }
+            Ok(SealJob::LeftOpen { pack_id, cut_to }) => retries.leave_open(paths, stats, index, pack_id, cut_to),
             Err(flume::RecvTimeoutError::Timeout) => {}
             Err(flume::RecvTimeoutError::Disconnected) => break,
         }
@@ -846,22 +837,64 @@ fn run_sealer(seals_rx: flume::Receiver<SealJob>, paths: &SpoolPaths, stats: &Wr
     }
 }
 
-/// Marks a pack left open, indexed from what the disk holds (the failed write may have cut records short).
-fn leave_open(paths: &SpoolPaths, index: &SpoolIndex, pack_id: Uuid) {
-    if let Err(error) = super::unsealed::index_left_open(paths, index, pack_id) {
-        tracing::warn!(%error, %pack_id, "a pack left open could not be read to index it");
-    }
-}
-
-/// When to try the packs left open again ([`SpoolIndex::left_open_packs`]).
+/// When to try the packs left open again ([`SpoolIndex::left_open_packs`]), and the cuts owed before they are.
 #[derive(Default)]
 struct SealRetries {
     next_try_at: Option<Instant>,
     /// The wait after the last failed try: [`SEAL_RETRY`], doubled by each failure up to [`SEAL_RETRY_MAX`].
     backoff: Duration,
+    /// Packs left open after a failed fsync whose cut to their durable length (the value) has not gone through yet:
+    /// no such pack is sealed before it has.
+    cuts_owed: HashMap<Uuid, u64>,
 }
 
 impl SealRetries {
+    /// Marks a pack left open, indexed from what the disk holds (a failed write may have cut records short). After a
+    /// failed fsync (`cut_to`: what the fsyncs before made durable) it is cut there first; should that fail, the cut
+    /// is owed, tried again before each try to seal it, and the records past it are not indexed.
+    fn leave_open(
+        &mut self,
+        paths: &SpoolPaths,
+        stats: &WriterStats,
+        index: &SpoolIndex,
+        pack_id: Uuid,
+        cut_to: Option<u64>,
+    ) {
+        if let Some(durable_len) = cut_to {
+            self.cuts_owed.insert(pack_id, durable_len);
+            self.cut_owed(paths, pack_id);
+        }
+        let within = self.cuts_owed.get(&pack_id).copied().unwrap_or(u64::MAX);
+        if let Err(error) = super::unsealed::index_left_open_within(paths, index, pack_id, within) {
+            tracing::warn!(%error, %pack_id, "a pack left open could not be read to index it");
+        }
+        self.left_open(stats, index);
+    }
+
+    /// Cuts `pack_id` if a cut is owed: false if that failed (the pack must not be sealed yet).
+    fn cut_owed(&mut self, paths: &SpoolPaths, pack_id: Uuid) -> bool {
+        let Some(&durable_len) = self.cuts_owed.get(&pack_id) else { return true };
+        let path = paths.pack_path(pack_id, PackState::Open);
+        match cut_after_failed_fsync(&path, durable_len) {
+            Ok(()) => {
+                tracing::error!(
+                    pack = %path.display(), durable_len,
+                    "an fsync of the pack failed: cut to what the fsyncs before made durable, left open to be sealed"
+                );
+                self.cuts_owed.remove(&pack_id);
+                true
+            }
+            Err(error) => {
+                tracing::error!(
+                    pack = %path.display(), durable_len, %error,
+                    "an fsync of the pack failed and cutting it failed too; it is not sealed before the cut goes \
+                     through"
+                );
+                false
+            }
+        }
+    }
+
     /// The index's packs left open changed: count them, and try them after [`SEAL_RETRY`] unless a try is due.
     fn left_open(&mut self, stats: &WriterStats, index: &SpoolIndex) {
         let count = index.left_open_packs().len();
@@ -876,7 +909,11 @@ impl SealRetries {
     /// failed it fails the rest), and tries again after the next wait.
     fn seal(&mut self, paths: &SpoolPaths, stats: &WriterStats, index: &SpoolIndex) {
         for pack_id in index.left_open_packs() {
-            match super::unsealed::seal_left_open(paths, index, pack_id) {
+            let sealed = match self.cut_owed(paths, pack_id) {
+                true => super::unsealed::seal_left_open(paths, index, pack_id),
+                false => Err(std::io::Error::other("its cut after a failed fsync has not gone through")),
+            };
+            match sealed {
                 Ok(outcome) => {
                     stats.packs_left_open.store(index.left_open_packs().len() as u64, Ordering::Relaxed);
                     if outcome == super::unsealed::LeftOpenOutcome::Sealed {
