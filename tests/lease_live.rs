@@ -15,7 +15,7 @@ use capstore::catalog::lease::{
     ClaimOutcome, Identity, LeaseKeeper, LeaseState, LeaseStore, LeaseTimings, PublishPermit, StartError,
 };
 use capstore::catalog::publish::{PackDescriptor, PublishError, PublishOutcome, Publisher};
-use capstore::catalog::query::{CatalogReader, ListQuery};
+use capstore::catalog::query::{CatalogReader, ListQuery, Page};
 use capstore::catalog::{CatalogClient, ErrorKind, Tables};
 use capstore::config::{Config, HumanDuration};
 use capstore::pack::{IndexEntry, PackSummary};
@@ -1048,7 +1048,7 @@ async fn a_short_range_is_read_in_one_window_beside_its_horizons_and_a_longer_on
         ..Default::default()
     };
     let page = reader.list(&query).await.unwrap();
-    let listed: Vec<(u64, String)> = page.captures.iter().map(|c| (c.captured_at_ns, c.capture_id.clone())).collect();
+    let listed = positions(&page);
     assert_eq!(listed, in_range(since, until));
     assert_eq!(page.first_window_ns(), until - since, "not read in one window of the whole range");
     assert!(page.next_cursor.is_none());
@@ -1064,8 +1064,7 @@ async fn a_short_range_is_read_in_one_window_beside_its_horizons_and_a_longer_on
     let first = reader.list(&across).await.unwrap();
     let again = reader.list(&across).await.unwrap();
     for page in [&first, &again] {
-        let listed: Vec<(u64, String)> =
-            page.captures.iter().map(|c| (c.captured_at_ns, c.capture_id.clone())).collect();
+        let listed = positions(page);
         assert_eq!(listed, in_range(since, since + 40_000)[..10]);
     }
     assert_eq!(again.first_window_ns(), 40_000, "across streams not read in one window of the whole range");
@@ -1082,7 +1081,7 @@ async fn a_short_range_is_read_in_one_window_beside_its_horizons_and_a_longer_on
     };
     let page = reader.list(&query).await.unwrap();
     assert!(page.first_window_ns() < until - since, "read in one window of {} ns", page.first_window_ns());
-    let listed: Vec<(u64, String)> = page.captures.iter().map(|c| (c.captured_at_ns, c.capture_id.clone())).collect();
+    let listed = positions(&page);
     assert_eq!(listed, everything[..10]);
     assert_eq!(list_all(&reader, ListQuery { limit: 5000, ..query }).await, everything);
 
@@ -1107,12 +1106,17 @@ async fn a_short_range_is_read_in_one_window_beside_its_horizons_and_a_longer_on
         ..Default::default()
     };
     let page = reader.list(&query).await.unwrap();
-    let listed: Vec<(u64, String)> = page.captures.iter().map(|c| (c.captured_at_ns, c.capture_id.clone())).collect();
+    let listed = positions(&page);
     assert_eq!(listed, in_range(before_ns, until), "the horizon read beside the window hides what is before it");
     let pinned = reader.list(&ListQuery { watermark: Some(1), ..query }).await.unwrap();
-    let listed: Vec<(u64, String)> = pinned.captures.iter().map(|c| (c.captured_at_ns, c.capture_id.clone())).collect();
+    let listed = positions(&pinned);
     assert_eq!(listed, in_range(since, until), "a page pinned below the horizon lists the whole range");
     assert_eq!(pinned.watermark, 1);
+}
+
+/// Where a page's captures are in listing order: (captured_at_ns, capture_id).
+fn positions(page: &Page) -> Vec<(u64, String)> {
+    page.captures.iter().map(|c| (c.captured_at_ns, c.capture_id.clone())).collect()
 }
 
 /// Every page of a listing, following the cursors.
@@ -1120,7 +1124,7 @@ async fn list_all(reader: &CatalogReader, mut query: ListQuery) -> Vec<(u64, Str
     let mut seen = Vec::new();
     loop {
         let page = reader.list(&query).await.unwrap();
-        seen.extend(page.captures.iter().map(|c| (c.captured_at_ns, c.capture_id.clone())));
+        seen.extend(positions(&page));
         match page.next_cursor {
             Some(cursor) => query.cursor = Some(cursor),
             None => return seen,

@@ -73,6 +73,15 @@ impl Durability {
         Arc::new(Durability { durable_len: AtomicU64::new(len), fsync_failed: AtomicBool::new(false) })
     }
 
+    /// Records what an fsync of the file's first `len` bytes came to.
+    fn record(&self, synced: &io::Result<()>, len: u64) {
+        if synced.is_ok() {
+            self.durable_len.fetch_max(len, Ordering::AcqRel);
+        } else {
+            self.fsync_failed.store(true, Ordering::Release);
+        }
+    }
+
     /// Once an fsync of the file failed: the length the last successful one covered (0 if none did). The bytes
     /// after it are not to be trusted, whatever reading the file shows. None while no fsync failed.
     pub fn durable_len_after_failed_fsync(&self) -> Option<u64> {
@@ -133,12 +142,11 @@ impl SyncPoint {
             }
             crate::durable::fsync_parent_dir(&self.path).map(|()| self.dir_synced.store(true, Ordering::Release))
         });
+        self.durability.record(&synced, self.len);
         if let Err(error) = synced {
-            self.durability.fsync_failed.store(true, Ordering::Release);
             self.poisoned.lock().expect("poison flag lock").get_or_insert_with(|| error.to_string());
             return Err(PackError::Io(error));
         }
-        self.durability.durable_len.fetch_max(self.len, Ordering::AcqRel);
         Ok(())
     }
 
@@ -471,16 +479,9 @@ impl PackWriter {
     /// writer, and its sync points then fsync nothing): after a failed write, before the pack is read back. Records
     /// the outcome in [`Durability`] like any fsync of the file.
     pub fn sync_written(&self) -> io::Result<()> {
-        match fsync_data(&self.file) {
-            Ok(()) => {
-                self.durability.durable_len.fetch_max(self.written_len, Ordering::AcqRel);
-                Ok(())
-            }
-            Err(error) => {
-                self.durability.fsync_failed.store(true, Ordering::Release);
-                Err(error)
-            }
-        }
+        let synced = fsync_data(&self.file);
+        self.durability.record(&synced, self.written_len);
+        synced
     }
 
     /// What the fsyncs of this file made durable: kept by whoever hands the writer on (a seal consumes it) and must

@@ -119,7 +119,7 @@ pub fn index_left_open_within(
 ) -> Result<Vec<IndexEntry>, PackError> {
     let scanned = pack::scan_file(&paths.pack_path(pack_id, PackState::Open)).map(|scan| {
         let mut entries = scan.entries;
-        entries.retain(|entry| entry.record_offset + entry.record_len <= durable_len);
+        entries.retain(|entry| entry.record_range().end <= durable_len);
         entries
     });
     index.replace_open(pack_id, scanned.as_deref().unwrap_or_default());

@@ -648,13 +648,8 @@ impl WriterState {
             let _ = open.writer.sync_written();
         }
         if let Some(durable_len) = durability.durable_len_after_failed_fsync() {
-            let durable: Vec<_> = open
-                .writer
-                .entries()
-                .iter()
-                .filter(|entry| entry.record_offset + entry.record_len <= durable_len)
-                .cloned()
-                .collect();
+            let durable: Vec<_> =
+                open.writer.entries().iter().filter(|entry| entry.record_range().end <= durable_len).cloned().collect();
             drop(open.writer);
             // Records past the cut must not be found any more.
             self.index.replace_open(pack_id, &durable);
