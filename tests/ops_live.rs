@@ -403,7 +403,9 @@ async fn check_config_online_passes_a_working_setup_and_leaves_nothing_behind(se
 for_each_version!(check_config_online_passes_a_working_setup_and_leaves_nothing_behind);
 
 /// Users of a chDB server: one whose settings profile pins `max_threads` with a constraint, one with a read-only
-/// profile (which lets a request change no setting), and `default`.
+/// profile (which lets a request change no setting), `default`, and three whose profiles bound the limits every read
+/// sets: below the configured ones (`limits_capped`; the tests' `catalog.request_timeout` is 2 s and
+/// `catalog.read_max_memory` 1 GiB), not at all (`memory_fixed`), and above them (`time_floor`).
 const PROFILED_USERS: &str = r#"<profiles>
         <default/>
         <threads_pinned>
@@ -411,19 +413,36 @@ const PROFILED_USERS: &str = r#"<profiles>
             <constraints><max_threads><readonly/></max_threads></constraints>
         </threads_pinned>
         <read_only><readonly>1</readonly></read_only>
+        <limits_capped>
+            <constraints>
+                <max_memory_usage><max>500000000</max></max_memory_usage>
+                <max_execution_time><max>1</max></max_execution_time>
+            </constraints>
+        </limits_capped>
+        <memory_fixed>
+            <max_memory_usage>400000000</max_memory_usage>
+            <constraints><max_memory_usage><readonly/></max_memory_usage></constraints>
+        </memory_fixed>
+        <time_floor>
+            <constraints><max_execution_time><min>60</min></max_execution_time></constraints>
+        </time_floor>
     </profiles>
     <users>
         <default><password/><networks><ip>127.0.0.1</ip></networks><profile>default</profile><quota>default</quota></default>
         <threads_pinned><password/><networks><ip>127.0.0.1</ip></networks><profile>threads_pinned</profile><quota>default</quota></threads_pinned>
         <read_only><password/><networks><ip>127.0.0.1</ip></networks><profile>read_only</profile><quota>default</quota></read_only>
+        <limits_capped><password/><networks><ip>127.0.0.1</ip></networks><profile>limits_capped</profile><quota>default</quota></limits_capped>
+        <memory_fixed><password/><networks><ip>127.0.0.1</ip></networks><profile>memory_fixed</profile><quota>default</quota></memory_fixed>
+        <time_floor><password/><networks><ip>127.0.0.1</ip></networks><profile>time_floor</profile><quota>default</quota></time_floor>
     </users>
     <quotas><default/></quotas>"#;
 
 /// A catalog user whose settings profile does not let a request set `max_threads` (a constraint: 20.x and later)
 /// gets a daemon that publishes and reads all the same (its reads of a few granules run with the profile's threads),
-/// and `check-config --online` says so; one whose profile lets a read set nothing is told which settings to allow.
+/// and `check-config --online` says so; one whose profile lets a read set nothing is told which settings to allow;
+/// ones whose profiles bound the time and memory limits every read sets read within those bounds.
 #[tokio::test]
-async fn a_settings_profile_that_pins_max_threads_slows_small_reads_and_breaks_nothing() {
+async fn settings_profiles_that_constrain_what_reads_set_slow_or_bound_them_and_break_nothing() {
     let server = common::clickhouse::start_chdb_with_users(common::clickhouse::Version::V26_9, PROFILED_USERS);
     let dir = tempfile::tempdir().unwrap();
     let port = common::free_port(false);
@@ -476,6 +495,27 @@ async fn a_settings_profile_that_pins_max_threads_slows_small_reads_and_breaks_n
     );
     assert!(daemon.log().contains("does not let reads set max_threads"), "{}", daemon.log());
     daemon.kill();
+
+    // Users whose profiles bound the limits every read sets read the capture back all the same, within the
+    // profile's bounds, and `check-config` says what bounds their reads.
+    for (user, bound) in [
+        ("limits_capped", "max_memory_usage to at most 500000000: reads are bounded there"),
+        ("limits_capped", "max_execution_time to at most 1: reads are bounded there"),
+        ("memory_fixed", "does not let a read set max_memory_usage: reads are bounded by the profile's value"),
+        ("time_floor", "max_execution_time to no less than 60: reads are bounded there"),
+    ] {
+        let bounded = env.clone().set("CAPSTORE_CATALOG_USER", user);
+        let (code, report) = check_config_online(&bounded);
+        assert_eq!(code, 0, "{user}: {report}");
+        let line = line_of(&report, "catalog read settings");
+        assert!(line.starts_with("ok  ") && line.contains(bound), "{user}: {report}");
+        let read = bounded.command().args(["get", &capture_id]).output().unwrap();
+        assert!(read.status.success(), "{user}: {}", String::from_utf8_lossy(&read.stderr));
+        assert_eq!(read.stdout, payload, "{user}");
+        let listed = bounded.command().args(["ls", "--stream", "cam/1"]).output().unwrap();
+        assert!(listed.status.success(), "{user}: {}", String::from_utf8_lossy(&listed.stderr));
+        assert!(String::from_utf8_lossy(&listed.stdout).contains(&capture_id), "{user}");
+    }
 }
 
 #[test]

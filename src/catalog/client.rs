@@ -100,6 +100,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client as HyperClient;
 use hyper_util::rt::TokioExecutor;
 
+use super::read_limits::{ReadLimits, LIMIT_SETTINGS};
 use crate::config::units::redact_url;
 use crate::config::CatalogConfig;
 
@@ -409,6 +410,8 @@ pub struct CatalogClient {
     /// Whether the user's settings profile refused [`one_thread`] (a constraint on `max_threads`): reads of a few
     /// granules run with the profile's `max_threads` from then on (shared by the clones).
     one_thread_refused: Arc<AtomicBool>,
+    /// What the user's settings profile lets a read set its time and memory limits to (shared by the clones).
+    read_limits: ReadLimits,
 }
 
 impl fmt::Debug for CatalogClient {
@@ -592,6 +595,7 @@ impl CatalogClient {
             server_version: Arc::new(server_version),
             insert_quorum,
             one_thread_refused: Arc::default(),
+            read_limits: ReadLimits::default(),
         })
     }
 
@@ -750,6 +754,13 @@ impl CatalogClient {
         self.fetch_all_with(sql, settings, self.request_timeout).await
     }
 
+    /// What reads do about the bounds the user's settings profile set their time and memory limits, one line each
+    /// (see [`super::read_limits`]); empty while every read sends the configured limits.
+    pub fn read_limit_bounds(&self) -> Vec<String> {
+        let whole_seconds = self.request_timeout.as_secs_f64().ceil().max(1.0) as u64;
+        self.read_limits.described([("max_execution_time", whole_seconds), ("max_memory_usage", self.read_max_memory)])
+    }
+
     /// Whether the reads of a few granules still run on one server thread: false once the user's settings profile
     /// refused `max_threads` ([`CatalogClient::fetch_few`]).
     pub fn small_reads_on_one_thread(&self) -> bool {
@@ -787,33 +798,35 @@ impl CatalogClient {
         T: RowOwned + RowRead,
     {
         let whole_seconds = timeout.as_secs_f64().ceil().max(1.0) as u64;
-        let mut settings = vec![
-            ("max_execution_time", whole_seconds.to_string()),
-            ("timeout_overflow_mode", "throw".to_string()),
-            ("max_memory_usage", self.read_max_memory.to_string()),
-        ];
-        if self.server_version.major >= 20 {
-            // The server cancels on close only a query it knows to be read-only: a POST is not, unless it says so
-            // (readonly = 2 still lets a request carry settings such as these).
-            settings.push(("readonly", "2".to_string()));
-            settings.push(("cancel_http_readonly_queries_on_client_close", "1".to_string()));
-        }
-        settings.extend_from_slice(extra);
-        let settings = &settings;
-        self.request("fetch", timeout, |client| with_settings(client.query_raw(sql), settings).fetch_all::<T>())
-            .await
-            .map_err(|mut error| {
-                match error.server_code {
-                    Some(MEMORY_LIMIT_EXCEEDED) => {
-                        error.message = format!("{} (the limit is catalog.read_max_memory)", error.message)
-                    }
-                    Some(SETTING_CONSTRAINT_VIOLATION | READONLY) => {
-                        error.message = format!("{} ({READ_SETTINGS_HINT})", error.message)
-                    }
-                    _ => {}
+        let ours = [("max_execution_time", whole_seconds), ("max_memory_usage", self.read_max_memory)];
+        // Each refusal teaches one bound; a third would be a bound not applied as read, and is an error.
+        let mut tries_left = LIMIT_SETTINGS.len();
+        loop {
+            let mut settings = self.read_limits.settings(ours);
+            settings.push(("timeout_overflow_mode", "throw".to_string()));
+            if self.server_version.major >= 20 {
+                // The server cancels on close only a query it knows to be read-only: a POST is not, unless it says so
+                // (readonly = 2 still lets a request carry settings such as these).
+                settings.push(("readonly", "2".to_string()));
+                settings.push(("cancel_http_readonly_queries_on_client_close", "1".to_string()));
+            }
+            settings.extend_from_slice(extra);
+            let settings = &settings;
+            let answer = self
+                .request("fetch", timeout, |client| with_settings(client.query_raw(sql), settings).fetch_all::<T>())
+                .await;
+            match answer {
+                // A constraint refused one of the limits (before anything ran): send the read again within it.
+                Err(error)
+                    if tries_left > 0
+                        && error.server_code == Some(SETTING_CONSTRAINT_VIOLATION)
+                        && self.read_limits.learn(&error.message, ours) =>
+                {
+                    tries_left -= 1
                 }
-                error
-            })
+                answer => return answer.map_err(explained_read_error),
+            }
+        }
     }
 
     /// Insert `rows` in one INSERT statement. `table` is SQL text (`database.table`) from validated configuration,
@@ -1011,6 +1024,21 @@ impl Endpoints {
         let failed_at = *self.servers[index].check_failed_at.lock().unwrap_or_else(|p| p.into_inner());
         failed_at.is_some_and(|at| at.elapsed() < self.request_timeout)
     }
+}
+
+/// A read's error with what the operator can do about it: the configuration key of the limit it hit, or the
+/// settings every read sends where the user's profile refused one.
+fn explained_read_error(mut error: CatalogError) -> CatalogError {
+    match error.server_code {
+        Some(MEMORY_LIMIT_EXCEEDED) => {
+            error.message = format!("{} (the limit is catalog.read_max_memory)", error.message)
+        }
+        Some(SETTING_CONSTRAINT_VIOLATION | READONLY) => {
+            error.message = format!("{} ({READ_SETTINGS_HINT})", error.message)
+        }
+        _ => {}
+    }
+    error
 }
 
 fn with_settings(mut query: clickhouse::query::Query, settings: &[(&'static str, String)]) -> clickhouse::query::Query {

@@ -2,6 +2,7 @@
 //! watermark (design document, sections 6 and 7).
 //!
 //! - [`client`]: the only way the catalog talks to ClickHouse; classifies every failure once.
+//! - [`read_limits`]: the time and memory limits of reads, within what the user's settings profile lets them set.
 //! - [`schema`]: table names, DDL (single server or cluster), schema version stamp.
 //! - [`lease`]: the lease statements and the fence ([`lease::LeaseStore`]), and the keeper task (renew, quarantine,
 //!   latch, start wait: [`lease::LeaseKeeper`]).
@@ -21,6 +22,7 @@ pub mod lease;
 pub mod publish;
 pub mod purge;
 pub mod query;
+pub mod read_limits;
 pub mod repartition;
 pub mod retired;
 pub mod schema;

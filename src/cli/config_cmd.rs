@@ -141,11 +141,15 @@ async fn read_settings_check(client: &CatalogClient, config: &Config) -> Check {
     if let Err(error) = client.fetch_few::<One>("SELECT toUInt8(1) AS _one").await {
         return fail("catalog read settings", error.to_string());
     }
-    let limits = format!(
-        "reads may set their time and memory limits (catalog.request_timeout {}, catalog.read_max_memory {})",
-        config.catalog.request_timeout,
-        bytesize::ByteSize(config.catalog.read_max_memory.0)
-    );
+    let bounds = client.read_limit_bounds();
+    let limits = match bounds.is_empty() {
+        true => format!(
+            "reads may set their time and memory limits (catalog.request_timeout {}, catalog.read_max_memory {})",
+            config.catalog.request_timeout,
+            bytesize::ByteSize(config.catalog.read_max_memory.0)
+        ),
+        false => bounds.join("; "),
+    };
     match client.small_reads_on_one_thread() {
         true => pass("catalog read settings", format!("{limits} and max_threads = 1 for reads of a few granules")),
         false => pass(
