@@ -721,6 +721,81 @@ async fn a_publish_whose_reply_is_lost_is_decided_by_read_back_with_gapless_vers
     assert_eq!(catalog.committed_versions(), vec![1, 2], "no version used twice, none skipped");
 }
 
+for_each_version!(rows_whose_insert_lost_its_reply_are_sent_again_as_the_same_attempt);
+/// A publish whose insert of `captures` rows loses its reply (the rows landed; on a loaded server they could land
+/// later still) sends them again at the same version under the same publish_id: so a copy of the first attempt's
+/// rows landing after the commit only repeats committed rows, and a merge that keeps the last copy of each capture
+/// keeps a committed one. Under a new publish_id, that merge would keep the orphan, and the captures would drop out
+/// of the listing.
+async fn rows_whose_insert_lost_its_reply_are_sent_again_as_the_same_attempt(server: &'static ClickHouseServer) {
+    let catalog = catalog(server, true).await;
+    let proxy = catalog.proxy.as_ref().unwrap();
+    let keeper = catalog.keeper(identity("lost-rows"));
+    let (_shutdown_tx, mut shutdown_rx) = watch::channel(false);
+    keeper.acquire_at_start(Duration::ZERO, &mut shutdown_rx).await.unwrap();
+    let handle = keeper.handle();
+    tokio::spawn(keeper.run(shutdown_rx));
+    let publisher =
+        Publisher::new(catalog.client.clone(), catalog.tables.clone(), &catalog.config.catalog_name, handle.clone());
+    let now = capstore::util::now_ns();
+    let ids: Vec<Uuid> = (0..5).map(|_| Uuid::now_v7()).collect();
+    let batch = vec![pack(&ids.iter().enumerate().map(|(at, id)| (*id, "s", now + at as u64)).collect::<Vec<_>>())];
+    let (captures, by_version, name) =
+        (&catalog.tables.captures, &catalog.tables.by_version, &catalog.config.catalog_name);
+    let attempts_at_1 = || {
+        let sql =
+            format!("SELECT DISTINCT publish_id FROM {by_version} WHERE catalog = '{name}' AND version = 1 FORMAT TSV");
+        let text = catalog.server.query(&sql).unwrap();
+        text.lines().map(str::to_string).collect::<Vec<String>>()
+    };
+
+    // The crate sends an INSERT's statement in the URL: `captures(` is `captures%28` there.
+    proxy.blackhole_replies_matching(&format!("{captures}%28"));
+    let result = publisher.publish_batch(&batch).await;
+    assert!(result.is_err(), "{result:?}");
+    proxy.pass();
+    let landed = tokio::time::timeout(TTL * 3, async {
+        while attempts_at_1().is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(landed.is_ok(), "the rows whose reply was lost never landed");
+    let first_attempt = attempts_at_1();
+    assert_eq!(first_attempt.len(), 1, "{first_attempt:?}");
+
+    let publish_id = loop {
+        match publisher.publish_batch(&batch).await {
+            Ok(PublishOutcome::Committed { version: 1, publish_id }) => break publish_id,
+            Ok(other) => panic!("{other:?}"),
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    };
+    assert_eq!(attempts_at_1(), vec![publish_id.to_string()], "the retry was a second attempt at version 1");
+
+    // The first attempt's insert lands once more, after the commit (a part newer than the committed rows), and a merge
+    // keeps the last copy of each capture.
+    catalog
+        .server
+        .query(&format!(
+            "INSERT INTO {captures} SELECT * FROM {captures} WHERE catalog = '{name}' AND version = 1 AND publish_id = '{}'",
+            first_attempt[0]
+        ))
+        .unwrap();
+    catalog.server.query(&format!("OPTIMIZE TABLE {captures} FINAL")).unwrap();
+    // (18.16 lists across streams from `by_time`, which its view filled with the copy too.)
+    let (database, by_time) = catalog.tables.by_time.split_once('.').unwrap();
+    let kept = format!("SELECT count() FROM system.tables WHERE database = '{database}' AND name = '{by_time}'");
+    if catalog.server.query(&kept).unwrap().trim() == "1" {
+        catalog.server.query(&format!("OPTIMIZE TABLE {} FINAL", catalog.tables.by_time)).unwrap();
+    }
+    for stream in [Some("s".to_string()), None] {
+        let page = catalog.reader().list(&ListQuery { stream: stream.clone(), limit: 10, ..Default::default() }).await;
+        let listed: Vec<String> = page.unwrap().captures.iter().map(|capture| capture.capture_id.clone()).collect();
+        assert_eq!(listed, ids.iter().map(Uuid::to_string).collect::<Vec<_>>(), "{stream:?}");
+    }
+}
+
 for_each_version!(a_black_holed_clickhouse_ends_every_lease_request_at_its_timeout);
 async fn a_black_holed_clickhouse_ends_every_lease_request_at_its_timeout(server: &'static ClickHouseServer) {
     let catalog = catalog(server, true).await;

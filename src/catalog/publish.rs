@@ -230,6 +230,23 @@ struct Unresolved {
     lease_id: String,
 }
 
+/// The rows of a publish attempt whose insert did not answer: ClickHouse completes an insert it has received whatever
+/// became of its client, so they may land at any later time. `captures` and `packs` keep one row per capture (per
+/// pack) and version, the last one written: had the next attempt at that version written its rows under another
+/// publish_id, a merge after such a late landing could keep the orphan row over the committed one, and the capture
+/// (the pack) would drop out of listings (the replay guard and the inventory). So the next attempt at the same version
+/// whose rows include every one of these is sent as the same attempt: same publish_id, same rows, which a late copy
+/// only repeats.
+struct RowsInDoubt {
+    version: u64,
+    publish_id: Uuid,
+    rows: HashSet<RowKey>,
+}
+
+/// A row of a publish, by what it is about: `(pack_id, capture_id)` of a capture's row, `(pack_id, nil)` of a
+/// pack's. A row follows from its pack's index, its version and its publish_id alone.
+type RowKey = (Uuid, Uuid);
+
 pub struct Publisher {
     client: CatalogClient,
     tables: Tables,
@@ -246,6 +263,8 @@ pub struct Publisher {
     last_commit: Mutex<Option<(u64, u64)>>,
     /// Whether `by_id` has `captured_at_ns` ([`super::schema::by_id_has_time`]), asked once.
     by_id_time: tokio::sync::OnceCell<bool>,
+    /// The last attempt's rows, while their insert is in doubt (see [`RowsInDoubt`]); cleared by a commit.
+    rows_in_doubt: Mutex<Option<RowsInDoubt>>,
 }
 
 impl Publisher {
@@ -260,7 +279,26 @@ impl Publisher {
             stamped: std::sync::atomic::AtomicU32::new(0),
             by_id_time: tokio::sync::OnceCell::new(),
             last_commit: Mutex::new(None),
+            rows_in_doubt: Mutex::new(None),
         }
+    }
+
+    /// The publish_id of an attempt at `version` writing `rows`: that of the attempt before, if its rows are in doubt,
+    /// were for this version and are all among these (see [`RowsInDoubt`]); a new one otherwise.
+    fn publish_id_for(&self, version: u64, rows: &HashSet<RowKey>) -> Uuid {
+        let doubt = self.rows_in_doubt.lock().unwrap_or_else(|p| p.into_inner());
+        match doubt.as_ref() {
+            Some(doubt) if doubt.version == version && doubt.rows.is_subset(rows) => {
+                tracing::info!(version, publish_id = %doubt.publish_id, "sending again the attempt whose rows are in doubt");
+                doubt.publish_id
+            }
+            _ => Uuid::now_v7(),
+        }
+    }
+
+    /// Note that the rows of the attempt `(version, publish_id)` may land later, after their insert failed.
+    fn doubt_rows(&self, version: u64, publish_id: Uuid, rows: HashSet<RowKey>) {
+        *self.rows_in_doubt.lock().unwrap_or_else(|p| p.into_inner()) = Some(RowsInDoubt { version, publish_id, rows });
     }
 
     /// The version a publish under `permit` takes: one above this publisher's last commit if that was under the
@@ -396,9 +434,17 @@ impl Publisher {
         }
 
         let version = self.next_version(permit).await?;
-        let publish_id = Uuid::now_v7();
         let captures = last_posts(&fresh);
-        self.insert_descriptor_rows(&fresh, &captures, version, publish_id).await?;
+        let rows: HashSet<RowKey> = captures
+            .iter()
+            .map(|(pack, entry)| (pack.summary.pack_id, entry.meta.capture_id))
+            .chain(fresh.iter().map(|pack| (pack.summary.pack_id, Uuid::nil())))
+            .collect();
+        let publish_id = self.publish_id_for(version, &rows);
+        if let Err(error) = self.insert_descriptor_rows(&fresh, &captures, version, publish_id).await {
+            self.doubt_rows(version, publish_id, rows);
+            return Err(error.into());
+        }
         self.commit(permit, version, publish_id, fresh.len(), captures.len()).await?;
         Ok(PublishOutcome::Committed { version, publish_id })
     }
@@ -563,14 +609,30 @@ impl Publisher {
         }
 
         let version = self.next_version(&permit).await?;
-        let publish_id = Uuid::now_v7();
+        // The new pack's row in `packs` is the one a late copy could replace (its moves go to `by_version` and
+        // `by_id` only, whose rows differ by publish_id).
+        let doubted: HashSet<RowKey> = relocation
+            .new_pack
+            .iter()
+            .flat_map(|pack| {
+                let id = pack.summary.pack_id;
+                movable.iter().map(move |entry| (id, entry.meta.capture_id)).chain([(id, Uuid::nil())])
+            })
+            .collect();
+        let publish_id = self.publish_id_for(version, &doubted);
         let publish_id_text = publish_id.to_string();
         self.stamp_at_least(super::schema::STAMPED_BY_COMPACTION).await?;
         if let Some(pack) = &relocation.new_pack {
             let rows: Vec<CaptureRow> =
                 movable.iter().map(|entry| self.row_of_entry(pack, entry, version, &publish_id_text)).collect();
-            self.insert_index_rows(&rows, version, &publish_id_text).await?;
-            self.client.insert_rows(&self.tables.packs, &[self.pack_row(pack, version, &publish_id_text)]).await?;
+            let inserted = async {
+                self.insert_index_rows(&rows, version, &publish_id_text).await?;
+                self.client.insert_rows(&self.tables.packs, &[self.pack_row(pack, version, &publish_id_text)]).await
+            };
+            if let Err(error) = inserted.await {
+                self.doubt_rows(version, publish_id, doubted);
+                return Err(error.into());
+            }
         }
         let retired: Vec<super::retired::RetiredPackRow> = relocation
             .sources
@@ -641,6 +703,8 @@ impl Publisher {
             Ok(Some(committed)) => {
                 debug_assert_eq!(committed, version);
                 self.remember_commit(Some((permit.tenure, version)));
+                // Rows in doubt were of this version (versions only go up), now committed or orphans for good.
+                *self.rows_in_doubt.lock().unwrap_or_else(|p| p.into_inner()) = None;
                 tracing::info!(version, %publish_id, packs = pack_count, captures = capture_count, "published");
                 Ok(())
             }
