@@ -5,7 +5,9 @@
 //! 2. Replay guard: packs whose rows are already committed (their `(version, publish_id)` is in `publishes`) are
 //!    reported as such and not published again.
 //! 3. Descriptor rows (`captures`, `packs`) carrying `(V, publish_id)`; invisible until step 4 lands, harmless orphans if
-//!    it never does (`capstore gc` removes them).
+//!    it never does (`capstore gc` removes them). Rows whose insert did not answer may still land after a later
+//!    attempt's commit, so the next attempt at V that writes them all is sent as the same attempt (see
+//!    [`RowsInDoubt`]).
 //! 4. The `publishes` row: `INSERT ... SELECT ... FROM system.one WHERE <fence> AND max(version) = V - 1`, with
 //!    `max_execution_time = publish_timeout` and `wait_end_of_query = 1`. The version check reads only the
 //!    publishes at or above V - 1 (a primary-key range, O(1) however long the history): their maximum is V - 1
