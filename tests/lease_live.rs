@@ -764,13 +764,17 @@ async fn rows_whose_insert_lost_its_reply_are_sent_again_as_the_same_attempt(ser
     let first_attempt = attempts_at_1();
     assert_eq!(first_attempt.len(), 1, "{first_attempt:?}");
 
-    let publish_id = loop {
-        match publisher.publish_batch(&batch).await {
-            Ok(PublishOutcome::Committed { version: 1, publish_id }) => break publish_id,
-            Ok(other) => panic!("{other:?}"),
-            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+    let committed = tokio::time::timeout(TTL * 6, async {
+        loop {
+            match publisher.publish_batch(&batch).await {
+                Ok(PublishOutcome::Committed { version: 1, publish_id }) => break publish_id,
+                Ok(other) => panic!("{other:?}"),
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
         }
-    };
+    })
+    .await;
+    let publish_id = committed.expect("the batch was never published");
     assert_eq!(attempts_at_1(), vec![publish_id.to_string()], "the retry was a second attempt at version 1");
 
     // The first attempt's insert lands once more, after the commit (a part newer than the committed rows), and a merge

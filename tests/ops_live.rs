@@ -403,9 +403,10 @@ async fn check_config_online_passes_a_working_setup_and_leaves_nothing_behind(se
 for_each_version!(check_config_online_passes_a_working_setup_and_leaves_nothing_behind);
 
 /// Users of a chDB server: one whose settings profile pins `max_threads` with a constraint, one with a read-only
-/// profile (which lets a request change no setting), `default`, and three whose profiles bound the limits every read
-/// sets: below the configured ones (`limits_capped`; the tests' `catalog.request_timeout` is 2 s and
-/// `catalog.read_max_memory` 1 GiB), not at all (`memory_fixed`), and above them (`time_floor`).
+/// profile (which lets a request change no setting), `default`, and four whose profiles bound the limits every read
+/// sets: below the configured ones (`limits_capped`, for a `catalog.request_timeout` of 10 s and the default
+/// `catalog.read_max_memory` of 1 GiB), not at all (`memory_fixed`, and `memory_unbounded`, whose fixed value is no
+/// limit), and above them (`time_floor`, which refuses a publish's `max_execution_time` too).
 const PROFILED_USERS: &str = r#"<profiles>
         <default/>
         <threads_pinned>
@@ -416,13 +417,17 @@ const PROFILED_USERS: &str = r#"<profiles>
         <limits_capped>
             <constraints>
                 <max_memory_usage><max>500000000</max></max_memory_usage>
-                <max_execution_time><max>1</max></max_execution_time>
+                <max_execution_time><max>5</max></max_execution_time>
             </constraints>
         </limits_capped>
         <memory_fixed>
             <max_memory_usage>400000000</max_memory_usage>
             <constraints><max_memory_usage><readonly/></max_memory_usage></constraints>
         </memory_fixed>
+        <memory_unbounded>
+            <max_memory_usage>0</max_memory_usage>
+            <constraints><max_memory_usage><readonly/></max_memory_usage></constraints>
+        </memory_unbounded>
         <time_floor>
             <constraints><max_execution_time><min>60</min></max_execution_time></constraints>
         </time_floor>
@@ -433,6 +438,7 @@ const PROFILED_USERS: &str = r#"<profiles>
         <read_only><password/><networks><ip>127.0.0.1</ip></networks><profile>read_only</profile><quota>default</quota></read_only>
         <limits_capped><password/><networks><ip>127.0.0.1</ip></networks><profile>limits_capped</profile><quota>default</quota></limits_capped>
         <memory_fixed><password/><networks><ip>127.0.0.1</ip></networks><profile>memory_fixed</profile><quota>default</quota></memory_fixed>
+        <memory_unbounded><password/><networks><ip>127.0.0.1</ip></networks><profile>memory_unbounded</profile><quota>default</quota></memory_unbounded>
         <time_floor><password/><networks><ip>127.0.0.1</ip></networks><profile>time_floor</profile><quota>default</quota></time_floor>
     </users>
     <quotas><default/></quotas>"#;
@@ -497,18 +503,36 @@ async fn settings_profiles_that_constrain_what_reads_set_slow_or_bound_them_and_
     daemon.kill();
 
     // Users whose profiles bound the limits every read sets read the capture back all the same, within the
-    // profile's bounds, and `check-config` says what bounds their reads.
-    for (user, bound) in [
-        ("limits_capped", "max_memory_usage to at most 500000000: reads are bounded there"),
-        ("limits_capped", "max_execution_time to at most 1: reads are bounded there"),
-        ("memory_fixed", "does not let a read set max_memory_usage: reads are bounded by the profile's value"),
-        ("time_floor", "max_execution_time to no less than 60: reads are bounded there"),
+    // profile's bounds, and `check-config` says what bounds their reads; it fails a profile that leaves reads
+    // without a memory limit, and one that refuses what a lease claim or a publish sends (whose timing the fence
+    // rests on: never bounded otherwise than configured).
+    for (user, read_ok, read_bound, publish_ok) in [
+        ("limits_capped", true, "lets a read set max_memory_usage to at most 500000000: reads are bounded there", true),
+        (
+            "limits_capped",
+            true,
+            "max_execution_time to at most 5: reads are bounded there, below catalog.request_timeout",
+            true,
+        ),
+        (
+            "memory_fixed",
+            true,
+            "does not let a read set max_memory_usage: reads are bounded by the profile's value",
+            true,
+        ),
+        ("memory_unbounded", false, "does not let a read set max_memory_usage and sets it to 0 (no limit)", true),
+        ("time_floor", true, "lets a read set max_execution_time to no less than 60: reads are bounded there", false),
     ] {
-        let bounded = env.clone().set("CAPSTORE_CATALOG_USER", user);
+        let bounded = env.clone().set("CAPSTORE_CATALOG_USER", user).set("CAPSTORE_CATALOG_REQUEST_TIMEOUT", "10s");
         let (code, report) = check_config_online(&bounded);
-        assert_eq!(code, 0, "{user}: {report}");
-        let line = line_of(&report, "catalog read settings");
-        assert!(line.starts_with("ok  ") && line.contains(bound), "{user}: {report}");
+        let (line, publish) = (line_of(&report, "catalog read settings"), line_of(&report, "catalog publish settings"));
+        assert!(
+            line.starts_with(if read_ok { "ok  " } else { "FAIL" }) && line.contains(read_bound),
+            "{user}: {report}"
+        );
+        assert_eq!(publish.starts_with("ok  "), publish_ok, "{user}: {report}");
+        assert!(publish_ok || publish.contains("lease.publish_timeout"), "{user}: {report}");
+        assert_eq!(code == 0, read_ok && publish_ok, "{user}: {report}");
         let read = bounded.command().args(["get", &capture_id]).output().unwrap();
         assert!(read.status.success(), "{user}: {}", String::from_utf8_lossy(&read.stderr));
         assert_eq!(read.stdout, payload, "{user}");

@@ -444,6 +444,11 @@ const READ_SETTINGS_HINT: &str = "every read sets max_execution_time, timeout_ov
      cancel_http_readonly_queries_on_client_close, and with catalog.cluster select_sequential_consistency: the catalog \
      user's settings profile must let a request change them";
 
+/// What an error about a setting a lease claim or a publish sends says to the operator.
+const DECIDING_SETTINGS_HINT: &str = "lease claims and publishes set max_execution_time to lease.publish_timeout and \
+     timeout_overflow_mode, and with catalog.cluster select_sequential_consistency: the fence's timing rests on them, \
+     so the catalog user's settings profile must let a request set them as configured";
+
 /// The setting of a read of a few granules ([`CatalogClient::fetch_few`], [`CatalogClient::fetch_few_deciding`]):
 /// one server thread. On 18.16 such reads took less time so (two cores, at 1M captures: the watermark 3.1 -> 2.2 ms, a
 /// lookup by id 14.8 -> 12.1, a page's setup statement replayed 300 times 8.4 -> 6.8); 26.9 took the same time
@@ -661,7 +666,12 @@ impl CatalogClient {
         let mut settings =
             vec![("max_execution_time", whole_seconds.to_string()), ("timeout_overflow_mode", "throw".to_string())];
         settings.extend(self.sequential_consistency());
-        self.execute_with(sql, &settings, self.request_timeout).await
+        self.execute_with(sql, &settings, self.request_timeout).await.map_err(|mut error| {
+            if matches!(error.server_code, Some(SETTING_CONSTRAINT_VIOLATION | READONLY)) {
+                error.message = format!("{} ({DECIDING_SETTINGS_HINT})", error.message);
+            }
+            error
+        })
     }
 
     /// [`CatalogClient::execute`] for a statement that reads what this process has just written (a server-side copy
@@ -759,6 +769,11 @@ impl CatalogClient {
     pub fn read_limit_bounds(&self) -> Vec<String> {
         let whole_seconds = self.request_timeout.as_secs_f64().ceil().max(1.0) as u64;
         self.read_limits.described([("max_execution_time", whole_seconds), ("max_memory_usage", self.read_max_memory)])
+    }
+
+    /// The limit settings the user's settings profile allows a read no value of (see [`super::read_limits`]).
+    pub fn read_limits_fixed_by_profile(&self) -> Vec<&'static str> {
+        self.read_limits.fixed()
     }
 
     /// Whether the reads of a few granules still run on one server thread: false once the user's settings profile

@@ -238,11 +238,28 @@ struct Unresolved {
 /// publish_id, a merge after such a late landing could keep the orphan row over the committed one, and the capture
 /// (the pack) would drop out of listings (the replay guard and the inventory). So the next attempt at the same version
 /// whose rows include every one of these is sent as the same attempt: same publish_id, same rows, which a late copy
-/// only repeats.
+/// only repeats. (Kept in memory: see the closing notes of issue 11 for a restarted process.)
 struct RowsInDoubt {
     version: u64,
     publish_id: Uuid,
     rows: HashSet<RowKey>,
+}
+
+/// Which attempt in doubt (see [`RowsInDoubt`]) an attempt at `version` writing `rows` is to repeat: none
+/// (`Ok(None)`) when it shares no row with one, the one whose rows it shares and includes all of, or, as `Err`, how
+/// many it shares rows with without including all of one's.
+fn attempt_in_doubt_to_repeat(
+    doubts: &[RowsInDoubt],
+    version: u64,
+    rows: &HashSet<RowKey>,
+) -> Result<Option<Uuid>, usize> {
+    let shared: Vec<&RowsInDoubt> =
+        doubts.iter().filter(|doubt| doubt.version == version && !doubt.rows.is_disjoint(rows)).collect();
+    match shared.as_slice() {
+        [] => Ok(None),
+        [doubt] if doubt.rows.is_subset(rows) => Ok(Some(doubt.publish_id)),
+        _ => Err(shared.len()),
+    }
 }
 
 /// A row of a publish, by what it is about: `(pack_id, capture_id)` of a capture's row, `(pack_id, nil)` of a
@@ -265,8 +282,9 @@ pub struct Publisher {
     last_commit: Mutex<Option<(u64, u64)>>,
     /// Whether `by_id` has `captured_at_ns` ([`super::schema::by_id_has_time`]), asked once.
     by_id_time: tokio::sync::OnceCell<bool>,
-    /// The last attempt's rows, while their insert is in doubt (see [`RowsInDoubt`]); cleared by a commit.
-    rows_in_doubt: Mutex<Option<RowsInDoubt>>,
+    /// The attempts whose rows are in doubt (see [`RowsInDoubt`]): at one version, the one being tried (a batch of
+    /// packs and a compaction's switch may take turns there); cleared by a commit.
+    rows_in_doubt: Mutex<Vec<RowsInDoubt>>,
 }
 
 impl Publisher {
@@ -281,26 +299,43 @@ impl Publisher {
             stamped: std::sync::atomic::AtomicU32::new(0),
             by_id_time: tokio::sync::OnceCell::new(),
             last_commit: Mutex::new(None),
-            rows_in_doubt: Mutex::new(None),
+            rows_in_doubt: Mutex::new(Vec::new()),
         }
     }
 
-    /// The publish_id of an attempt at `version` writing `rows`: that of the attempt before, if its rows are in doubt,
-    /// were for this version and are all among these (see [`RowsInDoubt`]); a new one otherwise.
+    /// The publish_id of an attempt at `version` writing `rows`: that of the attempt in doubt whose rows these share,
+    /// if there is one and these include every row of it (see [`RowsInDoubt`]); a new one otherwise. Rows shared with
+    /// two attempts in doubt, or with one whose rows these do not all include, cannot be sent as either: they get a
+    /// new publish_id, with a warning (a batch of the daemon's indexer is retried whole, or with more packs).
     fn publish_id_for(&self, version: u64, rows: &HashSet<RowKey>) -> Uuid {
-        let doubt = self.rows_in_doubt.lock().unwrap_or_else(|p| p.into_inner());
-        match doubt.as_ref() {
-            Some(doubt) if doubt.version == version && doubt.rows.is_subset(rows) => {
-                tracing::info!(version, publish_id = %doubt.publish_id, "sending again the attempt whose rows are in doubt");
-                doubt.publish_id
+        let doubts = self.rows_in_doubt.lock().unwrap_or_else(|p| p.into_inner());
+        match attempt_in_doubt_to_repeat(&doubts, version, rows) {
+            Ok(None) => Uuid::now_v7(),
+            Ok(Some(publish_id)) => {
+                tracing::info!(version, %publish_id, "sending again the attempt whose rows are in doubt");
+                publish_id
             }
-            _ => Uuid::now_v7(),
+            Err(attempts) => {
+                tracing::warn!(
+                    version,
+                    attempts,
+                    "rows of earlier attempts at this version are in doubt and this attempt does not repeat them all: \
+                     should they land late, a merge may keep them over this publish's rows of the same captures"
+                );
+                Uuid::now_v7()
+            }
         }
     }
 
-    /// Note that the rows of the attempt `(version, publish_id)` may land later, after their insert failed.
-    fn doubt_rows(&self, version: u64, publish_id: Uuid, rows: HashSet<RowKey>) {
-        *self.rows_in_doubt.lock().unwrap_or_else(|p| p.into_inner()) = Some(RowsInDoubt { version, publish_id, rows });
+    /// Note that the rows of the attempt `(version, publish_id)` may land later: its insert failed without saying
+    /// it did not run (an error of unknown outcome).
+    fn doubt_rows(&self, version: u64, publish_id: Uuid, rows: HashSet<RowKey>, error: &CatalogError) {
+        if error.kind == ErrorKind::DefinitelyFailed {
+            return;
+        }
+        let mut doubts = self.rows_in_doubt.lock().unwrap_or_else(|p| p.into_inner());
+        doubts.retain(|doubt| doubt.publish_id != publish_id);
+        doubts.push(RowsInDoubt { version, publish_id, rows });
     }
 
     /// The version a publish under `permit` takes: one above this publisher's last commit if that was under the
@@ -444,7 +479,7 @@ impl Publisher {
             .collect();
         let publish_id = self.publish_id_for(version, &rows);
         if let Err(error) = self.insert_descriptor_rows(&fresh, &captures, version, publish_id).await {
-            self.doubt_rows(version, publish_id, rows);
+            self.doubt_rows(version, publish_id, rows, &error);
             return Err(error.into());
         }
         self.commit(permit, version, publish_id, fresh.len(), captures.len()).await?;
@@ -632,7 +667,7 @@ impl Publisher {
                 self.client.insert_rows(&self.tables.packs, &[self.pack_row(pack, version, &publish_id_text)]).await
             };
             if let Err(error) = inserted.await {
-                self.doubt_rows(version, publish_id, doubted);
+                self.doubt_rows(version, publish_id, doubted, &error);
                 return Err(error.into());
             }
         }
@@ -706,7 +741,7 @@ impl Publisher {
                 debug_assert_eq!(committed, version);
                 self.remember_commit(Some((permit.tenure, version)));
                 // Rows in doubt were of this version (versions only go up), now committed or orphans for good.
-                *self.rows_in_doubt.lock().unwrap_or_else(|p| p.into_inner()) = None;
+                self.rows_in_doubt.lock().unwrap_or_else(|p| p.into_inner()).clear();
                 tracing::info!(version, %publish_id, packs = pack_count, captures = capture_count, "published");
                 Ok(())
             }
@@ -804,6 +839,27 @@ impl Publisher {
 mod tests {
     use super::*;
     use crate::pack::CaptureMeta;
+
+    #[test]
+    fn an_attempt_repeats_the_one_in_doubt_whose_rows_it_includes() {
+        let key = |pack: u128, capture: u128| (Uuid::from_u128(pack), Uuid::from_u128(capture));
+        let rows = |keys: &[(u128, u128)]| keys.iter().map(|(pack, capture)| key(*pack, *capture)).collect();
+        let (batch, switch) = (Uuid::from_u128(100), Uuid::from_u128(200));
+        let doubts = vec![
+            RowsInDoubt { version: 7, publish_id: batch, rows: rows(&[(1, 0), (1, 11), (1, 12)]) },
+            RowsInDoubt { version: 7, publish_id: switch, rows: rows(&[(9, 0), (9, 91)]) },
+        ];
+        // The same batch, or it with a pack more: the same attempt. The switch's own rows: the switch's.
+        assert_eq!(attempt_in_doubt_to_repeat(&doubts, 7, &rows(&[(1, 0), (1, 11), (1, 12)])), Ok(Some(batch)));
+        assert_eq!(attempt_in_doubt_to_repeat(&doubts, 7, &rows(&[(1, 0), (1, 11), (1, 12), (2, 0)])), Ok(Some(batch)));
+        assert_eq!(attempt_in_doubt_to_repeat(&doubts, 7, &rows(&[(9, 0), (9, 91)])), Ok(Some(switch)));
+        // Nothing shared, or another version: a new attempt.
+        assert_eq!(attempt_in_doubt_to_repeat(&doubts, 7, &rows(&[(3, 0), (3, 31)])), Ok(None));
+        assert_eq!(attempt_in_doubt_to_repeat(&doubts, 8, &rows(&[(1, 0), (1, 11), (1, 12)])), Ok(None));
+        // Part of one, or rows of both: it cannot repeat either.
+        assert_eq!(attempt_in_doubt_to_repeat(&doubts, 7, &rows(&[(1, 0), (1, 11)])), Err(1));
+        assert_eq!(attempt_in_doubt_to_repeat(&doubts, 7, &rows(&[(1, 0), (1, 11), (1, 12), (9, 0), (9, 91)])), Err(2));
+    }
 
     fn pack(pack_id: u128, ids: &[u128]) -> PackDescriptor {
         let entries = ids

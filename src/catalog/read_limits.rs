@@ -8,7 +8,8 @@
 //! setting and the bound), and so would refuse every read of the daemon.
 //!
 //! States, per setting, shared by the clones of a client: *ours* (the configured value is sent) until a constraint
-//! refuses it, then, for good, one of:
+//! refuses it, then, for good, bounded by what the refusals stated (a constraint with a least and a most takes two
+//! refusals, one by a read whose value is below the least, one by a read above the most):
 //! - *at most* N: the value sent is the configured one, or N where that is lower (the server would stop reads there
 //!   anyway);
 //! - *at least* N: the configured one, or N where that is higher (the client still gives up after
@@ -85,11 +86,12 @@ impl ReadLimits {
         let bounds = self.bounds.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         ours.into_iter()
             .filter_map(|(name, value)| {
-                let bound = bounds.iter().find(|(known, _)| *known == name).map(|(_, bound)| *bound);
-                match bound {
-                    None => Some((name, value.to_string())),
-                    Some(bound) => bound.applied_to(value).map(|value| (name, value.to_string())),
+                // A least and a most of one setting both apply (a constraint may have both).
+                let mut sent = Some(value);
+                for (_, bound) in bounds.iter().filter(|(known, _)| *known == name) {
+                    sent = sent.and_then(|value| bound.applied_to(value));
                 }
+                sent.map(|value| (name, value.to_string()))
             })
             .collect()
     }
@@ -108,7 +110,13 @@ impl ReadLimits {
         if bounds.iter().any(|(known, found)| *known == setting && *found == bound) {
             return true;
         }
-        bounds.retain(|(known, _)| *known != setting);
+        // A new bound of a kind known for the setting replaces it, and a fixed setting any other (the profile
+        // changed); a least and a most stay side by side, as the constraint has them.
+        let stays = |found: &ProfileBound| {
+            let fixed = [*found, bound].contains(&ProfileBound::Fixed);
+            !fixed && std::mem::discriminant(found) != std::mem::discriminant(&bound)
+        };
+        bounds.retain(|(known, found)| *known != setting || stays(found));
         bounds.push((setting, bound));
         let configured = ours.iter().find(|(name, _)| *name == setting).map_or(0, |(_, value)| *value);
         let sent = bound.applied_to(configured);
@@ -119,6 +127,12 @@ impl ReadLimits {
             tracing::info!(setting, configured, ?sent, "catalog: {describe}");
         }
         true
+    }
+
+    /// The settings the profile allows no value of: reads are bounded by the profile's own.
+    pub fn fixed(&self) -> Vec<&'static str> {
+        let bounds = self.bounds.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        bounds.iter().filter(|(_, bound)| *bound == ProfileBound::Fixed).map(|(setting, _)| *setting).collect()
     }
 
     /// One line per bound learnt, for `check-config --online`; empty while every read sends the configured limits.
@@ -198,9 +212,16 @@ mod tests {
         assert!(limits.learn(refusal, OURS), "a read sent beside the first is sent again too");
         assert!(limits.learn("Setting max_execution_time shouldn't be less than 60", OURS));
         assert_eq!(sent(&limits), [("max_execution_time", "60".into()), ("max_memory_usage", "500000000".into())]);
+        // A most beside the least (a constraint of both, met by a longer read): the configured value between them.
+        assert!(limits.learn(
+            "Setting max_execution_time shouldn't be greater than 600",
+            [("max_execution_time", 1800), OURS[1]]
+        ));
+        assert_eq!(sent(&limits)[0], ("max_execution_time", "60".into()));
+        assert_eq!(limits.settings([("max_execution_time", 1800), OURS[1]])[0], ("max_execution_time", "600".into()));
         assert!(limits.clone().learn("Setting max_memory_usage should not be changed", OURS));
         assert_eq!(sent(&limits), [("max_execution_time", "60".into())], "clones share what they learn");
-        assert_eq!(limits.described(OURS).len(), 2);
+        assert_eq!(limits.described(OURS).len(), 3);
         assert!(!limits.learn("Setting max_threads should not be changed", OURS), "not a limit of this module");
     }
 }

@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use capstore::bucket::Bucket;
 use capstore::catalog::client::CatalogClient;
+use capstore::catalog::lease::LeaseTimings;
 use capstore::catalog::schema::{installed_version, probe_grants, GrantsProbe, SCHEMA_VERSION, STAMPED_AT_START};
 use capstore::catalog::Tables;
 use capstore::config::Config;
@@ -87,6 +88,7 @@ async fn catalog_checks(config: &Config) -> Vec<Check> {
     let version = client.server_version();
     checks.push(pass("catalog version", format!("ClickHouse {version}")));
     checks.push(read_settings_check(&client, config).await);
+    checks.push(publish_settings_check(&client, config).await);
     let tables = Tables::from_config(&config.catalog);
     let database = &tables.database;
     checks.push(match probe_grants(&client, &tables).await {
@@ -141,6 +143,23 @@ async fn read_settings_check(client: &CatalogClient, config: &Config) -> Check {
     if let Err(error) = client.fetch_few::<One>("SELECT toUInt8(1) AS _one").await {
         return fail("catalog read settings", error.to_string());
     }
+    // A profile that allows no value of a limit bounds reads by its own, which may be none at all.
+    for setting in client.read_limits_fixed_by_profile() {
+        let sql = format!("SELECT value FROM system.settings WHERE name = '{setting}'");
+        match client.fetch_few::<String>(&sql).await.map(|values| values.into_iter().next()) {
+            Ok(Some(value)) if value.trim() == "0" => {
+                return fail(
+                    "catalog read settings",
+                    format!(
+                        "the settings profile does not let a read set {setting} and sets it to 0 (no limit): reads \
+                         would not be bounded on the server; let a request set it, or give it a limit in the profile"
+                    ),
+                )
+            }
+            Ok(_) => {}
+            Err(error) => return fail("catalog read settings", error.to_string()),
+        }
+    }
     let bounds = client.read_limit_bounds();
     let limits = match bounds.is_empty() {
         true => format!(
@@ -159,6 +178,22 @@ async fn read_settings_check(client: &CatalogClient, config: &Config) -> Check {
                  with the profile's (on 18.16 one thread is 10-30% faster for those)"
             ),
         ),
+    }
+}
+
+/// Whether the catalog user's settings profile lets a lease claim or a publish carry its `max_execution_time`
+/// (`lease.publish_timeout`): the fence's timing rests on it, so it is never bounded otherwise than configured.
+async fn publish_settings_check(client: &CatalogClient, config: &Config) -> Check {
+    let timings = LeaseTimings::from_config(&config.lease, client);
+    match client.execute_deciding("SELECT 1", timings.statement_cap()).await {
+        Ok(()) => pass(
+            "catalog publish settings",
+            format!(
+                "lease claims and publishes may set max_execution_time (lease.publish_timeout {})",
+                config.lease.publish_timeout
+            ),
+        ),
+        Err(error) => fail("catalog publish settings", error.to_string()),
     }
 }
 
