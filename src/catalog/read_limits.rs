@@ -120,7 +120,7 @@ impl ReadLimits {
         bounds.push((setting, bound));
         let configured = ours.iter().find(|(name, _)| *name == setting).map_or(0, |(_, value)| *value);
         let sent = bound.applied_to(configured);
-        let describe = describe(setting, bound, configured);
+        let describe = describe(setting, bound, configured, "the refused read's");
         if bound.loosens() && sent != Some(configured) {
             tracing::warn!(setting, configured, ?sent, "catalog: {describe}");
         } else {
@@ -142,18 +142,19 @@ impl ReadLimits {
             .iter()
             .map(|(setting, bound)| {
                 let configured = ours.iter().find(|(name, _)| name == setting).map_or(0, |(_, value)| *value);
-                describe(setting, *bound, configured)
+                let key = match *setting {
+                    "max_execution_time" => "catalog.request_timeout",
+                    _ => "catalog.read_max_memory",
+                };
+                describe(setting, *bound, configured, key)
             })
             .collect()
     }
 }
 
-/// What reads do about a profile's bound of `setting`, configured as `configured`, in words.
-fn describe(setting: &str, bound: ProfileBound, configured: u64) -> String {
-    let key = match setting {
-        "max_execution_time" => "catalog.request_timeout",
-        _ => "catalog.read_max_memory",
-    };
+/// What reads do about a profile's bound of `setting`, in words; `configured` is the value `configured_as` names.
+fn describe(setting: &str, bound: ProfileBound, configured: u64, configured_as: &str) -> String {
+    let key = configured_as;
     match bound {
         ProfileBound::AtMost(most) if most < configured => format!(
             "the settings profile lets a read set {setting} to at most {most}: reads are bounded there, below {key} \
