@@ -233,8 +233,9 @@ struct Unresolved {
 }
 
 /// The rows of a publish attempt whose insert did not answer: ClickHouse completes an insert it has received whatever
-/// became of its client, so they may land at any later time. `captures` and `packs` keep one row per capture (per
-/// pack) and version, the last one written: had the next attempt at that version written its rows under another
+/// became of its client, so they may land at any later time. Merges keep one row of `captures` per capture (of
+/// `packs` per pack): the highest version, and of rows of one version the last one written. Had the next attempt at
+/// that version (the same: nothing was committed there) written its rows under another
 /// publish_id, a merge after such a late landing could keep the orphan row over the committed one, and the capture
 /// (the pack) would drop out of listings (the replay guard and the inventory). So the next attempt at the same version
 /// whose rows include every one of these is sent as the same attempt: same publish_id, same rows, which a late copy
@@ -247,17 +248,22 @@ struct RowsInDoubt {
 
 /// Which attempt in doubt (see [`RowsInDoubt`]) an attempt at `version` writing `rows` is to repeat: none
 /// (`Ok(None)`) when it shares no row with one, the one whose rows it shares and includes all of, or, as `Err`, how
-/// many it shares rows with without including all of one's.
+/// many it shares rows with without including all of one's. The one repeated has every row of the repeat in doubt
+/// from then on, whatever comes of it: an attempt after it repeats them all or takes a new publish_id (else its
+/// commit would make the repeat's extra rows visible, without their packs if those did not land).
 fn attempt_in_doubt_to_repeat(
-    doubts: &[RowsInDoubt],
+    doubts: &mut [RowsInDoubt],
     version: u64,
     rows: &HashSet<RowKey>,
 ) -> Result<Option<Uuid>, usize> {
-    let shared: Vec<&RowsInDoubt> =
-        doubts.iter().filter(|doubt| doubt.version == version && !doubt.rows.is_disjoint(rows)).collect();
+    let shared: Vec<usize> =
+        (0..doubts.len()).filter(|at| doubts[*at].version == version && !doubts[*at].rows.is_disjoint(rows)).collect();
     match shared.as_slice() {
         [] => Ok(None),
-        [doubt] if doubt.rows.is_subset(rows) => Ok(Some(doubt.publish_id)),
+        [at] if doubts[*at].rows.is_subset(rows) => {
+            doubts[*at].rows = rows.clone();
+            Ok(Some(doubts[*at].publish_id))
+        }
         _ => Err(shared.len()),
     }
 }
@@ -306,10 +312,11 @@ impl Publisher {
     /// The publish_id of an attempt at `version` writing `rows`: that of the attempt in doubt whose rows these share,
     /// if there is one and these include every row of it (see [`RowsInDoubt`]); a new one otherwise. Rows shared with
     /// two attempts in doubt, or with one whose rows these do not all include, cannot be sent as either: they get a
-    /// new publish_id, with a warning (a batch of the daemon's indexer is retried whole, or with more packs).
+    /// new publish_id, with a warning (a batch of the daemon's indexer is retried whole, or with more packs, unless
+    /// the server rejects its rows and the indexer publishes its packs one by one to find the bad one).
     fn publish_id_for(&self, version: u64, rows: &HashSet<RowKey>) -> Uuid {
-        let doubts = self.rows_in_doubt.lock().unwrap_or_else(|p| p.into_inner());
-        match attempt_in_doubt_to_repeat(&doubts, version, rows) {
+        let mut doubts = self.rows_in_doubt.lock().unwrap_or_else(|p| p.into_inner());
+        match attempt_in_doubt_to_repeat(&mut doubts, version, rows) {
             Ok(None) => Uuid::now_v7(),
             Ok(Some(publish_id)) => {
                 tracing::info!(version, %publish_id, "sending again the attempt whose rows are in doubt");
@@ -845,20 +852,29 @@ mod tests {
         let key = |pack: u128, capture: u128| (Uuid::from_u128(pack), Uuid::from_u128(capture));
         let rows = |keys: &[(u128, u128)]| keys.iter().map(|(pack, capture)| key(*pack, *capture)).collect();
         let (batch, switch) = (Uuid::from_u128(100), Uuid::from_u128(200));
-        let doubts = vec![
+        let mut doubts = vec![
             RowsInDoubt { version: 7, publish_id: batch, rows: rows(&[(1, 0), (1, 11), (1, 12)]) },
             RowsInDoubt { version: 7, publish_id: switch, rows: rows(&[(9, 0), (9, 91)]) },
         ];
         // The same batch, or it with a pack more: the same attempt. The switch's own rows: the switch's.
-        assert_eq!(attempt_in_doubt_to_repeat(&doubts, 7, &rows(&[(1, 0), (1, 11), (1, 12)])), Ok(Some(batch)));
-        assert_eq!(attempt_in_doubt_to_repeat(&doubts, 7, &rows(&[(1, 0), (1, 11), (1, 12), (2, 0)])), Ok(Some(batch)));
-        assert_eq!(attempt_in_doubt_to_repeat(&doubts, 7, &rows(&[(9, 0), (9, 91)])), Ok(Some(switch)));
+        assert_eq!(attempt_in_doubt_to_repeat(&mut doubts, 7, &rows(&[(1, 0), (1, 11), (1, 12)])), Ok(Some(batch)));
+        assert_eq!(
+            attempt_in_doubt_to_repeat(&mut doubts, 7, &rows(&[(1, 0), (1, 11), (1, 12), (2, 0)])),
+            Ok(Some(batch))
+        );
+        assert_eq!(attempt_in_doubt_to_repeat(&mut doubts, 7, &rows(&[(9, 0), (9, 91)])), Ok(Some(switch)));
         // Nothing shared, or another version: a new attempt.
-        assert_eq!(attempt_in_doubt_to_repeat(&doubts, 7, &rows(&[(3, 0), (3, 31)])), Ok(None));
-        assert_eq!(attempt_in_doubt_to_repeat(&doubts, 8, &rows(&[(1, 0), (1, 11), (1, 12)])), Ok(None));
+        assert_eq!(attempt_in_doubt_to_repeat(&mut doubts, 7, &rows(&[(3, 0), (3, 31)])), Ok(None));
+        assert_eq!(attempt_in_doubt_to_repeat(&mut doubts, 8, &rows(&[(1, 0), (1, 11), (1, 12)])), Ok(None));
+        // The batch repeated with a pack more has that pack's rows in doubt too: the batch alone no longer
+        // repeats it.
+        assert_eq!(attempt_in_doubt_to_repeat(&mut doubts, 7, &rows(&[(1, 0), (1, 11), (1, 12)])), Err(1));
         // Part of one, or rows of both: it cannot repeat either.
-        assert_eq!(attempt_in_doubt_to_repeat(&doubts, 7, &rows(&[(1, 0), (1, 11)])), Err(1));
-        assert_eq!(attempt_in_doubt_to_repeat(&doubts, 7, &rows(&[(1, 0), (1, 11), (1, 12), (9, 0), (9, 91)])), Err(2));
+        assert_eq!(attempt_in_doubt_to_repeat(&mut doubts, 7, &rows(&[(1, 0), (1, 11)])), Err(1));
+        assert_eq!(
+            attempt_in_doubt_to_repeat(&mut doubts, 7, &rows(&[(1, 0), (1, 11), (1, 12), (9, 0), (9, 91)])),
+            Err(2)
+        );
     }
 
     fn pack(pack_id: u128, ids: &[u128]) -> PackDescriptor {

@@ -170,7 +170,7 @@ fn describe(setting: &str, bound: ProfileBound, configured: u64, configured_as: 
         }
         ProfileBound::Fixed => format!(
             "the settings profile does not let a read set {setting}: reads are bounded by the profile's value instead \
-             of {key} ({configured})"
+             of {key} ({configured}), if it sets one (check-config --online fails a 0)"
         ),
     }
 }
