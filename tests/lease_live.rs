@@ -730,13 +730,8 @@ for_each_version!(rows_whose_insert_lost_its_reply_are_sent_again_as_the_same_at
 async fn rows_whose_insert_lost_its_reply_are_sent_again_as_the_same_attempt(server: &'static ClickHouseServer) {
     let catalog = catalog(server, true).await;
     let proxy = catalog.proxy.as_ref().unwrap();
-    let keeper = catalog.keeper(identity("lost-rows"));
-    let (_shutdown_tx, mut shutdown_rx) = watch::channel(false);
-    keeper.acquire_at_start(Duration::ZERO, &mut shutdown_rx).await.unwrap();
-    let handle = keeper.handle();
-    tokio::spawn(keeper.run(shutdown_rx));
-    let publisher =
-        Publisher::new(catalog.client.clone(), catalog.tables.clone(), &catalog.config.catalog_name, handle.clone());
+    let lost_rows = publishing(&catalog, "lost-rows").await;
+    let publisher = &lost_rows.publisher;
     let now = capstore::util::now_ns();
     let ids: Vec<Uuid> = (0..5).map(|_| Uuid::now_v7()).collect();
     let batch = vec![pack(&ids.iter().enumerate().map(|(at, id)| (*id, "s", now + at as u64)).collect::<Vec<_>>())];

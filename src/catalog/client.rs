@@ -666,12 +666,9 @@ impl CatalogClient {
         let mut settings =
             vec![("max_execution_time", whole_seconds.to_string()), ("timeout_overflow_mode", "throw".to_string())];
         settings.extend(self.sequential_consistency());
-        self.execute_with(sql, &settings, self.request_timeout).await.map_err(|mut error| {
-            if matches!(error.server_code, Some(SETTING_CONSTRAINT_VIOLATION | READONLY)) {
-                error.message = format!("{} ({DECIDING_SETTINGS_HINT})", error.message);
-            }
-            error
-        })
+        self.execute_with(sql, &settings, self.request_timeout)
+            .await
+            .map_err(|error| with_settings_hint(error, DECIDING_SETTINGS_HINT))
     }
 
     /// [`CatalogClient::execute`] for a statement that reads what this process has just written (a server-side copy
@@ -764,11 +761,16 @@ impl CatalogClient {
         self.fetch_all_with(sql, settings, self.request_timeout).await
     }
 
+    /// The limits a read stopped on the server after `timeout` asks for, as configured (whole seconds, rounded up).
+    fn configured_read_limits(&self, timeout: Duration) -> [(&'static str, u64); 2] {
+        let whole_seconds = timeout.as_secs_f64().ceil().max(1.0) as u64;
+        [("max_execution_time", whole_seconds), ("max_memory_usage", self.read_max_memory)]
+    }
+
     /// What reads do about the bounds the user's settings profile set their time and memory limits, one line each
     /// (see [`super::read_limits`]); empty while every read sends the configured limits.
     pub fn read_limit_bounds(&self) -> Vec<String> {
-        let whole_seconds = self.request_timeout.as_secs_f64().ceil().max(1.0) as u64;
-        self.read_limits.described([("max_execution_time", whole_seconds), ("max_memory_usage", self.read_max_memory)])
+        self.read_limits.described(self.configured_read_limits(self.request_timeout))
     }
 
     /// The limit settings the user's settings profile allows a read no value of (see [`super::read_limits`]).
@@ -812,8 +814,7 @@ impl CatalogClient {
     where
         T: RowOwned + RowRead,
     {
-        let whole_seconds = timeout.as_secs_f64().ceil().max(1.0) as u64;
-        let ours = [("max_execution_time", whole_seconds), ("max_memory_usage", self.read_max_memory)];
+        let ours = self.configured_read_limits(timeout);
         // Each refusal teaches one bound; a third would be a bound not applied as read, and is an error.
         let mut tries_left = LIMIT_SETTINGS.len();
         loop {
@@ -1044,14 +1045,16 @@ impl Endpoints {
 /// A read's error with what the operator can do about it: the configuration key of the limit it hit, or the
 /// settings every read sends where the user's profile refused one.
 fn explained_read_error(mut error: CatalogError) -> CatalogError {
-    match error.server_code {
-        Some(MEMORY_LIMIT_EXCEEDED) => {
-            error.message = format!("{} (the limit is catalog.read_max_memory)", error.message)
-        }
-        Some(SETTING_CONSTRAINT_VIOLATION | READONLY) => {
-            error.message = format!("{} ({READ_SETTINGS_HINT})", error.message)
-        }
-        _ => {}
+    if error.server_code == Some(MEMORY_LIMIT_EXCEEDED) {
+        error.message = format!("{} (the limit is catalog.read_max_memory)", error.message);
+    }
+    with_settings_hint(error, READ_SETTINGS_HINT)
+}
+
+/// `error` with `hint` (which settings the statement sends, and why) where the user's profile refused one.
+fn with_settings_hint(mut error: CatalogError, hint: &str) -> CatalogError {
+    if matches!(error.server_code, Some(SETTING_CONSTRAINT_VIOLATION | READONLY)) {
+        error.message = format!("{} ({hint})", error.message);
     }
     error
 }
