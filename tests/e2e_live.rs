@@ -408,6 +408,69 @@ async fn a_clickhouse_cut_of_three_ttls_never_stops_ingest_and_uploads_nothing_w
     world.assert_complete(&producer).await;
 }
 
+for_each_version!(
+    rows_sent_by_a_daemon_killed_before_their_commit_are_sent_again_by_the_next_start_as_the_same_attempt,
+    flavor = "multi_thread"
+);
+async fn rows_sent_by_a_daemon_killed_before_their_commit_are_sent_again_by_the_next_start_as_the_same_attempt(
+    server: &'static ClickHouseServer,
+) {
+    let world = World::new(server, BucketKind::File, true);
+    let proxy = world.proxy.as_ref().unwrap();
+    let (database, name) = (&world.config.catalog.database, &world.config.catalog_name);
+    let attempts_at_1 = || {
+        let sql = format!(
+            "SELECT DISTINCT publish_id FROM {database}.cs_by_version WHERE catalog = '{name}' AND version = 1 \
+             ORDER BY publish_id FORMAT TSV"
+        );
+        world.server.query(&sql).unwrap().lines().map(str::to_string).collect::<Vec<String>>()
+    };
+    let mut producer = Producer::new(world.inbox_stream(), vec![100, 5000]);
+    // The inserts of `captures` rows land, and their replies are lost (the crate sends an INSERT's statement in the
+    // URL: `captures(` is `captures%28` there), so nothing is committed.
+    proxy.blackhole_replies_matching(&format!("{database}.cs_captures%28"));
+    let mut daemon = world.start(&[]);
+    daemon.wait_for_log_async("capstore running", Duration::from_secs(30)).await;
+    producer.drop_many(5);
+    let started = Instant::now();
+    while attempts_at_1().is_empty() {
+        assert!(started.elapsed() < Duration::from_secs(60), "no rows landed:\n{}", daemon.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Killed with rows sent and nothing committed: one of its inserts might still be on its way to the server.
+    daemon.kill();
+    let first_attempt = attempts_at_1();
+    assert_eq!(first_attempt.len(), 1, "{first_attempt:?}");
+    assert!(world.committed_versions().is_empty());
+    proxy.pass();
+
+    let daemon = world.start(&[]);
+    world.wait_for_drain(&producer, Duration::from_secs(60)).await;
+    let (code, _, log) = daemon.terminate();
+    assert_eq!(code, 0, "{log}");
+    assert!(log.contains("sending again the attempt whose rows are in doubt"), "{log}");
+    assert_eq!(attempts_at_1(), first_attempt, "the next start's commit at version 1 was another attempt");
+
+    // The killed daemon's insert lands once more, after the commit (a part newer than the committed rows), and a
+    // merge keeps the last copy of each capture: the same rows, so every capture is still listed.
+    let captures = format!("{database}.cs_captures");
+    world
+        .server
+        .query(&format!(
+            "INSERT INTO {captures} SELECT * FROM {captures} WHERE catalog = '{name}' AND version = 1 AND \
+             publish_id = '{}'",
+            first_attempt[0]
+        ))
+        .unwrap();
+    world.server.query(&format!("OPTIMIZE TABLE {captures} FINAL")).unwrap();
+    // (18.16 lists across streams from `by_time`, which its view filled with the copy too.)
+    let kept = format!("SELECT count() FROM system.tables WHERE database = '{database}' AND name = 'cs_by_time'");
+    if world.server.query(&kept).unwrap().trim() == "1" {
+        world.server.query(&format!("OPTIMIZE TABLE {database}.cs_by_time FINAL")).unwrap();
+    }
+    world.assert_complete(&producer).await;
+}
+
 // A bucket fault: the catalog only has to be there, so the newest release only.
 for_each_version!(an_s3_outage_under_load_retries_and_drains_after, flavor = "multi_thread", versions = [v26_9 => V26_9]);
 async fn an_s3_outage_under_load_retries_and_drains_after(server: &'static ClickHouseServer) {

@@ -7,7 +7,7 @@
 //! 3. Descriptor rows (`captures`, `packs`) carrying `(V, publish_id)`; invisible until step 4 lands, harmless orphans if
 //!    it never does (`capstore gc` removes them). Rows whose insert did not answer may still land after a later
 //!    attempt's commit, so the next attempt at V that writes them all is sent as the same attempt (see
-//!    [`RowsInDoubt`]).
+//!    [`super::in_doubt`]).
 //! 4. The `publishes` row: `INSERT ... SELECT ... FROM system.one WHERE <fence> AND max(version) = V - 1`, with
 //!    `max_execution_time = publish_timeout` and `wait_end_of_query = 1`. The version check reads only the
 //!    publishes at or above V - 1 (a primary-key range, O(1) however long the history): their maximum is V - 1
@@ -27,11 +27,13 @@
 //! publisher), so a version is never allocated twice here.
 
 use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
 use std::sync::Mutex;
 
 use uuid::Uuid;
 
 use super::client::{sql_string_literal, CatalogClient, CatalogError, ErrorKind};
+use super::in_doubt::{AttemptsInDoubt, RowKey};
 use super::lease::{server_now_ms_expr, LeaseHandle, PublishPermit};
 use super::query::{CaptureLocation, CatalogReader, DELETED_PACK_ID};
 use super::schema::Tables;
@@ -232,46 +234,6 @@ struct Unresolved {
     lease_id: String,
 }
 
-/// The rows of a publish attempt whose insert did not answer: ClickHouse completes an insert it has received whatever
-/// became of its client, so they may land at any later time. Merges keep one row of `captures` per capture (of
-/// `packs` per pack): the highest version, and of rows of one version the last one written. Had the next attempt at
-/// that version (the same: nothing was committed there) written its rows under another
-/// publish_id, a merge after such a late landing could keep the orphan row over the committed one, and the capture
-/// (the pack) would drop out of listings (the replay guard and the inventory). So the next attempt at the same version
-/// whose rows include every one of these is sent as the same attempt: same publish_id, same rows, which a late copy
-/// only repeats. (Kept in memory: see the closing notes of issue 11 for a restarted process.)
-struct RowsInDoubt {
-    version: u64,
-    publish_id: Uuid,
-    rows: HashSet<RowKey>,
-}
-
-/// Which attempt in doubt (see [`RowsInDoubt`]) an attempt at `version` writing `rows` is to repeat: none
-/// (`Ok(None)`) when it shares no row with one, the one whose rows it shares and includes all of, or, as `Err`, how
-/// many it shares rows with without including all of one's. The one repeated has every row of the repeat in doubt
-/// from then on, whatever comes of it: an attempt after it repeats them all or takes a new publish_id (else its
-/// commit would make the repeat's extra rows visible, without their packs if those did not land).
-fn attempt_in_doubt_to_repeat(
-    doubts: &mut [RowsInDoubt],
-    version: u64,
-    rows: &HashSet<RowKey>,
-) -> Result<Option<Uuid>, usize> {
-    let shared: Vec<usize> =
-        (0..doubts.len()).filter(|at| doubts[*at].version == version && !doubts[*at].rows.is_disjoint(rows)).collect();
-    match shared.as_slice() {
-        [] => Ok(None),
-        [at] if doubts[*at].rows.is_subset(rows) => {
-            doubts[*at].rows = rows.clone();
-            Ok(Some(doubts[*at].publish_id))
-        }
-        _ => Err(shared.len()),
-    }
-}
-
-/// A row of a publish, by what it is about: `(pack_id, capture_id)` of a capture's row, `(pack_id, nil)` of a
-/// pack's. A row follows from its pack's index, its version and its publish_id alone.
-type RowKey = (Uuid, Uuid);
-
 pub struct Publisher {
     client: CatalogClient,
     tables: Tables,
@@ -288,9 +250,9 @@ pub struct Publisher {
     last_commit: Mutex<Option<(u64, u64)>>,
     /// Whether `by_id` has `captured_at_ns` ([`super::schema::by_id_has_time`]), asked once.
     by_id_time: tokio::sync::OnceCell<bool>,
-    /// The attempts whose rows are in doubt (see [`RowsInDoubt`]): at one version, the one being tried (a batch of
-    /// packs and a compaction's switch may take turns there); cleared by a commit.
-    rows_in_doubt: Mutex<Vec<RowsInDoubt>>,
+    /// The attempts whose rows may still land (see [`super::in_doubt`]): at one version, the one being tried (a
+    /// batch of packs and a compaction's switch may take turns there); cleared by a commit.
+    in_doubt: AttemptsInDoubt,
 }
 
 impl Publisher {
@@ -305,44 +267,15 @@ impl Publisher {
             stamped: std::sync::atomic::AtomicU32::new(0),
             by_id_time: tokio::sync::OnceCell::new(),
             last_commit: Mutex::new(None),
-            rows_in_doubt: Mutex::new(Vec::new()),
+            in_doubt: AttemptsInDoubt::in_memory(),
         }
     }
 
-    /// The publish_id of an attempt at `version` writing `rows`: that of the attempt in doubt whose rows these share,
-    /// if there is one and these include every row of it (see [`RowsInDoubt`]); a new one otherwise. Rows shared with
-    /// two attempts in doubt, or with one whose rows these do not all include, cannot be sent as either: they get a
-    /// new publish_id, with a warning (a batch of the daemon's indexer is retried whole, or with more packs, unless
-    /// the server rejects its rows and the indexer publishes its packs one by one to find the bad one).
-    fn publish_id_for(&self, version: u64, rows: &HashSet<RowKey>) -> Uuid {
-        let mut doubts = self.rows_in_doubt.lock().unwrap_or_else(|p| p.into_inner());
-        match attempt_in_doubt_to_repeat(&mut doubts, version, rows) {
-            Ok(None) => Uuid::now_v7(),
-            Ok(Some(publish_id)) => {
-                tracing::info!(version, %publish_id, "sending again the attempt whose rows are in doubt");
-                publish_id
-            }
-            Err(attempts) => {
-                tracing::warn!(
-                    version,
-                    attempts,
-                    "rows of earlier attempts at this version are in doubt and this attempt does not repeat them all: \
-                     should they land late, a merge may keep them over this publish's rows of the same captures"
-                );
-                Uuid::now_v7()
-            }
-        }
-    }
-
-    /// Note that the rows of the attempt `(version, publish_id)` may land later: its insert failed without saying
-    /// it did not run (an error of unknown outcome).
-    fn doubt_rows(&self, version: u64, publish_id: Uuid, rows: HashSet<RowKey>, error: &CatalogError) {
-        if error.kind == ErrorKind::DefinitelyFailed {
-            return;
-        }
-        let mut doubts = self.rows_in_doubt.lock().unwrap_or_else(|p| p.into_inner());
-        doubts.retain(|doubt| doubt.publish_id != publish_id);
-        doubts.push(RowsInDoubt { version, publish_id, rows });
+    /// Keep the attempts whose rows may still land in `file` too (in the spool, which one process at a time owns), so
+    /// that a process started after this one died repeats them (see [`super::in_doubt`]).
+    pub fn keeping_doubts_in(mut self, file: PathBuf) -> Publisher {
+        self.in_doubt = AttemptsInDoubt::kept_in(file);
+        self
     }
 
     /// The version a publish under `permit` takes: one above this publisher's last commit if that was under the
@@ -484,9 +417,11 @@ impl Publisher {
             .map(|(pack, entry)| (pack.summary.pack_id, entry.meta.capture_id))
             .chain(fresh.iter().map(|pack| (pack.summary.pack_id, Uuid::nil())))
             .collect();
-        let publish_id = self.publish_id_for(version, &rows);
+        let publish_id = self.in_doubt.attempt(version, &rows).await;
         if let Err(error) = self.insert_descriptor_rows(&fresh, &captures, version, publish_id).await {
-            self.doubt_rows(version, publish_id, rows, &error);
+            if error.kind == ErrorKind::DefinitelyFailed {
+                self.in_doubt.ruled_out(publish_id).await;
+            }
             return Err(error.into());
         }
         self.commit(permit, version, publish_id, fresh.len(), captures.len()).await?;
@@ -663,7 +598,7 @@ impl Publisher {
                 movable.iter().map(move |entry| (id, entry.meta.capture_id)).chain([(id, Uuid::nil())])
             })
             .collect();
-        let publish_id = self.publish_id_for(version, &doubted);
+        let publish_id = self.in_doubt.attempt(version, &doubted).await;
         let publish_id_text = publish_id.to_string();
         self.stamp_at_least(super::schema::STAMPED_BY_COMPACTION).await?;
         if let Some(pack) = &relocation.new_pack {
@@ -674,7 +609,9 @@ impl Publisher {
                 self.client.insert_rows(&self.tables.packs, &[self.pack_row(pack, version, &publish_id_text)]).await
             };
             if let Err(error) = inserted.await {
-                self.doubt_rows(version, publish_id, doubted, &error);
+                if error.kind == ErrorKind::DefinitelyFailed {
+                    self.in_doubt.ruled_out(publish_id).await;
+                }
                 return Err(error.into());
             }
         }
@@ -747,8 +684,7 @@ impl Publisher {
             Ok(Some(committed)) => {
                 debug_assert_eq!(committed, version);
                 self.remember_commit(Some((permit.tenure, version)));
-                // Rows in doubt were of this version (versions only go up), now committed or orphans for good.
-                self.rows_in_doubt.lock().unwrap_or_else(|p| p.into_inner()).clear();
+                self.in_doubt.committed().await;
                 tracing::info!(version, %publish_id, packs = pack_count, captures = capture_count, "published");
                 Ok(())
             }
@@ -846,36 +782,6 @@ impl Publisher {
 mod tests {
     use super::*;
     use crate::pack::CaptureMeta;
-
-    #[test]
-    fn an_attempt_repeats_the_one_in_doubt_whose_rows_it_includes() {
-        let key = |pack: u128, capture: u128| (Uuid::from_u128(pack), Uuid::from_u128(capture));
-        let rows = |keys: &[(u128, u128)]| keys.iter().map(|(pack, capture)| key(*pack, *capture)).collect();
-        let (batch, switch) = (Uuid::from_u128(100), Uuid::from_u128(200));
-        let mut doubts = vec![
-            RowsInDoubt { version: 7, publish_id: batch, rows: rows(&[(1, 0), (1, 11), (1, 12)]) },
-            RowsInDoubt { version: 7, publish_id: switch, rows: rows(&[(9, 0), (9, 91)]) },
-        ];
-        // The same batch, or it with a pack more: the same attempt. The switch's own rows: the switch's.
-        assert_eq!(attempt_in_doubt_to_repeat(&mut doubts, 7, &rows(&[(1, 0), (1, 11), (1, 12)])), Ok(Some(batch)));
-        assert_eq!(
-            attempt_in_doubt_to_repeat(&mut doubts, 7, &rows(&[(1, 0), (1, 11), (1, 12), (2, 0)])),
-            Ok(Some(batch))
-        );
-        assert_eq!(attempt_in_doubt_to_repeat(&mut doubts, 7, &rows(&[(9, 0), (9, 91)])), Ok(Some(switch)));
-        // Nothing shared, or another version: a new attempt.
-        assert_eq!(attempt_in_doubt_to_repeat(&mut doubts, 7, &rows(&[(3, 0), (3, 31)])), Ok(None));
-        assert_eq!(attempt_in_doubt_to_repeat(&mut doubts, 8, &rows(&[(1, 0), (1, 11), (1, 12)])), Ok(None));
-        // The batch repeated with a pack more has that pack's rows in doubt too: the batch alone no longer
-        // repeats it.
-        assert_eq!(attempt_in_doubt_to_repeat(&mut doubts, 7, &rows(&[(1, 0), (1, 11), (1, 12)])), Err(1));
-        // Part of one, or rows of both: it cannot repeat either.
-        assert_eq!(attempt_in_doubt_to_repeat(&mut doubts, 7, &rows(&[(1, 0), (1, 11)])), Err(1));
-        assert_eq!(
-            attempt_in_doubt_to_repeat(&mut doubts, 7, &rows(&[(1, 0), (1, 11), (1, 12), (9, 0), (9, 91)])),
-            Err(2)
-        );
-    }
 
     fn pack(pack_id: u128, ids: &[u128]) -> PackDescriptor {
         let entries = ids
