@@ -34,6 +34,7 @@
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use bytes::{Buf, BufMut};
@@ -57,12 +58,14 @@ pub struct RowsInDoubt {
 pub struct AttemptsInDoubt {
     attempts: Mutex<Vec<RowsInDoubt>>,
     file: Option<PathBuf>,
+    /// Whether the last write of the file failed (a full or failing spool disk): warned once, not at every publish.
+    write_failing: AtomicBool,
 }
 
 impl AttemptsInDoubt {
     /// Kept in memory only (tools that hold no spool).
     pub fn in_memory() -> AttemptsInDoubt {
-        AttemptsInDoubt { attempts: Mutex::new(Vec::new()), file: None }
+        AttemptsInDoubt { attempts: Mutex::new(Vec::new()), file: None, write_failing: AtomicBool::new(false) }
     }
 
     /// Kept in `file` too, starting from what it holds (what a process before this one left there).
@@ -87,7 +90,7 @@ impl AttemptsInDoubt {
                 Vec::new()
             }
         };
-        AttemptsInDoubt { attempts: Mutex::new(attempts), file: Some(file) }
+        AttemptsInDoubt { attempts: Mutex::new(attempts), file: Some(file), write_failing: AtomicBool::new(false) }
     }
 
     /// The publish_id of an attempt at `version` writing `rows`, recorded (in the file too) before the caller sends
@@ -165,13 +168,21 @@ impl AttemptsInDoubt {
     async fn write(&self, contents: Option<Vec<u8>>) {
         let (Some(file), Some(bytes)) = (self.file.clone(), contents) else { return };
         let written = tokio::task::spawn_blocking(move || replace_file(&file, &bytes)).await;
-        let result = written.unwrap_or_else(|joined| Err(std::io::Error::other(joined)));
-        if let Err(error) = result {
-            tracing::warn!(
-                %error,
-                "cannot record the publish attempts in doubt in the spool: a process started after this one dies \
-                 would not know them"
-            );
+        match written.unwrap_or_else(|joined| Err(std::io::Error::other(joined))) {
+            Ok(()) => {
+                if self.write_failing.swap(false, Ordering::Relaxed) {
+                    tracing::info!("the publish attempts in doubt are recorded in the spool again");
+                }
+            }
+            Err(error) => {
+                if !self.write_failing.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        %error,
+                        "cannot record the publish attempts in doubt in the spool (warned once until it can): a \
+                         process started after this one dies would not know them"
+                    );
+                }
+            }
         }
     }
 }
@@ -328,6 +339,16 @@ mod tests {
         assert!(AttemptsInDoubt::kept_in(file.clone()).recorded().is_empty());
         let leftovers: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
         assert!(leftovers.is_empty(), "{leftovers:?}");
+    }
+
+    #[tokio::test]
+    async fn a_record_that_cannot_be_written_leaves_the_attempts_in_memory() {
+        let dir = tempfile::tempdir().unwrap();
+        let doubts = AttemptsInDoubt::kept_in(dir.path().join("gone").join("rows-in-doubt"));
+        let batch = rows(&[(1, 0), (1, 11)]);
+        let sent = doubts.attempt(4, &batch).await;
+        assert!(doubts.write_failing.load(Ordering::Relaxed));
+        assert_eq!(doubts.attempt(4, &batch).await, sent, "still repeated within the process");
     }
 
     #[test]
