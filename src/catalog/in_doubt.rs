@@ -14,7 +14,7 @@
 //!
 //! ```text
 //!  (new) --attempt: recorded, the file written, before any row is sent--> sent
-//!  sent --its insert failed without running (DefinitelyFailed)--> (gone)
+//!  sent --its first send's insert failed without running (DefinitelyFailed)--> (gone)
 //!  sent --a later attempt at its version includes its rows--> sent, as that attempt, with the later attempt's rows
 //!  every attempt --a commit (of any version: versions only go up, so its rows are committed or orphans for good)--> (gone)
 //! ```
@@ -52,6 +52,14 @@ pub struct RowsInDoubt {
     pub version: u64,
     pub publish_id: Uuid,
     pub rows: HashSet<RowKey>,
+}
+
+/// What [`AttemptsInDoubt::attempt`] decided for an attempt about to be sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Attempt {
+    pub publish_id: Uuid,
+    /// Whether it repeats an attempt recorded earlier (by this process or one before it).
+    repeat: bool,
 }
 
 /// The attempts in doubt of one publisher, optionally mirrored in a file (see the module doc).
@@ -98,8 +106,8 @@ impl AttemptsInDoubt {
     /// or with one whose rows these do not all include, cannot be sent as either: they get a new publish_id, with a
     /// warning (a batch of the daemon's indexer is retried whole, or with more packs, unless the server rejects its
     /// rows and the indexer publishes its packs one by one to find the bad one).
-    pub async fn attempt(&self, version: u64, rows: &HashSet<RowKey>) -> Uuid {
-        let (publish_id, bytes) = {
+    pub async fn attempt(&self, version: u64, rows: &HashSet<RowKey>) -> Attempt {
+        let (attempt, bytes) = {
             let mut attempts = self.lock();
             let publish_id = match attempt_to_repeat(&mut attempts, version, rows) {
                 Ok(Some(publish_id)) => {
@@ -117,20 +125,25 @@ impl AttemptsInDoubt {
                     Uuid::now_v7()
                 }
             };
-            if !attempts.iter().any(|attempt| attempt.publish_id == publish_id) {
+            let repeat = attempts.iter().any(|attempt| attempt.publish_id == publish_id);
+            if !repeat {
                 attempts.push(RowsInDoubt { version, publish_id, rows: rows.clone() });
             }
-            (publish_id, self.contents(&attempts))
+            (Attempt { publish_id, repeat }, self.contents(&attempts))
         };
         self.write(bytes).await;
-        publish_id
+        attempt
     }
 
-    /// The insert of `publish_id` failed without running: its rows cannot land.
-    pub async fn ruled_out(&self, publish_id: Uuid) {
+    /// The insert of `attempt` failed without running: its rows cannot land, unless an earlier send of its
+    /// publish_id's may (a repeat keeps them all in doubt).
+    pub async fn ruled_out(&self, attempt: &Attempt) {
+        if attempt.repeat {
+            return;
+        }
         let bytes = {
             let mut attempts = self.lock();
-            attempts.retain(|attempt| attempt.publish_id != publish_id);
+            attempts.retain(|recorded| recorded.publish_id != attempt.publish_id);
             self.contents(&attempts)
         };
         self.write(bytes).await;
@@ -321,18 +334,22 @@ mod tests {
         let file = dir.path().join("rows-in-doubt");
         let batch = rows(&[(1, 0), (1, 11), (1, 12)]);
         let first = AttemptsInDoubt::kept_in(file.clone());
-        let sent = first.attempt(7, &batch).await;
+        let sent = first.attempt(7, &batch).await.publish_id;
         // The process dies with the insert in flight; the next one reads what it left.
         drop(first);
         let next = AttemptsInDoubt::kept_in(file.clone());
         assert_eq!(next.recorded(), vec![RowsInDoubt { version: 7, publish_id: sent, rows: batch.clone() }]);
         let mut bigger = batch.clone();
         bigger.insert(key(2, 0));
-        assert_eq!(next.attempt(7, &bigger).await, sent, "the same attempt, with a pack more");
+        let repeat = next.attempt(7, &bigger).await;
+        assert_eq!(repeat.publish_id, sent, "the same attempt, with a pack more");
         assert_eq!(AttemptsInDoubt::kept_in(file.clone()).recorded()[0].rows, bigger, "recorded with its new rows");
-        // An insert that failed without running leaves nothing to repeat; a commit clears the record.
+        // A repeat whose insert failed without running leaves the earlier sends in doubt, with every row either
+        // may have; a new attempt whose insert failed so leaves nothing to repeat.
+        next.ruled_out(&repeat).await;
+        assert_eq!(AttemptsInDoubt::kept_in(file.clone()).recorded()[0].rows, bigger);
         let other = next.attempt(7, &rows(&[(5, 0)])).await;
-        next.ruled_out(other).await;
+        next.ruled_out(&other).await;
         assert_eq!(AttemptsInDoubt::kept_in(file.clone()).recorded().len(), 1);
         next.committed().await;
         assert!(!file.exists(), "nothing in doubt: no file");
@@ -346,9 +363,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let doubts = AttemptsInDoubt::kept_in(dir.path().join("gone").join("rows-in-doubt"));
         let batch = rows(&[(1, 0), (1, 11)]);
-        let sent = doubts.attempt(4, &batch).await;
+        let sent = doubts.attempt(4, &batch).await.publish_id;
         assert!(doubts.write_failing.load(Ordering::Relaxed));
-        assert_eq!(doubts.attempt(4, &batch).await, sent, "still repeated within the process");
+        assert_eq!(doubts.attempt(4, &batch).await.publish_id, sent, "still repeated within the process");
     }
 
     #[test]

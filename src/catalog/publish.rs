@@ -417,10 +417,11 @@ impl Publisher {
             .map(|(pack, entry)| (pack.summary.pack_id, entry.meta.capture_id))
             .chain(fresh.iter().map(|pack| (pack.summary.pack_id, Uuid::nil())))
             .collect();
-        let publish_id = self.in_doubt.attempt(version, &rows).await;
+        let attempt = self.in_doubt.attempt(version, &rows).await;
+        let publish_id = attempt.publish_id;
         if let Err(error) = self.insert_descriptor_rows(&fresh, &captures, version, publish_id).await {
             if error.kind == ErrorKind::DefinitelyFailed {
-                self.in_doubt.ruled_out(publish_id).await;
+                self.in_doubt.ruled_out(&attempt).await;
             }
             return Err(error.into());
         }
@@ -598,7 +599,8 @@ impl Publisher {
                 movable.iter().map(move |entry| (id, entry.meta.capture_id)).chain([(id, Uuid::nil())])
             })
             .collect();
-        let publish_id = self.in_doubt.attempt(version, &doubted).await;
+        let attempt = self.in_doubt.attempt(version, &doubted).await;
+        let publish_id = attempt.publish_id;
         let publish_id_text = publish_id.to_string();
         self.stamp_at_least(super::schema::STAMPED_BY_COMPACTION).await?;
         if let Some(pack) = &relocation.new_pack {
@@ -610,7 +612,7 @@ impl Publisher {
             };
             if let Err(error) = inserted.await {
                 if error.kind == ErrorKind::DefinitelyFailed {
-                    self.in_doubt.ruled_out(publish_id).await;
+                    self.in_doubt.ruled_out(&attempt).await;
                 }
                 return Err(error.into());
             }
