@@ -795,6 +795,102 @@ async fn rows_whose_insert_lost_its_reply_are_sent_again_as_the_same_attempt(ser
     }
 }
 
+for_each_version!(rows_sharing_captures_with_an_attempt_in_doubt_go_to_the_next_version_after_an_empty_commit);
+async fn rows_sharing_captures_with_an_attempt_in_doubt_go_to_the_next_version_after_an_empty_commit(
+    server: &'static ClickHouseServer,
+) {
+    let catalog = catalog(server, true).await;
+    let proxy = catalog.proxy.as_ref().unwrap();
+    let publishing = publishing(&catalog, "reshaped").await;
+    let publisher = &publishing.publisher;
+    let now = capstore::util::now_ns();
+    let ids: Vec<Uuid> = (0..6).map(|_| Uuid::now_v7()).collect();
+    let first = pack(&ids[..3].iter().enumerate().map(|(at, id)| (*id, "s", now + at as u64)).collect::<Vec<_>>());
+    let second =
+        pack(&ids[3..].iter().enumerate().map(|(at, id)| (*id, "s", now + 10 + at as u64)).collect::<Vec<_>>());
+    let (captures, by_version, name) =
+        (&catalog.tables.captures, &catalog.tables.by_version, &catalog.config.catalog_name);
+    let attempts_at_1 = || {
+        let sql =
+            format!("SELECT DISTINCT publish_id FROM {by_version} WHERE catalog = '{name}' AND version = 1 FORMAT TSV");
+        catalog.server.query(&sql).unwrap().lines().map(str::to_string).collect::<Vec<String>>()
+    };
+
+    // A batch of two packs whose rows land with their reply lost: in doubt at version 1.
+    proxy.blackhole_replies_matching(&format!("{captures}%28"));
+    let result = publisher.publish_batch(&[first.clone(), second.clone()]).await;
+    assert!(result.is_err(), "{result:?}");
+    proxy.pass();
+    let landed = tokio::time::timeout(TTL * 3, async {
+        while attempts_at_1().is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(landed.is_ok(), "the rows whose reply was lost never landed");
+    let in_doubt = attempts_at_1();
+
+    // The first pack alone (a smaller batch, as after `batch_max_rows` was lowered): it cannot be that attempt, so
+    // version 1 is committed empty and the pack goes to version 2.
+    let committed = tokio::time::timeout(TTL * 6, async {
+        loop {
+            match publisher.publish_batch(std::slice::from_ref(&first)).await {
+                Ok(PublishOutcome::Committed { version, .. }) => break version,
+                Ok(other) => panic!("{other:?}"),
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+    })
+    .await;
+    assert_eq!(committed.expect("the pack was never published"), 2);
+    let publishes = catalog
+        .server
+        .query(&format!(
+            "SELECT version, publish_id, packs, captures FROM {} WHERE catalog = '{name}' ORDER BY version FORMAT TSV",
+            catalog.tables.publishes
+        ))
+        .unwrap();
+    let publishes: Vec<Vec<&str>> = publishes.lines().map(|line| line.split('\t').collect()).collect();
+    assert_eq!(publishes.len(), 2, "{publishes:?}");
+    assert_eq!((publishes[0][0], publishes[0][2], publishes[0][3]), ("1", "0", "0"), "{publishes:?}");
+    assert_ne!(vec![publishes[0][1].to_string()], in_doubt, "the empty commit is not the attempt in doubt");
+
+    // The attempt in doubt lands once more, after both commits, and a merge keeps one row of each capture: the
+    // first pack's captures are listed from version 2, the second's from nowhere until it is published.
+    catalog
+        .server
+        .query(&format!(
+            "INSERT INTO {captures} SELECT * FROM {captures} WHERE catalog = '{name}' AND version = 1 AND publish_id = '{}'",
+            in_doubt[0]
+        ))
+        .unwrap();
+    catalog.server.query(&format!("OPTIMIZE TABLE {captures} FINAL")).unwrap();
+    let (database, by_time) = catalog.tables.by_time.split_once('.').unwrap();
+    let kept = format!("SELECT count() FROM system.tables WHERE database = '{database}' AND name = '{by_time}'");
+    if catalog.server.query(&kept).unwrap().trim() == "1" {
+        catalog.server.query(&format!("OPTIMIZE TABLE {} FINAL", catalog.tables.by_time)).unwrap();
+    }
+    let listed = |stream: Option<String>| async {
+        let page = catalog.reader().list(&ListQuery { stream, limit: 10, ..Default::default() }).await;
+        page.unwrap().captures.iter().map(|capture| capture.capture_id.clone()).collect::<Vec<String>>()
+    };
+    let expected: Vec<String> = ids[..3].iter().map(Uuid::to_string).collect();
+    assert_eq!(listed(Some("s".into())).await, expected);
+    assert_eq!(listed(None).await, expected);
+    let published = loop {
+        match publisher.publish_batch(std::slice::from_ref(&second)).await {
+            Err(PublishError::NotCommitted | PublishError::NoLease) => {
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            other => break other.unwrap(),
+        }
+    };
+    assert!(matches!(published, PublishOutcome::Committed { version: 3, .. }), "{published:?}");
+    let expected: Vec<String> = ids.iter().map(Uuid::to_string).collect();
+    assert_eq!(listed(Some("s".into())).await, expected);
+    assert_eq!(listed(None).await, expected);
+}
+
 for_each_version!(a_black_holed_clickhouse_ends_every_lease_request_at_its_timeout);
 async fn a_black_holed_clickhouse_ends_every_lease_request_at_its_timeout(server: &'static ClickHouseServer) {
     let catalog = catalog(server, true).await;

@@ -16,6 +16,8 @@
 //!  (new) --attempt: recorded, the file written, before any row is sent--> sent
 //!  sent --its first send's insert failed without running (DefinitelyFailed)--> (gone)
 //!  sent --a later attempt at its version includes its rows--> sent, as that attempt, with the later attempt's rows
+//!  sent --a later attempt at its version shares a capture or a pack without including all its rows--> the version
+//!        is committed empty (the publisher's barrier), which clears every record; the later attempt takes the next
 //!  every attempt --a commit (of any version: versions only go up, so its rows are committed or orphans for good)--> (gone)
 //! ```
 //!
@@ -101,12 +103,12 @@ impl AttemptsInDoubt {
         AttemptsInDoubt { attempts: Mutex::new(attempts), file: Some(file), write_failing: AtomicBool::new(false) }
     }
 
-    /// The publish_id of an attempt at `version` writing `rows`, recorded (in the file too) before the caller sends
-    /// any row: that of the attempt in doubt whose rows these include, or a new one. Rows shared with two attempts,
-    /// or with one whose rows these do not all include, cannot be sent as either: they get a new publish_id, with a
-    /// warning (a batch of the daemon's indexer is retried whole, or with more packs, unless the server rejects its
-    /// rows and the indexer publishes its packs one by one to find the bad one).
-    pub async fn attempt(&self, version: u64, rows: &HashSet<RowKey>) -> Attempt {
+    /// The attempt at `version` writing `rows`, recorded (in the file too) before the caller sends any row: under the
+    /// publish_id of the attempt in doubt whose rows these include, or a new one. `None` when these share a capture
+    /// or a pack with an attempt in doubt (or two) without including all its rows: they can be sent as no attempt at
+    /// this version, since a late landing of the other's rows could win a merge over them (the caller commits the
+    /// version empty first, see [`super::publish`]).
+    pub async fn attempt(&self, version: u64, rows: &HashSet<RowKey>) -> Option<Attempt> {
         let (attempt, bytes) = {
             let mut attempts = self.lock();
             let publish_id = match attempt_to_repeat(&mut attempts, version, rows) {
@@ -120,19 +122,20 @@ impl AttemptsInDoubt {
                         version,
                         attempts = shared,
                         "rows of earlier attempts at this version are in doubt and this attempt does not repeat them \
-                         all: should they land late, a merge may keep them over this publish's rows of the same captures"
+                         all: the version is committed empty, and this attempt goes to the next one"
                     );
-                    Uuid::now_v7()
+                    return None;
                 }
             };
             let repeat = attempts.iter().any(|attempt| attempt.publish_id == publish_id);
-            if !repeat {
+            // An attempt of no rows (a compaction's switch that only retires packs) has nothing that could land.
+            if !repeat && !rows.is_empty() {
                 attempts.push(RowsInDoubt { version, publish_id, rows: rows.clone() });
             }
             (Attempt { publish_id, repeat }, self.contents(&attempts))
         };
         self.write(bytes).await;
-        attempt
+        Some(attempt)
     }
 
     /// The insert of `attempt` failed without running: its rows cannot land, unless an earlier send of its
@@ -200,16 +203,24 @@ impl AttemptsInDoubt {
     }
 }
 
-/// Which attempt in doubt an attempt at `version` writing `rows` is to repeat: none (`Ok(None)`) when it shares no row
-/// with one, the one whose rows it shares and includes all of, or, as `Err`, how many it shares rows with without
-/// including all of one's. The one repeated has every row of the repeat from then on.
+/// Which attempt in doubt an attempt at `version` writing `rows` is to repeat: none (`Ok(None)`) when it shares no
+/// capture and no pack with one, the one it shares with and includes every row of, or, as `Err`, how many it shares
+/// with without including all of one's. The one repeated has every row of the repeat from then on.
+///
+/// Shared is by what a merge replaces, not by row: a capture's rows in two packs (a post repeated into another pack)
+/// are rows of one capture, which `captures` keeps one of.
 fn attempt_to_repeat(
     attempts: &mut [RowsInDoubt],
     version: u64,
     rows: &HashSet<RowKey>,
 ) -> Result<Option<Uuid>, usize> {
+    let subjects = merged_subjects(rows);
     let shared: Vec<usize> = (0..attempts.len())
-        .filter(|at| attempts[*at].version == version && !attempts[*at].rows.is_disjoint(rows))
+        .filter(|at| {
+            let attempt = &attempts[*at];
+            attempt.version == version
+                && (!attempt.rows.is_disjoint(rows) || !merged_subjects(&attempt.rows).is_disjoint(&subjects))
+        })
         .collect();
     match shared.as_slice() {
         [] => Ok(None),
@@ -221,6 +232,12 @@ fn attempt_to_repeat(
     }
 }
 
+/// What the rows are about, as merges of `captures` and `packs` replace rows: the capture of a capture's row, the pack
+/// of a pack's (a pack id and a capture id never coincide: both are UUIDv7s made apart).
+fn merged_subjects(rows: &HashSet<RowKey>) -> HashSet<Uuid> {
+    rows.iter().map(|(pack_id, capture_id)| if capture_id.is_nil() { *pack_id } else { *capture_id }).collect()
+}
+
 /// Replace `file` with `bytes` through a rename; no bytes remove it.
 fn replace_file(file: &Path, bytes: &[u8]) -> std::io::Result<()> {
     if bytes.is_empty() {
@@ -230,12 +247,18 @@ fn replace_file(file: &Path, bytes: &[u8]) -> std::io::Result<()> {
         };
     }
     let temp = crate::durable::temp_path_for(file);
-    std::io::Write::write_all(
-        &mut crate::durable::new_file_options().write(true).create_new(true).open(&temp)?,
-        bytes,
-    )?;
+    let written = crate::durable::new_file_options()
+        .write(true)
+        .create_new(true)
+        .open(&temp)
+        .and_then(|mut opened| std::io::Write::write_all(&mut opened, bytes));
     #[allow(clippy::disallowed_methods, reason = "not fsynced on purpose: see the module doc")]
-    std::fs::rename(&temp, file)
+    let replaced = written.and_then(|()| std::fs::rename(&temp, file));
+    if replaced.is_err() {
+        // Not left for the next start's recovery: on a full disk its bytes are what is short.
+        let _ = std::fs::remove_file(&temp);
+    }
+    replaced
 }
 
 /// The file's bytes: [`MAGIC`], the number of attempts (u32), each attempt's version (u64), publish_id (16 bytes),
@@ -325,6 +348,8 @@ mod tests {
         assert_eq!(attempt_to_repeat(&mut attempts, 7, &rows(&[(1, 0), (1, 11), (1, 12)])), Err(1));
         // Part of one, or rows of both: it cannot repeat either.
         assert_eq!(attempt_to_repeat(&mut attempts, 7, &rows(&[(1, 0), (1, 11)])), Err(1));
+        // A capture of one posted again into another pack: a row of the same capture.
+        assert_eq!(attempt_to_repeat(&mut attempts, 7, &rows(&[(4, 0), (4, 91)])), Err(1));
         assert_eq!(attempt_to_repeat(&mut attempts, 7, &rows(&[(1, 0), (1, 11), (1, 12), (9, 0), (9, 91)])), Err(2));
     }
 
@@ -334,23 +359,31 @@ mod tests {
         let file = dir.path().join("rows-in-doubt");
         let batch = rows(&[(1, 0), (1, 11), (1, 12)]);
         let first = AttemptsInDoubt::kept_in(file.clone());
-        let sent = first.attempt(7, &batch).await.publish_id;
+        let sent = first.attempt(7, &batch).await.unwrap().publish_id;
         // The process dies with the insert in flight; the next one reads what it left.
         drop(first);
         let next = AttemptsInDoubt::kept_in(file.clone());
         assert_eq!(next.recorded(), vec![RowsInDoubt { version: 7, publish_id: sent, rows: batch.clone() }]);
         let mut bigger = batch.clone();
         bigger.insert(key(2, 0));
-        let repeat = next.attempt(7, &bigger).await;
+        let repeat = next.attempt(7, &bigger).await.unwrap();
         assert_eq!(repeat.publish_id, sent, "the same attempt, with a pack more");
         assert_eq!(AttemptsInDoubt::kept_in(file.clone()).recorded()[0].rows, bigger, "recorded with its new rows");
         // A repeat whose insert failed without running leaves the earlier sends in doubt, with every row either
         // may have; a new attempt whose insert failed so leaves nothing to repeat.
         next.ruled_out(&repeat).await;
         assert_eq!(AttemptsInDoubt::kept_in(file.clone()).recorded()[0].rows, bigger);
-        let other = next.attempt(7, &rows(&[(5, 0)])).await;
+        let other = next.attempt(7, &rows(&[(5, 0)])).await.unwrap();
         next.ruled_out(&other).await;
         assert_eq!(AttemptsInDoubt::kept_in(file.clone()).recorded().len(), 1);
+        // Rows shared without all of them: no attempt at this version, and nothing recorded, however often asked.
+        for _ in 0..3 {
+            assert_eq!(next.attempt(7, &rows(&[(1, 0), (1, 11)])).await, None);
+        }
+        assert_eq!(next.recorded().len(), 1);
+        // No rows: nothing recorded.
+        assert!(next.attempt(7, &HashSet::new()).await.is_some());
+        assert_eq!(next.recorded().len(), 1);
         next.committed().await;
         assert!(!file.exists(), "nothing in doubt: no file");
         assert!(AttemptsInDoubt::kept_in(file.clone()).recorded().is_empty());
@@ -363,9 +396,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let doubts = AttemptsInDoubt::kept_in(dir.path().join("gone").join("rows-in-doubt"));
         let batch = rows(&[(1, 0), (1, 11)]);
-        let sent = doubts.attempt(4, &batch).await.publish_id;
+        let sent = doubts.attempt(4, &batch).await.unwrap().publish_id;
         assert!(doubts.write_failing.load(Ordering::Relaxed));
-        assert_eq!(doubts.attempt(4, &batch).await.publish_id, sent, "still repeated within the process");
+        assert_eq!(doubts.attempt(4, &batch).await.unwrap().publish_id, sent, "still repeated within the process");
+        let leftovers: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+        assert!(leftovers.is_empty(), "{leftovers:?}");
     }
 
     #[test]

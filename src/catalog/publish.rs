@@ -278,6 +278,26 @@ impl Publisher {
         self
     }
 
+    /// The version a publish of `rows` under `permit` takes, and its attempt there (see [`super::in_doubt`]). Where
+    /// these rows share captures or packs with an attempt in doubt at that version without repeating it, the version
+    /// is committed empty first (no rows, under a publish_id of its own), so that the rows in doubt are orphans for
+    /// good, and these go to the next version: a merge keeps the highest version, so a late landing of those rows
+    /// can no longer win over these.
+    async fn version_and_attempt(
+        &self,
+        permit: &PublishPermit,
+        rows: &HashSet<RowKey>,
+    ) -> Result<(u64, super::in_doubt::Attempt), PublishError> {
+        loop {
+            let version = self.next_version(permit).await?;
+            match self.in_doubt.attempt(version, rows).await {
+                Some(attempt) => return Ok((version, attempt)),
+                // The commit clears every record of attempts in doubt: the next turn of the loop finds none.
+                None => self.commit(permit, version, Uuid::now_v7(), 0, 0).await?,
+            }
+        }
+    }
+
     /// The version a publish under `permit` takes: one above this publisher's last commit if that was under the
     /// same tenure of the lease as `permit`, else one above the watermark read now. While a tenure lasts the fence
     /// keeps every other process from publishing and this publisher publishes one at a time (the turn), so its last
@@ -410,14 +430,13 @@ impl Publisher {
             return Ok(PublishOutcome::AlreadyPublished);
         }
 
-        let version = self.next_version(permit).await?;
         let captures = last_posts(&fresh);
         let rows: HashSet<RowKey> = captures
             .iter()
             .map(|(pack, entry)| (pack.summary.pack_id, entry.meta.capture_id))
             .chain(fresh.iter().map(|pack| (pack.summary.pack_id, Uuid::nil())))
             .collect();
-        let attempt = self.in_doubt.attempt(version, &rows).await;
+        let (version, attempt) = self.version_and_attempt(permit, &rows).await?;
         let publish_id = attempt.publish_id;
         if let Err(error) = self.insert_descriptor_rows(&fresh, &captures, version, publish_id).await {
             if error.kind == ErrorKind::DefinitelyFailed {
@@ -588,7 +607,6 @@ impl Publisher {
             return Ok(RelocationOutcome::AlreadySwitched);
         }
 
-        let version = self.next_version(&permit).await?;
         // The new pack's row in `packs` is the one a late copy could replace (its moves go to `by_version` and
         // `by_id` only, whose rows differ by publish_id).
         let doubted: HashSet<RowKey> = relocation
@@ -599,7 +617,7 @@ impl Publisher {
                 movable.iter().map(move |entry| (id, entry.meta.capture_id)).chain([(id, Uuid::nil())])
             })
             .collect();
-        let attempt = self.in_doubt.attempt(version, &doubted).await;
+        let (version, attempt) = self.version_and_attempt(&permit, &doubted).await?;
         let publish_id = attempt.publish_id;
         let publish_id_text = publish_id.to_string();
         self.stamp_at_least(super::schema::STAMPED_BY_COMPACTION).await?;
