@@ -214,12 +214,14 @@ fn attempt_to_repeat(
     version: u64,
     rows: &HashSet<RowKey>,
 ) -> Result<Option<Uuid>, usize> {
-    let subjects = merged_subjects(rows);
+    // Made only when an attempt at this version is recorded: a publish's steady path has none.
+    let subjects = std::cell::OnceCell::new();
     let shared: Vec<usize> = (0..attempts.len())
         .filter(|at| {
             let attempt = &attempts[*at];
             attempt.version == version
-                && (!attempt.rows.is_disjoint(rows) || !merged_subjects(&attempt.rows).is_disjoint(&subjects))
+                && (!attempt.rows.is_disjoint(rows)
+                    || !merged_subjects(&attempt.rows).is_disjoint(subjects.get_or_init(|| merged_subjects(rows))))
         })
         .collect();
     match shared.as_slice() {
