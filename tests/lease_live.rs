@@ -302,6 +302,7 @@ async fn a_paused_holder_lands_nothing_after_a_takeover_and_an_empty_table_fails
     let permit = PublishPermit {
         lease_id: lease_id.into(),
         tenure: 1,
+        after_another_lease: false,
         term: 1,
         holder: "nobody".into(),
         deadline: Instant::now() + TTL,
@@ -640,6 +641,7 @@ async fn start_wait_for_a_killed_holder_and_same_spool_takeover(server: &'static
     let stale = PublishPermit {
         lease_id: old_lease_id.clone(),
         tenure: 1,
+        after_another_lease: false,
         term: predecessor_term,
         holder: live.holder.clone(),
         deadline: Instant::now() + TTL,
@@ -889,6 +891,86 @@ async fn rows_sharing_captures_with_an_attempt_in_doubt_go_to_the_next_version_a
     let expected: Vec<String> = ids.iter().map(Uuid::to_string).collect();
     assert_eq!(listed(Some("s".into())).await, expected);
     assert_eq!(listed(None).await, expected);
+}
+
+for_each_version!(rows_in_doubt_of_a_holder_on_another_spool_stay_below_what_its_successor_publishes);
+async fn rows_in_doubt_of_a_holder_on_another_spool_stay_below_what_its_successor_publishes(
+    server: &'static ClickHouseServer,
+) {
+    let catalog = catalog(server, true).await;
+    let proxy = catalog.proxy.as_ref().unwrap();
+    let now = capstore::util::now_ns();
+    let ids: Vec<Uuid> = (0..4).map(|_| Uuid::now_v7()).collect();
+    let batch = vec![pack(&ids.iter().enumerate().map(|(at, id)| (*id, "s", now + at as u64)).collect::<Vec<_>>())];
+    let (captures, by_version, name) =
+        (&catalog.tables.captures, &catalog.tables.by_version, &catalog.config.catalog_name);
+    let attempts_at = |version: u64| {
+        let sql = format!(
+            "SELECT DISTINCT publish_id FROM {by_version} WHERE catalog = '{name}' AND version = {version} FORMAT TSV"
+        );
+        catalog.server.query(&sql).unwrap().lines().map(str::to_string).collect::<Vec<String>>()
+    };
+
+    // The first holder's rows land with their reply lost; it stops (its insert might still be on its way).
+    let first = publishing(&catalog, "first").await;
+    proxy.blackhole_replies_matching(&format!("{captures}%28"));
+    let result = first.publisher.publish_batch(&batch).await;
+    assert!(result.is_err(), "{result:?}");
+    proxy.pass();
+    let landed = tokio::time::timeout(TTL * 3, async {
+        while attempts_at(1).is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(landed.is_ok(), "the rows whose reply was lost never landed");
+    let in_doubt = attempts_at(1);
+    assert_eq!(in_doubt.len(), 1, "{in_doubt:?}");
+    first.shutdown_tx.send(true).unwrap();
+    first.keeper_task.await.unwrap();
+
+    // A holder on another spool publishes the same pack (as from the first one's upload intent): its first publish
+    // commits version 1 empty, and the pack goes to version 2.
+    let Publishing { publisher, shutdown_tx, keeper_task } = publishing(&catalog, "second").await;
+    let published = loop {
+        match publisher.publish_batch(&batch).await {
+            Err(PublishError::NotCommitted | PublishError::NoLease) => {
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            other => break other.unwrap(),
+        }
+    };
+    assert!(matches!(published, PublishOutcome::Committed { version: 2, .. }), "{published:?}");
+    assert_eq!(catalog.committed_versions(), vec![1, 2]);
+    assert_eq!(attempts_at(1), in_doubt, "version 1 holds no rows but the first holder's");
+
+    // The first holder's insert lands once more, after the successor's commits, and a merge keeps one row of each
+    // capture: the successor's, at the higher version.
+    catalog
+        .server
+        .query(&format!(
+            "INSERT INTO {captures} SELECT * FROM {captures} WHERE catalog = '{name}' AND version = 1 AND publish_id = '{}'",
+            in_doubt[0]
+        ))
+        .unwrap();
+    catalog.server.query(&format!("OPTIMIZE TABLE {captures} FINAL")).unwrap();
+    let kept = format!(
+        "SELECT count() FROM {captures} FINAL WHERE catalog = '{name}' AND version = 2 AND capture_id IN ({})",
+        ids.iter().map(|id| format!("'{id}'")).collect::<Vec<_>>().join(", ")
+    );
+    assert_eq!(catalog.server.query(&kept).unwrap().trim(), ids.len().to_string(), "the merge kept the orphans");
+    let (database, by_time) = catalog.tables.by_time.split_once('.').unwrap();
+    let has_by_time = format!("SELECT count() FROM system.tables WHERE database = '{database}' AND name = '{by_time}'");
+    if catalog.server.query(&has_by_time).unwrap().trim() == "1" {
+        catalog.server.query(&format!("OPTIMIZE TABLE {} FINAL", catalog.tables.by_time)).unwrap();
+    }
+    for stream in [Some("s".to_string()), None] {
+        let page = catalog.reader().list(&ListQuery { stream: stream.clone(), limit: 10, ..Default::default() }).await;
+        let listed: Vec<String> = page.unwrap().captures.iter().map(|capture| capture.capture_id.clone()).collect();
+        assert_eq!(listed, ids.iter().map(Uuid::to_string).collect::<Vec<_>>(), "{stream:?}");
+    }
+    shutdown_tx.send(true).unwrap();
+    keeper_task.await.unwrap();
 }
 
 for_each_version!(a_black_holed_clickhouse_ends_every_lease_request_at_its_timeout);

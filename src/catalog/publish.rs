@@ -6,8 +6,9 @@
 //!    reported as such and not published again.
 //! 3. Descriptor rows (`captures`, `packs`) carrying `(V, publish_id)`; invisible until step 4 lands, harmless orphans if
 //!    it never does (`capstore gc` removes them). Rows whose insert did not answer may still land after a later
-//!    attempt's commit, so the next attempt at V that writes them all is sent as the same attempt (see
-//!    [`super::in_doubt`]).
+//!    attempt's commit, so the next attempt at V that writes them all is sent as the same attempt, and one that
+//!    shares captures with them without writing them all goes to V + 1 after V is committed empty; so does the
+//!    first publish of a tenure that followed another process's lease (see [`super::in_doubt`]).
 //! 4. The `publishes` row: `INSERT ... SELECT ... FROM system.one WHERE <fence> AND max(version) = V - 1`, with
 //!    `max_execution_time = publish_timeout` and `wait_end_of_query = 1`. The version check reads only the
 //!    publishes at or above V - 1 (a primary-key range, O(1) however long the history): their maximum is V - 1
@@ -27,7 +28,6 @@
 //! publisher), so a version is never allocated twice here.
 
 use std::collections::{HashMap, HashSet};
-use std::path::PathBuf;
 use std::sync::Mutex;
 
 use uuid::Uuid;
@@ -248,6 +248,10 @@ pub struct Publisher {
     /// `(tenure, version)` of this publisher's last commit: within one tenure of the lease nobody else publishes, so
     /// the next version follows from it without reading the watermark (see [`Publisher::next_version`]).
     last_commit: Mutex<Option<(u64, u64)>>,
+    /// The newest tenure of the lease under which this publisher committed anything (kept through a failed commit,
+    /// unlike `last_commit`): its first commit there was at one above the watermark, which ends the doubt about an
+    /// earlier holder's attempts (see [`Publisher::version_and_attempt`]).
+    committed_tenure: std::sync::atomic::AtomicU64,
     /// Whether `by_id` has `captured_at_ns` ([`super::schema::by_id_has_time`]), asked once.
     by_id_time: tokio::sync::OnceCell<bool>,
     /// The attempts whose rows may still land (see [`super::in_doubt`]): at one version, the one being tried (a
@@ -267,30 +271,33 @@ impl Publisher {
             stamped: std::sync::atomic::AtomicU32::new(0),
             by_id_time: tokio::sync::OnceCell::new(),
             last_commit: Mutex::new(None),
-            in_doubt: AttemptsInDoubt::in_memory(),
+            committed_tenure: std::sync::atomic::AtomicU64::new(0),
+            in_doubt: AttemptsInDoubt::default(),
         }
     }
 
-    /// Keep the attempts whose rows may still land in `file` too (in the spool, which one process at a time owns), so
-    /// that a process started after this one died repeats them (see [`super::in_doubt`]).
-    pub fn keeping_doubts_in(mut self, file: PathBuf) -> Publisher {
-        self.in_doubt = AttemptsInDoubt::kept_in(file);
-        self
-    }
-
-    /// The version a publish of `rows` under `permit` takes, and its attempt there (see [`super::in_doubt`]). Where
-    /// these rows share captures or packs with an attempt in doubt at that version without repeating it, the version
-    /// is committed empty first (no rows, under a publish_id of its own), so that the rows in doubt are orphans for
-    /// good, and these go to the next version: a merge keeps the highest version, so a late landing of those rows
-    /// can no longer win over these.
+    /// The version a publish of `rows` under `permit` takes, and its attempt there. A version is committed empty
+    /// first (no rows, under a publish_id of its own), and these go to the next, where rows of another attempt may
+    /// land at it later (see [`super::in_doubt`]): at the first publish of a tenure that followed another lease_id's,
+    /// and where these rows share captures or packs with an attempt of ours in doubt at that version without
+    /// repeating it. A merge keeps the highest version, so a late landing of those rows can no longer win over these.
     async fn version_and_attempt(
         &self,
         permit: &PublishPermit,
         rows: &HashSet<RowKey>,
     ) -> Result<(u64, super::in_doubt::Attempt), PublishError> {
         loop {
+            let committed_in_tenure = self.committed_tenure.load(std::sync::atomic::Ordering::Relaxed) >= permit.tenure;
             let version = self.next_version(permit).await?;
-            match self.in_doubt.attempt(version, rows).await {
+            if permit.after_another_lease && !committed_in_tenure {
+                tracing::info!(
+                    version,
+                    "another lease_id held the lease before this tenure: committing its first version empty"
+                );
+                self.commit(permit, version, Uuid::now_v7(), 0, 0).await?;
+                continue;
+            }
+            match self.in_doubt.attempt(version, rows) {
                 Some(attempt) => return Ok((version, attempt)),
                 // The commit clears every record of attempts in doubt: the next turn of the loop finds none.
                 None => self.commit(permit, version, Uuid::now_v7(), 0, 0).await?,
@@ -440,7 +447,7 @@ impl Publisher {
         let publish_id = attempt.publish_id;
         if let Err(error) = self.insert_descriptor_rows(&fresh, &captures, version, publish_id).await {
             if error.kind == ErrorKind::DefinitelyFailed {
-                self.in_doubt.ruled_out(&attempt).await;
+                self.in_doubt.ruled_out(&attempt);
             }
             return Err(error.into());
         }
@@ -630,7 +637,7 @@ impl Publisher {
             };
             if let Err(error) = inserted.await {
                 if error.kind == ErrorKind::DefinitelyFailed {
-                    self.in_doubt.ruled_out(&attempt).await;
+                    self.in_doubt.ruled_out(&attempt);
                 }
                 return Err(error.into());
             }
@@ -704,7 +711,8 @@ impl Publisher {
             Ok(Some(committed)) => {
                 debug_assert_eq!(committed, version);
                 self.remember_commit(Some((permit.tenure, version)));
-                self.in_doubt.committed().await;
+                self.committed_tenure.fetch_max(permit.tenure, std::sync::atomic::Ordering::Relaxed);
+                self.in_doubt.committed();
                 tracing::info!(version, %publish_id, packs = pack_count, captures = capture_count, "published");
                 Ok(())
             }

@@ -1660,8 +1660,8 @@ impl CatalogReader {
     /// published), at most `limit` of them and none above `through` when given; and the
     /// position after them. Whole versions or part of one: a publish of 100,000 captures is read in pages too.
     ///
-    /// Two statements, each bounded by the page: the publishes after `from.version` (at most `limit`, each holds a
-    /// capture at least) give the last version the page can reach by their capture counts, then one primary-key
+    /// Two statements, each bounded by the page: the publishes after `from.version` (at most `limit`; a horizon, a
+    /// compaction's switch or an empty version holds no capture) give the last version the page can reach by their capture counts, then one primary-key
     /// range of `by_version` up to it (inside the first version, the ids after the position), visible against just
     /// those publishes. An empty page with `next == from` means caught up.
     pub async fn tail_page(
@@ -1902,7 +1902,8 @@ impl CatalogReader {
         Ok((briefs, lowest.into_iter().find(|row| row.rows > 0).map(|row| row.pack_id_v)))
     }
 
-    /// Which of `versions` are committed publishes of no pack (deletions and compactions' moves).
+    /// Which of `versions` are committed publishes of no pack (deletions, compactions' moves, horizons and empty
+    /// versions).
     pub async fn versions_without_packs(
         &self,
         versions: &[u64],

@@ -212,10 +212,7 @@ pub fn reconcile(config: &Config, args: ReconcileArgs) -> anyhow::Result<i32> {
             }
             Err(error) => return Err(error.into()),
         };
-        let publisher = Arc::new(
-            Publisher::new(client, tables, &config.catalog_name, lease.handle().clone())
-                .keeping_doubts_in(spool.paths().rows_in_doubt()),
-        );
+        let publisher = Arc::new(Publisher::new(client, tables, &config.catalog_name, lease.handle().clone()));
         let bucket = Arc::new(Bucket::from_config(config)?);
         let pipeline =
             Pipeline::new(Arc::new(config.clone()), spool.paths().clone(), bucket, publisher, lease.handle().clone());

@@ -268,10 +268,7 @@ impl Running {
         };
         let lease = running_lease.handle().clone();
         self.lease = Some(running_lease);
-        let publisher = Arc::new(
-            Publisher::new(client.clone(), tables.clone(), &config.catalog_name, lease.clone())
-                .keeping_doubts_in(paths.rows_in_doubt()),
-        );
+        let publisher = Arc::new(Publisher::new(client.clone(), tables.clone(), &config.catalog_name, lease.clone()));
         // The pipeline's own bucket handle reports its request attempts as the pipeline's progress (HTTP reads, on the
         // other handle, must not vouch for a stuck pipeline).
         let counters = Arc::new(crate::pipeline::PipelineCounters::default());

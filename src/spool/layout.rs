@@ -42,12 +42,6 @@ impl SpoolPaths {
         }
     }
 
-    /// The publish attempts whose rows may still land (kept by the catalog's publisher, see
-    /// `crate::catalog::in_doubt`).
-    pub fn rows_in_doubt(&self) -> PathBuf {
-        self.root.join("rows-in-doubt")
-    }
-
     pub fn pack_path(&self, pack_id: Uuid, state: PackState) -> PathBuf {
         self.packs.join(format!("{pack_id}.{}", state.extension()))
     }

@@ -44,6 +44,11 @@ struct Shared {
     publish_not_before: Option<Instant>,
     /// Bumped each time the state becomes held from any other state (see [`PublishPermit::tenure`]).
     tenure: u64,
+    /// Whether this tenure's claim followed a term of another process's lease_id (see
+    /// [`PublishPermit::after_another_lease`]).
+    tenure_after_another_lease: bool,
+    /// The lease_ids this process gave up at a quarantine: a claim that follows one of them follows this process.
+    earlier_lease_ids: Vec<String>,
     /// Whether the newest lease statement got an answer from the catalog (false until the first one does).
     catalog_reachable: bool,
 }
@@ -89,6 +94,7 @@ impl LeaseHandle {
         (shared.state == LeaseState::Held && enough_left && !embargoed).then(|| PublishPermit {
             lease_id: shared.lease_id.clone(),
             tenure: shared.tenure,
+            after_another_lease: shared.tenure_after_another_lease,
             term: shared.term,
             holder: self.identity.holder(),
             deadline,
@@ -241,6 +247,8 @@ impl LeaseKeeper {
             last_error: None,
             ever_held: false,
             publish_not_before: None,
+            tenure_after_another_lease: false,
+            earlier_lease_ids: Vec::new(),
             tenure: 0,
             catalog_reachable: false,
         };
@@ -318,8 +326,8 @@ impl LeaseKeeper {
             }
             let lease_id = self.handle.lock().lease_id.clone();
             let pause = match self.handle.store.claim(&lease_id, &self.handle.identity).await {
-                Ok(ClaimOutcome::Held { term, deadline, publish_not_before }) => {
-                    self.apply_held(term, deadline, publish_not_before, None);
+                Ok(ClaimOutcome::Held { term, deadline, publish_not_before, followed }) => {
+                    self.apply_held(term, deadline, publish_not_before, &followed, None);
                     return Ok(());
                 }
                 Ok(ClaimOutcome::Refused { holder, time_left }) => {
@@ -399,7 +407,8 @@ impl LeaseKeeper {
                 }
                 let mut shared = self.handle.lock();
                 if shared.epoch == epoch {
-                    shared.lease_id = Uuid::new_v4().to_string();
+                    let earlier = std::mem::replace(&mut shared.lease_id, Uuid::new_v4().to_string());
+                    shared.earlier_lease_ids.push(earlier);
                     shared.state = LeaseState::Reacquiring;
                     shared.quarantined_until = None;
                     tracing::info!("quarantine over: claiming the lease with a fresh lease_id");
@@ -422,8 +431,8 @@ impl LeaseKeeper {
             return Duration::ZERO;
         }
         match outcome {
-            Ok(ClaimOutcome::Held { term, deadline, publish_not_before }) => {
-                self.apply_held(term, deadline, publish_not_before, Some(renewing));
+            Ok(ClaimOutcome::Held { term, deadline, publish_not_before, followed }) => {
+                self.apply_held(term, deadline, publish_not_before, &followed, Some(renewing));
                 timings.renew_interval()
             }
             Ok(ClaimOutcome::Refused { holder, .. }) => {
@@ -494,7 +503,14 @@ impl LeaseKeeper {
         self.unreachable.lock().unwrap_or_else(|p| p.into_inner()).recovered();
     }
 
-    fn apply_held(&self, term: u64, deadline: Instant, publish_not_before: Option<Instant>, renewing: Option<bool>) {
+    fn apply_held(
+        &self,
+        term: u64,
+        deadline: Instant,
+        publish_not_before: Option<Instant>,
+        followed: &[String],
+        renewing: Option<bool>,
+    ) {
         self.reachable();
         let mut shared = self.handle.lock();
         let was = shared.state;
@@ -513,6 +529,8 @@ impl LeaseKeeper {
         shared.ever_held = true;
         if was != LeaseState::Held {
             shared.tenure += 1;
+            shared.tenure_after_another_lease =
+                followed.iter().any(|id| *id != shared.lease_id && !shared.earlier_lease_ids.contains(id));
             tracing::info!(term, holder = %self.handle.identity.holder(), from = ?was, "lease held");
         }
         self.handle.publish_state(&shared);

@@ -66,7 +66,9 @@ impl Head {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ClaimOutcome {
     /// `publish_not_before` is set after a same-spool takeover of a live head: see [`LeaseStore::claim`].
-    Held { term: u64, deadline: Instant, publish_not_before: Option<Instant> },
+    /// `followed`: the lease_ids of the term a claim's term follows (empty for a renewal, and for the first claim of
+    /// a catalog), whose publish attempts may still land (see [`crate::catalog::in_doubt`]).
+    Held { term: u64, deadline: Instant, publish_not_before: Option<Instant>, followed: Vec<String> },
     /// Another holder's live lease (or a contested term) stands in the way.
     Refused { holder: String, time_left: Duration },
     /// The head moved between our read and our insert; nothing of ours landed. Try again.
@@ -157,18 +159,22 @@ impl LeaseStore {
             schema = self.schema_table,
             repartition = sql_string_literal(super::super::schema::REPARTITION_COMPONENT),
         );
-        let outcome =
+        let mut outcome =
             self.insert_and_read_back(head.term + 1, lease_id, &identity.holder(), "claim", &condition).await?;
+        if let ClaimOutcome::Held { followed, .. } = &mut outcome {
+            *followed = head.entries.iter().map(|entry| entry.lease_id.clone()).collect();
+        }
         match outcome {
             // Same-spool takeover: the predecessor is dead, but a publish of its can pass its fence right up to the
             // moment our claim row lands, and then run on the server for up to max_execution_time. So we hold the
             // lease at once (no rival can take it) but publish nothing until publish_timeout + clock skew after our
             // claim is known to have landed, i.e. after its read-back returned (specs/takeover.pml, EMB_REPLY; counting
             // from when the claim was sent is too short: EMB_SENT is refuted).
-            ClaimOutcome::Held { term, deadline, .. } if takeover => {
+            ClaimOutcome::Held { term, deadline, followed, .. } if takeover => {
                 let embargo = self.timings.fence_margin() + DEADLINE_MARGIN;
                 tracing::info!(term, ?embargo, "took over the lease of this spool's previous process");
-                Ok(ClaimOutcome::Held { term, deadline, publish_not_before: Some(Instant::now() + embargo) })
+                let publish_not_before = Some(Instant::now() + embargo);
+                Ok(ClaimOutcome::Held { term, deadline, publish_not_before, followed })
             }
             other => Ok(other),
         }
@@ -207,6 +213,7 @@ impl LeaseStore {
                 term,
                 deadline: sent_at + self.timings.local_lifetime(),
                 publish_not_before: None,
+                followed: Vec::new(),
             }),
             (0, _) => {
                 // Our condition failed: somebody moved the head. Name them if they hold it now.

@@ -47,12 +47,7 @@ pub async fn catalog_publish(options: &CatalogBenchOptions) -> anyhow::Result<Ve
     let keeper = LeaseKeeper::for_catalog(&client, &tables, config, Uuid::new_v4());
     let (_shutdown_tx, mut shutdown_rx) = tokio::sync::watch::channel(false);
     let lease = keeper.start(config.start_wait(), &mut shutdown_rx).await?;
-    // Its attempts in doubt kept in a file, as the daemon keeps them in its spool (a directory of its own: the
-    // configured spool may be a running daemon's).
-    let doubts = std::env::temp_dir().join(format!("capstore-bench-catalog-{}", Uuid::new_v4()));
-    capstore::durable::create_dirs(&doubts)?;
-    let publisher = Publisher::new(client.clone(), tables.clone(), &config.catalog_name, lease.handle().clone())
-        .keeping_doubts_in(doubts.join("rows-in-doubt"));
+    let publisher = Publisher::new(client.clone(), tables.clone(), &config.catalog_name, lease.handle().clone());
 
     let mut results = Vec::new();
     for &rows in &options.batch_rows {
@@ -82,7 +77,6 @@ pub async fn catalog_publish(options: &CatalogBenchOptions) -> anyhow::Result<Ve
         });
     }
     lease.stop().await;
-    std::fs::remove_dir_all(&doubts)?;
     client.execute(&format!("DROP TABLE IF EXISTS {baseline_table}")).await?;
     Ok(results)
 }
