@@ -25,18 +25,18 @@
 //! States of an attempt here:
 //!
 //! ```text
-//!  (new) --attempt, before any row is sent--> sent
-//!  sent --its first send's insert failed without running (DefinitelyFailed)--> (gone)
-//!  sent --a later attempt at its version includes its rows--> sent, as that attempt, with the later attempt's rows
-//!  sent --a later attempt at its version shares a capture or a pack without including all its rows--> the version
-//!        is committed empty, which clears every record; the later attempt takes the next
-//!  every attempt --a commit (of any version: versions only go up, so its rows are committed or orphans for good)--> (gone)
+//!  (sent) --its insert failed in a way that does not rule out it ran--> in doubt
+//!  in doubt --a later attempt at its version includes its rows--> sent again as that attempt (same publish_id); if
+//!        that send may have run too, in doubt with all its rows
+//!  in doubt --a later attempt at its version shares a capture or a pack without including all its rows--> the
+//!        version is committed empty, which ends every doubt; the later attempt takes the next
+//!  in doubt --a commit (of any version: versions only go up, so its rows are committed or orphans for good)--> (gone)
 //! ```
 //!
-//! An attempt whose insert answered stays too: its rows landed, and sending them again under the same publish_id is
-//! harmless. Invariant: an attempt repeated with more rows has them all recorded, so an attempt after it repeats them
-//! all or goes to the next version (else its commit would make the extra rows visible without their packs, if those
-//! did not land).
+//! An attempt whose insert answered and whose commit did not land is not in doubt: its rows landed already, before
+//! any later attempt's. Invariant: an attempt repeated with more rows that may have run has them all in doubt, so an
+//! attempt after it repeats them all or goes to the next version (else its commit would make the extra rows visible
+//! without their packs, if those did not land).
 
 use std::collections::HashSet;
 use std::sync::Mutex;
@@ -58,7 +58,7 @@ struct RowsInDoubt {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Attempt {
     pub publish_id: Uuid,
-    /// Whether it repeats an attempt recorded earlier.
+    /// Whether it repeats an attempt in doubt.
     repeat: bool,
 }
 
@@ -69,18 +69,19 @@ pub struct AttemptsInDoubt {
 }
 
 impl AttemptsInDoubt {
-    /// The attempt at `version` writing `rows`, recorded before the caller sends any row: under the publish_id of the
-    /// attempt in doubt whose rows these include, or a new one. `None` when these share a capture or a pack with an
-    /// attempt in doubt (or two) without including all its rows: they can be sent as no attempt at this version (the
-    /// caller commits the version empty first).
+    /// The attempt at `version` writing `rows`: under the publish_id of the attempt in doubt whose rows these
+    /// include, or a new one. `None` when these share a capture or a pack with an attempt in doubt (or two) without
+    /// including all its rows: they can be sent as no attempt at this version (the caller commits the version empty
+    /// first).
     pub fn attempt(&self, version: u64, rows: &HashSet<RowKey>) -> Option<Attempt> {
-        let mut attempts = self.lock();
-        let publish_id = match attempt_to_repeat(&mut attempts, version, rows) {
-            Ok(Some(publish_id)) => {
+        let attempts = self.lock();
+        match attempt_to_repeat(&attempts, version, rows) {
+            Ok(Some(at)) => {
+                let publish_id = attempts[at].publish_id;
                 tracing::info!(version, %publish_id, "sending again the attempt whose rows are in doubt");
-                publish_id
+                Some(Attempt { publish_id, repeat: true })
             }
-            Ok(None) => Uuid::now_v7(),
+            Ok(None) => Some(Attempt { publish_id: Uuid::now_v7(), repeat: false }),
             Err(shared) => {
                 tracing::warn!(
                     version,
@@ -88,22 +89,23 @@ impl AttemptsInDoubt {
                     "rows of earlier attempts at this version are in doubt and this attempt does not repeat them all: \
                      it goes to the next version once this one is committed empty"
                 );
-                return None;
+                None
             }
-        };
-        let repeat = attempts.iter().any(|attempt| attempt.publish_id == publish_id);
-        // An attempt of no rows (a compaction's switch that only retires packs) has nothing that could land.
-        if !repeat && !rows.is_empty() {
-            attempts.push(RowsInDoubt { version, publish_id, rows: rows.clone() });
         }
-        Some(Attempt { publish_id, repeat })
     }
 
-    /// The insert of `attempt` failed without running: its rows cannot land, unless an earlier send of its
-    /// publish_id's may (a repeat keeps them all in doubt).
-    pub fn ruled_out(&self, attempt: &Attempt) {
-        if !attempt.repeat {
-            self.lock().retain(|recorded| recorded.publish_id != attempt.publish_id);
+    /// The insert of `attempt`'s `rows` at `version` failed. Where it `may_have_run` (an error that does not rule
+    /// it out), its rows are in doubt: a repeat's attempt has them all from then on (they include the earlier
+    /// sends'). Where it did not, an earlier send of a repeat stays in doubt as it was.
+    pub fn failed(&self, attempt: &Attempt, version: u64, rows: HashSet<RowKey>, may_have_run: bool) {
+        // An attempt of no rows (a compaction's switch that only retires packs) has nothing that could land.
+        if !may_have_run || rows.is_empty() {
+            return;
+        }
+        let mut attempts = self.lock();
+        match attempts.iter_mut().find(|recorded| recorded.publish_id == attempt.publish_id) {
+            Some(recorded) => recorded.rows = rows,
+            None => attempts.push(RowsInDoubt { version, publish_id: attempt.publish_id, rows }),
         }
     }
 
@@ -117,18 +119,14 @@ impl AttemptsInDoubt {
     }
 }
 
-/// Which attempt in doubt an attempt at `version` writing `rows` is to repeat: none (`Ok(None)`) when it shares no
-/// capture and no pack with one, the one it shares with and includes every row of, or, as `Err`, how many it shares
-/// with without including all of one's. The one repeated has every row of the repeat from then on.
+/// Which attempt in doubt (its place in `attempts`) an attempt at `version` writing `rows` is to repeat: none
+/// (`Ok(None)`) when it shares no capture and no pack with one, the one it shares with and includes every row of, or,
+/// as `Err`, how many it shares with without including all of one's.
 ///
 /// Shared is by what a merge replaces, not by row: a capture's rows in two packs (a post repeated into another pack)
 /// are rows of one capture, which `captures` keeps one of.
-fn attempt_to_repeat(
-    attempts: &mut [RowsInDoubt],
-    version: u64,
-    rows: &HashSet<RowKey>,
-) -> Result<Option<Uuid>, usize> {
-    // Made only when an attempt at this version is recorded: a publish's steady path has none.
+fn attempt_to_repeat(attempts: &[RowsInDoubt], version: u64, rows: &HashSet<RowKey>) -> Result<Option<usize>, usize> {
+    // Made only when an attempt at this version is in doubt: a publish's steady path has none.
     let subjects = std::cell::OnceCell::new();
     let shared: Vec<usize> = (0..attempts.len())
         .filter(|at| {
@@ -140,10 +138,7 @@ fn attempt_to_repeat(
         .collect();
     match shared.as_slice() {
         [] => Ok(None),
-        [at] if attempts[*at].rows.is_subset(rows) => {
-            attempts[*at].rows = rows.clone();
-            Ok(Some(attempts[*at].publish_id))
-        }
+        [at] if attempts[*at].rows.is_subset(rows) => Ok(Some(*at)),
         _ => Err(shared.len()),
     }
 }
@@ -169,46 +164,51 @@ mod tests {
     #[test]
     fn an_attempt_repeats_the_one_in_doubt_whose_rows_it_includes() {
         let (batch, switch) = (Uuid::from_u128(100), Uuid::from_u128(200));
-        let mut attempts = vec![
+        let attempts = vec![
             RowsInDoubt { version: 7, publish_id: batch, rows: rows(&[(1, 0), (1, 11), (1, 12)]) },
             RowsInDoubt { version: 7, publish_id: switch, rows: rows(&[(9, 0), (9, 91)]) },
         ];
         // The same batch, or it with a pack more: the same attempt. The switch's own rows: the switch's.
-        assert_eq!(attempt_to_repeat(&mut attempts, 7, &rows(&[(1, 0), (1, 11), (1, 12)])), Ok(Some(batch)));
-        assert_eq!(attempt_to_repeat(&mut attempts, 7, &rows(&[(1, 0), (1, 11), (1, 12), (2, 0)])), Ok(Some(batch)));
-        assert_eq!(attempt_to_repeat(&mut attempts, 7, &rows(&[(9, 0), (9, 91)])), Ok(Some(switch)));
+        assert_eq!(attempt_to_repeat(&attempts, 7, &rows(&[(1, 0), (1, 11), (1, 12)])), Ok(Some(0)));
+        assert_eq!(attempt_to_repeat(&attempts, 7, &rows(&[(1, 0), (1, 11), (1, 12), (2, 0)])), Ok(Some(0)));
+        assert_eq!(attempt_to_repeat(&attempts, 7, &rows(&[(9, 0), (9, 91)])), Ok(Some(1)));
         // Nothing shared, or another version: a new attempt.
-        assert_eq!(attempt_to_repeat(&mut attempts, 7, &rows(&[(3, 0), (3, 31)])), Ok(None));
-        assert_eq!(attempt_to_repeat(&mut attempts, 8, &rows(&[(1, 0), (1, 11), (1, 12)])), Ok(None));
-        // The batch repeated with a pack more has that pack's rows in doubt too: the batch alone no longer
-        // repeats it.
-        assert_eq!(attempt_to_repeat(&mut attempts, 7, &rows(&[(1, 0), (1, 11), (1, 12)])), Err(1));
+        assert_eq!(attempt_to_repeat(&attempts, 7, &rows(&[(3, 0), (3, 31)])), Ok(None));
+        assert_eq!(attempt_to_repeat(&attempts, 8, &rows(&[(1, 0), (1, 11), (1, 12)])), Ok(None));
         // Part of one, or rows of both: it cannot repeat either.
-        assert_eq!(attempt_to_repeat(&mut attempts, 7, &rows(&[(1, 0), (1, 11)])), Err(1));
+        assert_eq!(attempt_to_repeat(&attempts, 7, &rows(&[(1, 0), (1, 11)])), Err(1));
+        assert_eq!(attempt_to_repeat(&attempts, 7, &rows(&[(1, 0), (1, 11), (1, 12), (9, 0), (9, 91)])), Err(2));
         // A capture of one posted again into another pack: a row of the same capture.
-        assert_eq!(attempt_to_repeat(&mut attempts, 7, &rows(&[(4, 0), (4, 91)])), Err(1));
-        assert_eq!(attempt_to_repeat(&mut attempts, 7, &rows(&[(1, 0), (1, 11), (1, 12), (9, 0), (9, 91)])), Err(2));
+        assert_eq!(attempt_to_repeat(&attempts, 7, &rows(&[(4, 0), (4, 91)])), Err(1));
     }
 
     #[test]
-    fn a_repeat_that_fails_without_running_keeps_the_earlier_sends_in_doubt() {
+    fn the_rows_of_every_send_that_may_have_run_stay_in_doubt_until_a_commit() {
         let doubts = AttemptsInDoubt::default();
         let batch = rows(&[(1, 0), (1, 11), (1, 12)]);
+        // A send that did not run leaves nothing in doubt.
+        let ruled_out = doubts.attempt(7, &batch).unwrap();
+        doubts.failed(&ruled_out, 7, batch.clone(), false);
+        assert!(doubts.lock().is_empty());
         let sent = doubts.attempt(7, &batch).unwrap();
+        doubts.failed(&sent, 7, batch.clone(), true);
+        // Repeated with a pack more, which may have run too: the batch alone no longer repeats it.
         let mut bigger = batch.clone();
         bigger.insert(key(2, 0));
         let repeat = doubts.attempt(7, &bigger).unwrap();
         assert_eq!(repeat.publish_id, sent.publish_id, "the same attempt, with a pack more");
-        doubts.ruled_out(&repeat);
-        assert_eq!(doubts.attempt(7, &batch), None, "the batch alone no longer repeats what was sent");
-        // A new attempt whose insert failed so leaves nothing to repeat.
-        let other = doubts.attempt(7, &rows(&[(5, 0)])).unwrap();
-        doubts.ruled_out(&other);
-        assert!(doubts.attempt(7, &rows(&[(5, 0), (5, 51)])).is_some_and(|again| again.publish_id != other.publish_id));
-        // Nothing of no rows is recorded; a commit clears every record.
-        assert!(doubts.attempt(7, &HashSet::new()).is_some());
+        doubts.failed(&repeat, 7, bigger.clone(), true);
+        assert_eq!(doubts.attempt(7, &batch), None);
+        // A repeat that did not run leaves the earlier sends in doubt as they were.
+        let again = doubts.attempt(7, &bigger.iter().copied().chain([key(3, 0)]).collect()).unwrap();
+        doubts.failed(&again, 7, HashSet::new(), false);
+        assert_eq!(doubts.lock()[0].rows, bigger);
+        // Nothing of no rows is in doubt; a commit clears every attempt.
+        let switch = doubts.attempt(7, &HashSet::new()).unwrap();
+        doubts.failed(&switch, 7, HashSet::new(), true);
+        assert_eq!(doubts.lock().len(), 1);
         doubts.committed();
         assert!(doubts.lock().is_empty());
-        assert!(doubts.attempt(7, &rows(&[(1, 0)])).is_some());
+        assert!(doubts.attempt(7, &batch).is_some_and(|fresh| fresh.publish_id != sent.publish_id));
     }
 }

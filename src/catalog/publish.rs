@@ -446,9 +446,7 @@ impl Publisher {
         let (version, attempt) = self.version_and_attempt(permit, &rows).await?;
         let publish_id = attempt.publish_id;
         if let Err(error) = self.insert_descriptor_rows(&fresh, &captures, version, publish_id).await {
-            if error.kind == ErrorKind::DefinitelyFailed {
-                self.in_doubt.ruled_out(&attempt);
-            }
+            self.in_doubt.failed(&attempt, version, rows, error.kind != ErrorKind::DefinitelyFailed);
             return Err(error.into());
         }
         self.commit(permit, version, publish_id, fresh.len(), captures.len()).await?;
@@ -636,9 +634,7 @@ impl Publisher {
                 self.client.insert_rows(&self.tables.packs, &[self.pack_row(pack, version, &publish_id_text)]).await
             };
             if let Err(error) = inserted.await {
-                if error.kind == ErrorKind::DefinitelyFailed {
-                    self.in_doubt.ruled_out(&attempt);
-                }
+                self.in_doubt.failed(&attempt, version, doubted, error.kind != ErrorKind::DefinitelyFailed);
                 return Err(error.into());
             }
         }
