@@ -302,7 +302,6 @@ async fn a_paused_holder_lands_nothing_after_a_takeover_and_an_empty_table_fails
     let permit = PublishPermit {
         lease_id: lease_id.into(),
         tenure: 1,
-        after_another_lease: false,
         term: 1,
         holder: "nobody".into(),
         deadline: Instant::now() + TTL,
@@ -641,7 +640,6 @@ async fn start_wait_for_a_killed_holder_and_same_spool_takeover(server: &'static
     let stale = PublishPermit {
         lease_id: old_lease_id.clone(),
         tenure: 1,
-        after_another_lease: false,
         term: predecessor_term,
         holder: live.holder.clone(),
         deadline: Instant::now() + TTL,
@@ -969,6 +967,57 @@ async fn rows_in_doubt_of_a_holder_on_another_spool_stay_below_what_its_successo
         let listed: Vec<String> = page.unwrap().captures.iter().map(|capture| capture.capture_id.clone()).collect();
         assert_eq!(listed, ids.iter().map(Uuid::to_string).collect::<Vec<_>>(), "{stream:?}");
     }
+    shutdown_tx.send(true).unwrap();
+    keeper_task.await.unwrap();
+}
+
+for_each_version!(an_empty_commit_owed_to_an_earlier_holder_is_still_owed_after_the_lease_was_lost_before_it);
+async fn an_empty_commit_owed_to_an_earlier_holder_is_still_owed_after_the_lease_was_lost_before_it(
+    server: &'static ClickHouseServer,
+) {
+    let catalog = catalog(server, true).await;
+    let proxy = catalog.proxy.as_ref().unwrap();
+    let batch = vec![one_capture_pack()];
+    let first = publishing(&catalog, "first").await;
+    first.shutdown_tx.send(true).unwrap();
+    first.keeper_task.await.unwrap();
+
+    // The second holder follows the first: it owes an empty commit. The catalog is cut before its first publish,
+    // for longer than the lease: the tenure ends with nothing committed, and the next claim follows its own term.
+    let keeper = catalog.keeper(identity("second"));
+    let (shutdown_tx, mut shutdown_rx) = watch::channel(false);
+    keeper.acquire_at_start(Duration::ZERO, &mut shutdown_rx).await.unwrap();
+    let handle = keeper.handle();
+    assert!(handle.owes_empty_commit());
+    let keeper_task = tokio::spawn(keeper.run(shutdown_rx));
+    let publisher =
+        Publisher::new(catalog.client.clone(), catalog.tables.clone(), &catalog.config.catalog_name, handle.clone());
+    proxy.cut();
+    assert!(publisher.publish_batch(&batch).await.is_err());
+    let mut states = handle.subscribe();
+    let lost = tokio::time::timeout(TTL * 3, async {
+        while *states.borrow_and_update() == LeaseState::Held {
+            states.changed().await.unwrap();
+        }
+    })
+    .await;
+    assert!(lost.is_ok(), "the lease was never lost during the cut: {:?}", handle.status());
+    proxy.pass();
+    wait_for_state(&handle, LeaseState::Held, TTL * 4).await;
+    assert!(handle.owes_empty_commit(), "the empty commit is still owed");
+    let published = loop {
+        match publisher.publish_batch(&batch).await {
+            Ok(outcome) => break outcome,
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    };
+    assert!(matches!(published, PublishOutcome::Committed { version: 2, .. }), "{published:?}");
+    assert!(!handle.owes_empty_commit());
+    let empty = format!(
+        "SELECT count() FROM {} WHERE catalog = '{}' AND version = 1 AND packs = 0 AND captures = 0",
+        catalog.tables.publishes, catalog.config.catalog_name
+    );
+    assert_eq!(catalog.server.query(&empty).unwrap().trim(), "1");
     shutdown_tx.send(true).unwrap();
     keeper_task.await.unwrap();
 }

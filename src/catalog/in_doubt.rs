@@ -14,13 +14,14 @@
 //!   One that shares captures or packs with one of them without including all its rows cannot be sent at that
 //!   version: the publisher commits the version empty (no rows, a publish_id of its own) and sends it at the next,
 //!   above every row in doubt.
-//! - **Across processes** nothing is kept: the first publish of a tenure whose claim followed a term of another
-//!   process's lease_id (whichever its spool: a restart, a takeover, a standby) commits its version (one above the
-//!   watermark) empty first ([`crate::catalog::lease::PublishPermit::after_another_lease`]). Every attempt of an earlier
-//!   holder is at a version at most that one: its fenced commits all landed before the claim, so its versions are
-//!   at most one above the watermark read after it. So the rows of such attempts are orphans below every row written
-//!   from then on. (The first claim of a catalog follows no term; a claim after this process's own quarantine or
-//!   local loss follows its own lease_id, whose attempts are here.)
+//! - **Across processes** nothing is kept: a claim that follows a term this process did not know it held (another
+//!   process's, whichever its spool: a restart, a takeover, a standby; or its own whose claim or renewal went
+//!   unanswered) owes an empty commit, which the next publish makes before it writes any row
+//!   ([`crate::catalog::lease::LeaseHandle::owes_empty_commit`]), in that tenure or a later one. Every attempt of an
+//!   earlier holder is at a version at most one above the watermark read after the claim: its commits are fenced,
+//!   and a version it read from the watermark was read before its local deadline, so before its lease expired on the
+//!   server. So the rows of such attempts are orphans below every row written from then on. (The first claim of a
+//!   catalog follows no term.)
 //!
 //! States of an attempt here:
 //!

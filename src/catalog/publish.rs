@@ -29,6 +29,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
+use std::time::Instant;
 
 use uuid::Uuid;
 
@@ -248,10 +249,6 @@ pub struct Publisher {
     /// `(tenure, version)` of this publisher's last commit: within one tenure of the lease nobody else publishes, so
     /// the next version follows from it without reading the watermark (see [`Publisher::next_version`]).
     last_commit: Mutex<Option<(u64, u64)>>,
-    /// The newest tenure of the lease under which this publisher committed anything (kept through a failed commit,
-    /// unlike `last_commit`): its first commit there was at one above the watermark, which ends the doubt about an
-    /// earlier holder's attempts (see [`Publisher::version_and_attempt`]).
-    committed_tenure: std::sync::atomic::AtomicU64,
     /// Whether `by_id` has `captured_at_ns` ([`super::schema::by_id_has_time`]), asked once.
     by_id_time: tokio::sync::OnceCell<bool>,
     /// The attempts whose rows may still land (see [`super::in_doubt`]): at one version, the one being tried (a
@@ -271,7 +268,6 @@ impl Publisher {
             stamped: std::sync::atomic::AtomicU32::new(0),
             by_id_time: tokio::sync::OnceCell::new(),
             last_commit: Mutex::new(None),
-            committed_tenure: std::sync::atomic::AtomicU64::new(0),
             in_doubt: AttemptsInDoubt::default(),
         }
     }
@@ -287,12 +283,11 @@ impl Publisher {
         rows: &HashSet<RowKey>,
     ) -> Result<(u64, super::in_doubt::Attempt), PublishError> {
         loop {
-            let committed_in_tenure = self.committed_tenure.load(std::sync::atomic::Ordering::Relaxed) >= permit.tenure;
             let version = self.next_version(permit).await?;
-            if permit.after_another_lease && !committed_in_tenure {
+            if self.lease.owes_empty_commit() {
                 tracing::info!(
                     version,
-                    "another lease_id held the lease before this tenure: committing its first version empty"
+                    "the lease followed a holder whose rows may still land: committing a version empty first"
                 );
                 self.commit(permit, version, Uuid::now_v7(), 0, 0).await?;
                 continue;
@@ -312,11 +307,21 @@ impl Publisher {
     /// used after its tenure ended and the lease was claimed again, by which time another process may have
     /// published), and that cannot break gapless versions: the commit's own version check refuses it, and a refusal
     /// or an unknown outcome forgets the last commit, so the next publish reads the watermark.
-    async fn next_version(&self, permit: &PublishPermit) -> Result<u64, CatalogError> {
+    async fn next_version(&self, permit: &PublishPermit) -> Result<u64, PublishError> {
         let known = *self.last_commit.lock().unwrap_or_else(|p| p.into_inner());
         match known {
             Some((tenure, version)) if tenure == permit.tenure => Ok(version + 1),
-            _ => Ok(self.watermark().await? + 1),
+            _ => {
+                let watermark = self.watermark().await?;
+                // Read while the lease was ours on the server (the local deadline comes first), so before any
+                // successor's claim: rows sent at this version are at most one above the watermark that successor
+                // reads, where it commits empty first (see `super::in_doubt`). A holder paused past its deadline
+                // could otherwise read a successor's commits and send rows above them.
+                if Instant::now() >= permit.deadline {
+                    return Err(PublishError::NoLease);
+                }
+                Ok(watermark + 1)
+            }
         }
     }
 
@@ -707,7 +712,7 @@ impl Publisher {
             Ok(Some(committed)) => {
                 debug_assert_eq!(committed, version);
                 self.remember_commit(Some((permit.tenure, version)));
-                self.committed_tenure.fetch_max(permit.tenure, std::sync::atomic::Ordering::Relaxed);
+                self.lease.note_commit();
                 self.in_doubt.committed();
                 tracing::info!(version, %publish_id, packs = pack_count, captures = capture_count, "published");
                 Ok(())

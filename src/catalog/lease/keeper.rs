@@ -17,7 +17,7 @@ use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::{watch, Notify};
 use uuid::Uuid;
 
-use super::{ClaimOutcome, Identity, LeaseState, LeaseStatus, LeaseStore, LeaseTimings, PublishPermit};
+use super::{ClaimOutcome, FollowedTerm, Identity, LeaseState, LeaseStatus, LeaseStore, LeaseTimings, PublishPermit};
 use crate::catalog::client::{CatalogClient, CatalogError, ErrorKind};
 use crate::catalog::schema::Tables;
 use crate::config::Config;
@@ -44,11 +44,12 @@ struct Shared {
     publish_not_before: Option<Instant>,
     /// Bumped each time the state becomes held from any other state (see [`PublishPermit::tenure`]).
     tenure: u64,
-    /// Whether this tenure's claim followed a term of another process's lease_id (see
-    /// [`PublishPermit::after_another_lease`]).
-    tenure_after_another_lease: bool,
-    /// The lease_ids this process gave up at a quarantine: a claim that follows one of them follows this process.
-    earlier_lease_ids: Vec<String>,
+    /// The (lease_id, term) this process last knew it held (a claim's or a renewal's read-back): a claim that follows
+    /// any other term follows a holder whose attempts may still land.
+    confirmed: Option<(String, u64)>,
+    /// Set by a claim that followed a term other than `confirmed`; cleared by the next commit of this process (see
+    /// [`LeaseHandle::owes_empty_commit`]). Kept through a lost tenure until then.
+    owes_empty_commit: bool,
     /// Whether the newest lease statement got an answer from the catalog (false until the first one does).
     catalog_reachable: bool,
 }
@@ -94,12 +95,25 @@ impl LeaseHandle {
         (shared.state == LeaseState::Held && enough_left && !embargoed).then(|| PublishPermit {
             lease_id: shared.lease_id.clone(),
             tenure: shared.tenure,
-            after_another_lease: shared.tenure_after_another_lease,
             term: shared.term,
             holder: self.identity.holder(),
             deadline,
             fence: self.store.fence_condition(&shared.lease_id),
         })
+    }
+
+    /// Whether the next publish must commit its version empty before it writes any row: the lease was claimed after
+    /// a term this process did not know it held (another process's, or its own whose claim or renewal went
+    /// unanswered), and that holder's publish attempts may still land (see [`crate::catalog::in_doubt`]). Every
+    /// attempt of such a holder is at a version at most one above the watermark read after the claim.
+    pub fn owes_empty_commit(&self) -> bool {
+        self.lock().owes_empty_commit
+    }
+
+    /// A publish of this process committed: at one above the true watermark of its moment, so whatever an earlier
+    /// holder may still land is below every row written from now on.
+    pub fn note_commit(&self) {
+        self.lock().owes_empty_commit = false;
     }
 
     /// A publishing statement's outcome is unknown: quarantine (no tombstone, nothing published for one TTL).
@@ -247,8 +261,8 @@ impl LeaseKeeper {
             last_error: None,
             ever_held: false,
             publish_not_before: None,
-            tenure_after_another_lease: false,
-            earlier_lease_ids: Vec::new(),
+            confirmed: None,
+            owes_empty_commit: false,
             tenure: 0,
             catalog_reachable: false,
         };
@@ -327,7 +341,7 @@ impl LeaseKeeper {
             let lease_id = self.handle.lock().lease_id.clone();
             let pause = match self.handle.store.claim(&lease_id, &self.handle.identity).await {
                 Ok(ClaimOutcome::Held { term, deadline, publish_not_before, followed }) => {
-                    self.apply_held(term, deadline, publish_not_before, &followed, None);
+                    self.apply_held(term, deadline, publish_not_before, followed.as_ref(), None);
                     return Ok(());
                 }
                 Ok(ClaimOutcome::Refused { holder, time_left }) => {
@@ -407,8 +421,7 @@ impl LeaseKeeper {
                 }
                 let mut shared = self.handle.lock();
                 if shared.epoch == epoch {
-                    let earlier = std::mem::replace(&mut shared.lease_id, Uuid::new_v4().to_string());
-                    shared.earlier_lease_ids.push(earlier);
+                    shared.lease_id = Uuid::new_v4().to_string();
                     shared.state = LeaseState::Reacquiring;
                     shared.quarantined_until = None;
                     tracing::info!("quarantine over: claiming the lease with a fresh lease_id");
@@ -432,7 +445,7 @@ impl LeaseKeeper {
         }
         match outcome {
             Ok(ClaimOutcome::Held { term, deadline, publish_not_before, followed }) => {
-                self.apply_held(term, deadline, publish_not_before, &followed, Some(renewing));
+                self.apply_held(term, deadline, publish_not_before, followed.as_ref(), Some(renewing));
                 timings.renew_interval()
             }
             Ok(ClaimOutcome::Refused { holder, .. }) => {
@@ -508,7 +521,7 @@ impl LeaseKeeper {
         term: u64,
         deadline: Instant,
         publish_not_before: Option<Instant>,
-        followed: &[String],
+        followed: Option<&FollowedTerm>,
         renewing: Option<bool>,
     ) {
         self.reachable();
@@ -517,6 +530,15 @@ impl LeaseKeeper {
         if publish_not_before.is_some() {
             shared.publish_not_before = publish_not_before;
         }
+        if let Some(followed) = followed {
+            let known = shared.confirmed.as_ref().is_some_and(|(lease_id, confirmed_term)| {
+                *confirmed_term == followed.term && followed.lease_ids.iter().all(|id| id == lease_id)
+            });
+            if !known {
+                shared.owes_empty_commit = true;
+            }
+        }
+        shared.confirmed = Some((shared.lease_id.clone(), term));
         shared.term = term;
         shared.deadline = Some(deadline);
         shared.state = LeaseState::Held;
@@ -529,8 +551,7 @@ impl LeaseKeeper {
         shared.ever_held = true;
         if was != LeaseState::Held {
             shared.tenure += 1;
-            shared.tenure_after_another_lease =
-                followed.iter().any(|id| *id != shared.lease_id && !shared.earlier_lease_ids.contains(id));
+
             tracing::info!(term, holder = %self.handle.identity.holder(), from = ?was, "lease held");
         }
         self.handle.publish_state(&shared);

@@ -12,8 +12,9 @@
 //!   exactly our row means held, with the local deadline `sent + ttl - clock_skew - 0.1 s` on a monotonic clock started
 //!   before the request was sent; more than one lease_id means contested (abandon; the term is live until its latest
 //!   expiry).
-//!   A claim reports the lease_ids of the term it follows: a tenure that follows another process's lease commits
-//!   its first version empty before it writes any row ([`PublishPermit::after_another_lease`]).
+//!   A claim reports the term it follows: unless that is the term this process last knew it held, someone else's
+//!   publish attempts may still land, and an empty commit is owed before any row is written
+//!   ([`LeaseHandle::owes_empty_commit`], see [`crate::catalog::in_doubt`]).
 //! - Renew: the same insert at our term + 1, conditional on our term still being the head and still live.
 //! - Release: a tombstone at our own term (never head+1, which could revoke a successor).
 //! - Fence ([`fence_condition`]): inside every publishing statement, the head has exactly one lease_id, it is ours, and
@@ -41,7 +42,7 @@ mod keeper;
 mod store;
 
 pub use keeper::{LeaseHandle, LeaseKeeper, RunningLease, StartError};
-pub use store::{fence_condition, server_now_ms_expr, ClaimOutcome, Head, HeadEntry, LeaseStore};
+pub use store::{fence_condition, server_now_ms_expr, ClaimOutcome, FollowedTerm, Head, HeadEntry, LeaseStore};
 
 use std::time::{Duration, Instant};
 
@@ -169,11 +170,6 @@ pub struct PublishPermit {
     /// held (a start, a claim after a quarantine, or after a plain local loss, which keeps the lease_id), never by a
     /// renewal. Work that must be redone per acquisition (reconcile) keys on it.
     pub tenure: u64,
-    /// Whether the claim that began this tenure followed a term of another process's lease_id: another process held
-    /// the lease since this one did, and its publish attempts may still land. The tenure's first publish then
-    /// commits its version empty first (see [`crate::catalog::in_doubt`]). (This process's own attempts of an
-    /// earlier tenure are known to its publisher.)
-    pub after_another_lease: bool,
     pub term: u64,
     pub holder: String,
     pub deadline: Instant,

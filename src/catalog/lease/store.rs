@@ -62,13 +62,20 @@ impl Head {
     }
 }
 
+/// The head term a claim followed: its term and lease_ids.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FollowedTerm {
+    pub term: u64,
+    pub lease_ids: Vec<String>,
+}
+
 /// What a claim or renewal came to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ClaimOutcome {
     /// `publish_not_before` is set after a same-spool takeover of a live head: see [`LeaseStore::claim`].
-    /// `followed`: the lease_ids of the term a claim's term follows (empty for a renewal, and for the first claim of
-    /// a catalog), whose publish attempts may still land (see [`crate::catalog::in_doubt`]).
-    Held { term: u64, deadline: Instant, publish_not_before: Option<Instant>, followed: Vec<String> },
+    /// `followed`: the term a claim's term follows (none for a renewal, and for the first claim of a catalog), whose
+    /// publish attempts may still land (see [`crate::catalog::in_doubt`]).
+    Held { term: u64, deadline: Instant, publish_not_before: Option<Instant>, followed: Option<FollowedTerm> },
     /// Another holder's live lease (or a contested term) stands in the way.
     Refused { holder: String, time_left: Duration },
     /// The head moved between our read and our insert; nothing of ours landed. Try again.
@@ -162,7 +169,10 @@ impl LeaseStore {
         let mut outcome =
             self.insert_and_read_back(head.term + 1, lease_id, &identity.holder(), "claim", &condition).await?;
         if let ClaimOutcome::Held { followed, .. } = &mut outcome {
-            *followed = head.entries.iter().map(|entry| entry.lease_id.clone()).collect();
+            *followed = (!head.entries.is_empty()).then(|| FollowedTerm {
+                term: head.term,
+                lease_ids: head.entries.iter().map(|entry| entry.lease_id.clone()).collect(),
+            });
         }
         match outcome {
             // Same-spool takeover: the predecessor is dead, but a publish of its can pass its fence right up to the
@@ -213,7 +223,7 @@ impl LeaseStore {
                 term,
                 deadline: sent_at + self.timings.local_lifetime(),
                 publish_not_before: None,
-                followed: Vec::new(),
+                followed: None,
             }),
             (0, _) => {
                 // Our condition failed: somebody moved the head. Name them if they hold it now.
