@@ -282,18 +282,31 @@ async fn a_paused_holder_lands_nothing_after_a_takeover_and_an_empty_table_fails
     let paused = catalog.keeper(identity("paused"));
     let (_shutdown_tx, mut shutdown_rx) = watch::channel(false);
     paused.acquire_at_start(Duration::ZERO, &mut shutdown_rx).await.unwrap();
+    let publisher =
+        Publisher::new(catalog.client.clone(), catalog.tables.clone(), &catalog.config.catalog_name, paused.handle());
+    let published = publisher.publish_batch(&[one_capture_pack()]).await.unwrap();
+    assert!(matches!(published, PublishOutcome::Committed { version: 1, .. }), "{published:?}");
     let stale_permit = paused.handle().permit().expect("held with time left");
     // The paused holder renews nothing; a rival waits for the expiry and takes over.
     let rival = catalog.keeper(identity("rival"));
     rival.acquire_at_start(TTL * 3, &mut shutdown_rx).await.unwrap();
 
-    let publisher =
-        Publisher::new(catalog.client.clone(), catalog.tables.clone(), &catalog.config.catalog_name, paused.handle());
+    // Its next version follows its own last commit: the rows are sent, and the fence refuses the commit.
     let result = publisher.publish_with_permit(&stale_permit, &[one_capture_pack()]).await;
     assert!(matches!(result, Err(PublishError::NotCommitted)), "{result:?}");
-    assert!(catalog.committed_versions().is_empty(), "the paused holder's publish must land nothing");
+    assert_eq!(catalog.committed_versions(), vec![1], "the paused holder's publish must land nothing");
     let page = catalog.reader().list(&ListQuery { limit: 10, ..Default::default() }).await.unwrap();
-    assert!(page.captures.is_empty(), "nothing of the paused holder is visible: {page:?}");
+    assert_eq!(page.captures.len(), 1, "nothing of the paused publish is visible: {page:?}");
+    // A version it would read from the watermark now, past its permit's deadline, is not used: nothing is sent.
+    let fresh =
+        Publisher::new(catalog.client.clone(), catalog.tables.clone(), &catalog.config.catalog_name, paused.handle());
+    let result = fresh.publish_with_permit(&stale_permit, &[one_capture_pack()]).await;
+    assert!(matches!(result, Err(PublishError::NoLease)), "{result:?}");
+    let sent_at_2 = format!(
+        "SELECT count() FROM {} WHERE catalog = '{}' AND version = 2 FORMAT TSV",
+        catalog.tables.by_version, catalog.config.catalog_name
+    );
+    assert_eq!(catalog.server.query(&sent_at_2).unwrap().trim(), "1", "only the first stale publish's row");
 
     // A catalog name with no lease rows at all: the fence fails.
     let empty_name = format!("empty-{}", rand::random::<u32>());
