@@ -282,12 +282,31 @@ async fn a_paused_holder_lands_nothing_after_a_takeover_and_an_empty_table_fails
     let paused = catalog.keeper(identity("paused"));
     let (_shutdown_tx, mut shutdown_rx) = watch::channel(false);
     paused.acquire_at_start(Duration::ZERO, &mut shutdown_rx).await.unwrap();
+    let handle = paused.handle();
     let publisher =
-        Publisher::new(catalog.client.clone(), catalog.tables.clone(), &catalog.config.catalog_name, paused.handle());
-    let published = publisher.publish_batch(&[one_capture_pack()]).await.unwrap();
+        Publisher::new(catalog.client.clone(), catalog.tables.clone(), &catalog.config.catalog_name, handle.clone());
+    // One publish while its keeper renews (retried on a refused fence, as the daemon's loop does: 18.16's
+    // whole-second lease times).
+    let (_keeper_shutdown_tx, keeper_shutdown_rx) = watch::channel(false);
+    let keeper_task = tokio::spawn(paused.run(keeper_shutdown_rx));
+    let published = loop {
+        match publisher.publish_batch(&[one_capture_pack()]).await {
+            Err(PublishError::NotCommitted | PublishError::NoLease) => {
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            other => break other.unwrap(),
+        }
+    };
     assert!(matches!(published, PublishOutcome::Committed { version: 1, .. }), "{published:?}");
-    let stale_permit = paused.handle().permit().expect("held with time left");
-    // The paused holder renews nothing; a rival waits for the expiry and takes over.
+    let stale_permit = loop {
+        match handle.permit() {
+            Some(permit) => break permit,
+            None => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    };
+    // Then it is paused: its keeper renews nothing more (and releases nothing); a rival waits for the expiry and
+    // takes over.
+    keeper_task.abort();
     let rival = catalog.keeper(identity("rival"));
     rival.acquire_at_start(TTL * 3, &mut shutdown_rx).await.unwrap();
 
@@ -299,7 +318,7 @@ async fn a_paused_holder_lands_nothing_after_a_takeover_and_an_empty_table_fails
     assert_eq!(page.captures.len(), 1, "nothing of the paused publish is visible: {page:?}");
     // A version it would read from the watermark now, past its permit's deadline, is not used: nothing is sent.
     let fresh =
-        Publisher::new(catalog.client.clone(), catalog.tables.clone(), &catalog.config.catalog_name, paused.handle());
+        Publisher::new(catalog.client.clone(), catalog.tables.clone(), &catalog.config.catalog_name, handle.clone());
     let result = fresh.publish_with_permit(&stale_permit, &[one_capture_pack()]).await;
     assert!(matches!(result, Err(PublishError::NoLease)), "{result:?}");
     let sent_at_2 = format!(

@@ -16,8 +16,10 @@
 //!   above every row in doubt.
 //! - **Across processes** nothing is kept: a claim that follows a term this process did not know it held (another
 //!   process's, whichever its spool: a restart, a takeover, a standby; or its own whose claim or renewal went
-//!   unanswered) owes an empty commit, which the next publish makes before it writes any row
-//!   ([`crate::catalog::lease::LeaseHandle::owes_empty_commit`]), in that tenure or a later one. Every attempt of an
+//!   unanswered) owes an empty commit, which the next publish of packs makes before it writes any row of
+//!   `captures` or `packs` ([`crate::catalog::lease::LeaseHandle::owes_empty_commit`]), in that tenure or a later
+//!   one. A deletion or a horizon commits at one above the watermark itself and writes only rows keyed by
+//!   publish_id, so it pays the debt as well. Every attempt of an
 //!   earlier holder is at a version at most one above the watermark read after the claim: its commits are fenced,
 //!   and a version it read from the watermark was read before its local deadline, so before its lease expired on the
 //!   server. So the rows of such attempts are orphans below every row written from then on. (The first claim of a

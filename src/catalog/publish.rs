@@ -317,7 +317,7 @@ impl Publisher {
                 // successor's claim: rows sent at this version are at most one above the watermark that successor
                 // reads, where it commits empty first (see `super::in_doubt`). A holder paused past its deadline
                 // could otherwise read a successor's commits and send rows above them.
-                if Instant::now() >= permit.deadline {
+                if Instant::now() >= self.lease.deadline_for(permit) {
                     return Err(PublishError::NoLease);
                 }
                 Ok(watermark + 1)
@@ -712,7 +712,7 @@ impl Publisher {
             Ok(Some(committed)) => {
                 debug_assert_eq!(committed, version);
                 self.remember_commit(Some((permit.tenure, version)));
-                self.lease.note_commit();
+                self.lease.note_commit(permit);
                 self.in_doubt.committed();
                 tracing::info!(version, %publish_id, packs = pack_count, captures = capture_count, "published");
                 Ok(())

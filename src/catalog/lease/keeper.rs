@@ -47,9 +47,9 @@ struct Shared {
     /// The (lease_id, term) this process last knew it held (a claim's or a renewal's read-back): a claim that follows
     /// any other term follows a holder whose attempts may still land.
     confirmed: Option<(String, u64)>,
-    /// Set by a claim that followed a term other than `confirmed`; cleared by the next commit of this process (see
-    /// [`LeaseHandle::owes_empty_commit`]). Kept through a lost tenure until then.
-    owes_empty_commit: bool,
+    /// The tenure of the newest claim that followed a term other than `confirmed`, until a commit of this process
+    /// under that tenure or a later one (see [`LeaseHandle::owes_empty_commit`]). Kept through a lost tenure.
+    empty_commit_owed_since: Option<u64>,
     /// Whether the newest lease statement got an answer from the catalog (false until the first one does).
     catalog_reachable: bool,
 }
@@ -107,13 +107,29 @@ impl LeaseHandle {
     /// unanswered), and that holder's publish attempts may still land (see [`crate::catalog::in_doubt`]). Every
     /// attempt of such a holder is at a version at most one above the watermark read after the claim.
     pub fn owes_empty_commit(&self) -> bool {
-        self.lock().owes_empty_commit
+        self.lock().empty_commit_owed_since.is_some()
     }
 
-    /// A publish of this process committed: at one above the true watermark of its moment, so whatever an earlier
-    /// holder may still land is below every row written from now on.
-    pub fn note_commit(&self) {
-        self.lock().owes_empty_commit = false;
+    /// A publish of this process committed under `permit`: at one above the true watermark of its moment, so
+    /// whatever a holder before that permit's tenure may still land is below every row written from now on. (A
+    /// commit of an older tenure whose answer came late says nothing of a holder after it.)
+    pub fn note_commit(&self, permit: &PublishPermit) {
+        let mut shared = self.lock();
+        if shared.empty_commit_owed_since.is_some_and(|tenure| permit.tenure >= tenure) {
+            shared.empty_commit_owed_since = None;
+        }
+    }
+
+    /// The local deadline of the lease now if `permit` is of the tenure held now (renewals within a tenure form an
+    /// unbroken chain on the server); the permit's own otherwise.
+    pub fn deadline_for(&self, permit: &PublishPermit) -> Instant {
+        let shared = self.lock();
+        let current =
+            shared.state == LeaseState::Held && shared.tenure == permit.tenure && shared.lease_id == permit.lease_id;
+        match (current, shared.deadline) {
+            (true, Some(deadline)) => deadline.max(permit.deadline),
+            _ => permit.deadline,
+        }
     }
 
     /// A publishing statement's outcome is unknown: quarantine (no tombstone, nothing published for one TTL).
@@ -262,7 +278,7 @@ impl LeaseKeeper {
             ever_held: false,
             publish_not_before: None,
             confirmed: None,
-            owes_empty_commit: false,
+            empty_commit_owed_since: None,
             tenure: 0,
             catalog_reachable: false,
         };
@@ -535,7 +551,9 @@ impl LeaseKeeper {
                 *confirmed_term == followed.term && followed.lease_ids.iter().all(|id| id == lease_id)
             });
             if !known {
-                shared.owes_empty_commit = true;
+                // A claim begins a tenure (claims are made only when not held): the one numbered next.
+                let tenure = if was == LeaseState::Held { shared.tenure } else { shared.tenure + 1 };
+                shared.empty_commit_owed_since = Some(tenure);
             }
         }
         shared.confirmed = Some((shared.lease_id.clone(), term));
@@ -551,7 +569,6 @@ impl LeaseKeeper {
         shared.ever_held = true;
         if was != LeaseState::Held {
             shared.tenure += 1;
-
             tracing::info!(term, holder = %self.handle.identity.holder(), from = ?was, "lease held");
         }
         self.handle.publish_state(&shared);
