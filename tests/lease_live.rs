@@ -749,8 +749,15 @@ async fn a_publish_whose_reply_is_lost_is_decided_by_read_back_with_gapless_vers
             Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
         }
     };
-    assert_eq!(next, 2);
-    assert_eq!(catalog.committed_versions(), vec![1, 2], "no version used twice, none skipped");
+    assert_eq!(catalog.committed_versions(), (1..=next).collect::<Vec<u64>>(), "no version used twice, none skipped");
+    // Version 2 is the batch's, or an empty commit before it: a renewal in flight when the quarantine began may have
+    // landed unconfirmed, and a claim that follows a term this process did not confirm owes one.
+    assert!(next <= 3, "{next}");
+    let empty = format!(
+        "SELECT count() FROM {} WHERE catalog = '{}' AND version > 1 AND version < {next} AND packs = 0 AND captures = 0",
+        catalog.tables.publishes, catalog.config.catalog_name
+    );
+    assert_eq!(catalog.server.query(&empty).unwrap().trim(), (next - 2).to_string());
 }
 
 for_each_version!(rows_whose_insert_lost_its_reply_are_sent_again_as_the_same_attempt);
