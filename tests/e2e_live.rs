@@ -449,11 +449,11 @@ async fn rows_sent_by_a_daemon_killed_before_their_commit_stay_below_what_the_ne
     let (code, _, log) = daemon.terminate();
     assert_eq!(code, 0, "{log}");
     // The next start's first publish followed another process's lease: it committed version 1 empty, and the
-    // captures went to version 2, above every row the killed daemon sent.
+    // captures went to version 2 and on, above every row the killed daemon sent.
     assert!(log.contains("committing a version empty first"), "{log}");
     assert_eq!(attempts_at_1(), first_attempt, "version 1 holds no rows but the killed daemon's");
     assert_eq!(world.count_rows("publishes", "version = 1 AND captures = 0 AND packs = 0"), 1);
-    assert_eq!(world.count_rows("by_version", "version = 2"), producer.dropped.len() as u64);
+    assert_eq!(world.count_rows("by_version", "version >= 2"), producer.dropped.len() as u64);
 
     // The killed daemon's insert lands once more, after the commit (a part newer than the committed rows), and a
     // merge keeps the last copy of each capture: the same rows, so every capture is still listed.

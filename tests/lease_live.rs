@@ -760,6 +760,65 @@ async fn a_publish_whose_reply_is_lost_is_decided_by_read_back_with_gapless_vers
     assert_eq!(catalog.server.query(&empty).unwrap().trim(), (next - 2).to_string());
 }
 
+/// The publish_ids of the rows at `version` in `by_version`, whether committed or not.
+fn attempts_at(catalog: &Catalog, version: u64) -> Vec<String> {
+    let sql = format!(
+        "SELECT DISTINCT publish_id FROM {} WHERE catalog = '{}' AND version = {version} FORMAT TSV",
+        catalog.tables.by_version, catalog.config.catalog_name
+    );
+    catalog.server.query(&sql).unwrap().lines().map(str::to_string).collect()
+}
+
+/// Publish `batch` with the replies to its `captures` insert swallowed: the call fails and its rows land at version 1.
+/// Returns the publish_ids at version 1 once they have.
+async fn publish_losing_the_captures_reply(
+    catalog: &Catalog,
+    publisher: &Publisher,
+    batch: &[PackDescriptor],
+) -> Vec<String> {
+    let proxy = catalog.proxy.as_ref().unwrap();
+    // The crate sends an INSERT's statement in the URL: `captures(` is `captures%28` there.
+    proxy.blackhole_replies_matching(&format!("{}%28", catalog.tables.captures));
+    let result = publisher.publish_batch(batch).await;
+    assert!(result.is_err(), "{result:?}");
+    proxy.pass();
+    let landed = tokio::time::timeout(TTL * 3, async {
+        while attempts_at(catalog, 1).is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(landed.is_ok(), "the rows whose reply was lost never landed");
+    attempts_at(catalog, 1)
+}
+
+/// The rows of the attempt `publish_id` at `version` land once more (a part newer than every row before), and the
+/// tables listings read are merged: each capture keeps one row. (18.16 lists across streams from `by_time`, which
+/// its view filled with the copy too.)
+fn land_again_and_merge(catalog: &Catalog, version: u64, publish_id: &str) {
+    let (captures, name) = (&catalog.tables.captures, &catalog.config.catalog_name);
+    catalog
+        .server
+        .query(&format!(
+            "INSERT INTO {captures} SELECT * FROM {captures} WHERE catalog = '{name}' AND version = {version} AND \
+             publish_id = '{publish_id}'"
+        ))
+        .unwrap();
+    catalog.server.query(&format!("OPTIMIZE TABLE {captures} FINAL")).unwrap();
+    let (database, by_time) = catalog.tables.by_time.split_once('.').unwrap();
+    let kept = format!("SELECT count() FROM system.tables WHERE database = '{database}' AND name = '{by_time}'");
+    if catalog.server.query(&kept).unwrap().trim() == "1" {
+        catalog.server.query(&format!("OPTIMIZE TABLE {} FINAL", catalog.tables.by_time)).unwrap();
+    }
+}
+
+/// The capture ids of the first page (of 10) of `stream`, or across streams.
+async fn listed(catalog: &Catalog, stream: Option<&str>) -> Vec<String> {
+    let query = ListQuery { stream: stream.map(str::to_string), limit: 10, ..Default::default() };
+    let page = catalog.reader().list(&query).await.unwrap();
+    page.captures.iter().map(|capture| capture.capture_id.clone()).collect()
+}
+
 for_each_version!(rows_whose_insert_lost_its_reply_are_sent_again_as_the_same_attempt);
 /// A publish whose insert of `captures` rows loses its reply (the rows landed; on a loaded server they could land
 /// later still) sends them again at the same version under the same publish_id: so a copy of the first attempt's
@@ -768,34 +827,12 @@ for_each_version!(rows_whose_insert_lost_its_reply_are_sent_again_as_the_same_at
 /// of the listing.
 async fn rows_whose_insert_lost_its_reply_are_sent_again_as_the_same_attempt(server: &'static ClickHouseServer) {
     let catalog = catalog(server, true).await;
-    let proxy = catalog.proxy.as_ref().unwrap();
     let lost_rows = publishing(&catalog, "lost-rows").await;
     let publisher = &lost_rows.publisher;
     let now = capstore::util::now_ns();
     let ids: Vec<Uuid> = (0..5).map(|_| Uuid::now_v7()).collect();
     let batch = vec![pack(&ids.iter().enumerate().map(|(at, id)| (*id, "s", now + at as u64)).collect::<Vec<_>>())];
-    let (captures, by_version, name) =
-        (&catalog.tables.captures, &catalog.tables.by_version, &catalog.config.catalog_name);
-    let attempts_at_1 = || {
-        let sql =
-            format!("SELECT DISTINCT publish_id FROM {by_version} WHERE catalog = '{name}' AND version = 1 FORMAT TSV");
-        let text = catalog.server.query(&sql).unwrap();
-        text.lines().map(str::to_string).collect::<Vec<String>>()
-    };
-
-    // The crate sends an INSERT's statement in the URL: `captures(` is `captures%28` there.
-    proxy.blackhole_replies_matching(&format!("{captures}%28"));
-    let result = publisher.publish_batch(&batch).await;
-    assert!(result.is_err(), "{result:?}");
-    proxy.pass();
-    let landed = tokio::time::timeout(TTL * 3, async {
-        while attempts_at_1().is_empty() {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await;
-    assert!(landed.is_ok(), "the rows whose reply was lost never landed");
-    let first_attempt = attempts_at_1();
+    let first_attempt = publish_losing_the_captures_reply(&catalog, publisher, &batch).await;
     assert_eq!(first_attempt.len(), 1, "{first_attempt:?}");
 
     let committed = tokio::time::timeout(TTL * 6, async {
@@ -809,29 +846,13 @@ async fn rows_whose_insert_lost_its_reply_are_sent_again_as_the_same_attempt(ser
     })
     .await;
     let publish_id = committed.expect("the batch was never published");
-    assert_eq!(attempts_at_1(), vec![publish_id.to_string()], "the retry was a second attempt at version 1");
+    assert_eq!(attempts_at(&catalog, 1), vec![publish_id.to_string()], "the retry was a second attempt at version 1");
 
-    // The first attempt's insert lands once more, after the commit (a part newer than the committed rows), and a merge
-    // keeps the last copy of each capture.
-    catalog
-        .server
-        .query(&format!(
-            "INSERT INTO {captures} SELECT * FROM {captures} WHERE catalog = '{name}' AND version = 1 AND publish_id = '{}'",
-            first_attempt[0]
-        ))
-        .unwrap();
-    catalog.server.query(&format!("OPTIMIZE TABLE {captures} FINAL")).unwrap();
-    // (18.16 lists across streams from `by_time`, which its view filled with the copy too.)
-    let (database, by_time) = catalog.tables.by_time.split_once('.').unwrap();
-    let kept = format!("SELECT count() FROM system.tables WHERE database = '{database}' AND name = '{by_time}'");
-    if catalog.server.query(&kept).unwrap().trim() == "1" {
-        catalog.server.query(&format!("OPTIMIZE TABLE {} FINAL", catalog.tables.by_time)).unwrap();
-    }
-    for stream in [Some("s".to_string()), None] {
-        let page = catalog.reader().list(&ListQuery { stream: stream.clone(), limit: 10, ..Default::default() }).await;
-        let listed: Vec<String> = page.unwrap().captures.iter().map(|capture| capture.capture_id.clone()).collect();
-        assert_eq!(listed, ids.iter().map(Uuid::to_string).collect::<Vec<_>>(), "{stream:?}");
-    }
+    // The first attempt's insert lands once more, after the commit, and a merge keeps the last copy of each capture.
+    land_again_and_merge(&catalog, 1, &first_attempt[0]);
+    let expected: Vec<String> = ids.iter().map(Uuid::to_string).collect();
+    assert_eq!(listed(&catalog, Some("s")).await, expected);
+    assert_eq!(listed(&catalog, None).await, expected);
 }
 
 for_each_version!(rows_sharing_captures_with_an_attempt_in_doubt_go_to_the_next_version_after_an_empty_commit);
@@ -839,7 +860,6 @@ async fn rows_sharing_captures_with_an_attempt_in_doubt_go_to_the_next_version_a
     server: &'static ClickHouseServer,
 ) {
     let catalog = catalog(server, true).await;
-    let proxy = catalog.proxy.as_ref().unwrap();
     let publishing = publishing(&catalog, "reshaped").await;
     let publisher = &publishing.publisher;
     let now = capstore::util::now_ns();
@@ -847,27 +867,8 @@ async fn rows_sharing_captures_with_an_attempt_in_doubt_go_to_the_next_version_a
     let first = pack(&ids[..3].iter().enumerate().map(|(at, id)| (*id, "s", now + at as u64)).collect::<Vec<_>>());
     let second =
         pack(&ids[3..].iter().enumerate().map(|(at, id)| (*id, "s", now + 10 + at as u64)).collect::<Vec<_>>());
-    let (captures, by_version, name) =
-        (&catalog.tables.captures, &catalog.tables.by_version, &catalog.config.catalog_name);
-    let attempts_at_1 = || {
-        let sql =
-            format!("SELECT DISTINCT publish_id FROM {by_version} WHERE catalog = '{name}' AND version = 1 FORMAT TSV");
-        catalog.server.query(&sql).unwrap().lines().map(str::to_string).collect::<Vec<String>>()
-    };
-
     // A batch of two packs whose rows land with their reply lost: in doubt at version 1.
-    proxy.blackhole_replies_matching(&format!("{captures}%28"));
-    let result = publisher.publish_batch(&[first.clone(), second.clone()]).await;
-    assert!(result.is_err(), "{result:?}");
-    proxy.pass();
-    let landed = tokio::time::timeout(TTL * 3, async {
-        while attempts_at_1().is_empty() {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await;
-    assert!(landed.is_ok(), "the rows whose reply was lost never landed");
-    let in_doubt = attempts_at_1();
+    let in_doubt = publish_losing_the_captures_reply(&catalog, publisher, &[first.clone(), second.clone()]).await;
 
     // The first pack alone (a smaller batch, as after `batch_max_rows` was lowered): it cannot be that attempt, so
     // version 1 is committed empty and the pack goes to version 2.
@@ -885,8 +886,8 @@ async fn rows_sharing_captures_with_an_attempt_in_doubt_go_to_the_next_version_a
     let publishes = catalog
         .server
         .query(&format!(
-            "SELECT version, publish_id, packs, captures FROM {} WHERE catalog = '{name}' ORDER BY version FORMAT TSV",
-            catalog.tables.publishes
+            "SELECT version, publish_id, packs, captures FROM {} WHERE catalog = '{}' ORDER BY version FORMAT TSV",
+            catalog.tables.publishes, catalog.config.catalog_name
         ))
         .unwrap();
     let publishes: Vec<Vec<&str>> = publishes.lines().map(|line| line.split('\t').collect()).collect();
@@ -896,26 +897,10 @@ async fn rows_sharing_captures_with_an_attempt_in_doubt_go_to_the_next_version_a
 
     // The attempt in doubt lands once more, after both commits, and a merge keeps one row of each capture: the
     // first pack's captures are listed from version 2, the second's from nowhere until it is published.
-    catalog
-        .server
-        .query(&format!(
-            "INSERT INTO {captures} SELECT * FROM {captures} WHERE catalog = '{name}' AND version = 1 AND publish_id = '{}'",
-            in_doubt[0]
-        ))
-        .unwrap();
-    catalog.server.query(&format!("OPTIMIZE TABLE {captures} FINAL")).unwrap();
-    let (database, by_time) = catalog.tables.by_time.split_once('.').unwrap();
-    let kept = format!("SELECT count() FROM system.tables WHERE database = '{database}' AND name = '{by_time}'");
-    if catalog.server.query(&kept).unwrap().trim() == "1" {
-        catalog.server.query(&format!("OPTIMIZE TABLE {} FINAL", catalog.tables.by_time)).unwrap();
-    }
-    let listed = |stream: Option<String>| async {
-        let page = catalog.reader().list(&ListQuery { stream, limit: 10, ..Default::default() }).await;
-        page.unwrap().captures.iter().map(|capture| capture.capture_id.clone()).collect::<Vec<String>>()
-    };
+    land_again_and_merge(&catalog, 1, &in_doubt[0]);
     let expected: Vec<String> = ids[..3].iter().map(Uuid::to_string).collect();
-    assert_eq!(listed(Some("s".into())).await, expected);
-    assert_eq!(listed(None).await, expected);
+    assert_eq!(listed(&catalog, Some("s")).await, expected);
+    assert_eq!(listed(&catalog, None).await, expected);
     let published = loop {
         match publisher.publish_batch(std::slice::from_ref(&second)).await {
             Err(PublishError::NotCommitted | PublishError::NoLease) => {
@@ -926,8 +911,8 @@ async fn rows_sharing_captures_with_an_attempt_in_doubt_go_to_the_next_version_a
     };
     assert!(matches!(published, PublishOutcome::Committed { version: 3, .. }), "{published:?}");
     let expected: Vec<String> = ids.iter().map(Uuid::to_string).collect();
-    assert_eq!(listed(Some("s".into())).await, expected);
-    assert_eq!(listed(None).await, expected);
+    assert_eq!(listed(&catalog, Some("s")).await, expected);
+    assert_eq!(listed(&catalog, None).await, expected);
 }
 
 for_each_version!(rows_in_doubt_of_a_holder_on_another_spool_stay_below_what_its_successor_publishes);
@@ -935,33 +920,12 @@ async fn rows_in_doubt_of_a_holder_on_another_spool_stay_below_what_its_successo
     server: &'static ClickHouseServer,
 ) {
     let catalog = catalog(server, true).await;
-    let proxy = catalog.proxy.as_ref().unwrap();
     let now = capstore::util::now_ns();
     let ids: Vec<Uuid> = (0..4).map(|_| Uuid::now_v7()).collect();
     let batch = vec![pack(&ids.iter().enumerate().map(|(at, id)| (*id, "s", now + at as u64)).collect::<Vec<_>>())];
-    let (captures, by_version, name) =
-        (&catalog.tables.captures, &catalog.tables.by_version, &catalog.config.catalog_name);
-    let attempts_at = |version: u64| {
-        let sql = format!(
-            "SELECT DISTINCT publish_id FROM {by_version} WHERE catalog = '{name}' AND version = {version} FORMAT TSV"
-        );
-        catalog.server.query(&sql).unwrap().lines().map(str::to_string).collect::<Vec<String>>()
-    };
-
     // The first holder's rows land with their reply lost; it stops (its insert might still be on its way).
     let first = publishing(&catalog, "first").await;
-    proxy.blackhole_replies_matching(&format!("{captures}%28"));
-    let result = first.publisher.publish_batch(&batch).await;
-    assert!(result.is_err(), "{result:?}");
-    proxy.pass();
-    let landed = tokio::time::timeout(TTL * 3, async {
-        while attempts_at(1).is_empty() {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await;
-    assert!(landed.is_ok(), "the rows whose reply was lost never landed");
-    let in_doubt = attempts_at(1);
+    let in_doubt = publish_losing_the_captures_reply(&catalog, &first.publisher, &batch).await;
     assert_eq!(in_doubt.len(), 1, "{in_doubt:?}");
     first.shutdown_tx.send(true).unwrap();
     first.keeper_task.await.unwrap();
@@ -979,33 +943,21 @@ async fn rows_in_doubt_of_a_holder_on_another_spool_stay_below_what_its_successo
     };
     assert!(matches!(published, PublishOutcome::Committed { version: 2, .. }), "{published:?}");
     assert_eq!(catalog.committed_versions(), vec![1, 2]);
-    assert_eq!(attempts_at(1), in_doubt, "version 1 holds no rows but the first holder's");
+    assert_eq!(attempts_at(&catalog, 1), in_doubt, "version 1 holds no rows but the first holder's");
 
     // The first holder's insert lands once more, after the successor's commits, and a merge keeps one row of each
     // capture: the successor's, at the higher version.
-    catalog
-        .server
-        .query(&format!(
-            "INSERT INTO {captures} SELECT * FROM {captures} WHERE catalog = '{name}' AND version = 1 AND publish_id = '{}'",
-            in_doubt[0]
-        ))
-        .unwrap();
-    catalog.server.query(&format!("OPTIMIZE TABLE {captures} FINAL")).unwrap();
+    land_again_and_merge(&catalog, 1, &in_doubt[0]);
     let kept = format!(
-        "SELECT count() FROM {captures} FINAL WHERE catalog = '{name}' AND version = 2 AND capture_id IN ({})",
+        "SELECT count() FROM {} FINAL WHERE catalog = '{}' AND version = 2 AND capture_id IN ({})",
+        catalog.tables.captures,
+        catalog.config.catalog_name,
         ids.iter().map(|id| format!("'{id}'")).collect::<Vec<_>>().join(", ")
     );
     assert_eq!(catalog.server.query(&kept).unwrap().trim(), ids.len().to_string(), "the merge kept the orphans");
-    let (database, by_time) = catalog.tables.by_time.split_once('.').unwrap();
-    let has_by_time = format!("SELECT count() FROM system.tables WHERE database = '{database}' AND name = '{by_time}'");
-    if catalog.server.query(&has_by_time).unwrap().trim() == "1" {
-        catalog.server.query(&format!("OPTIMIZE TABLE {} FINAL", catalog.tables.by_time)).unwrap();
-    }
-    for stream in [Some("s".to_string()), None] {
-        let page = catalog.reader().list(&ListQuery { stream: stream.clone(), limit: 10, ..Default::default() }).await;
-        let listed: Vec<String> = page.unwrap().captures.iter().map(|capture| capture.capture_id.clone()).collect();
-        assert_eq!(listed, ids.iter().map(Uuid::to_string).collect::<Vec<_>>(), "{stream:?}");
-    }
+    let expected: Vec<String> = ids.iter().map(Uuid::to_string).collect();
+    assert_eq!(listed(&catalog, Some("s")).await, expected);
+    assert_eq!(listed(&catalog, None).await, expected);
     shutdown_tx.send(true).unwrap();
     keeper_task.await.unwrap();
 }

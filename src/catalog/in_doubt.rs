@@ -19,11 +19,10 @@
 //!   unanswered) owes an empty commit, which the next publish of packs makes before it writes any row of
 //!   `captures` or `packs` ([`crate::catalog::lease::LeaseHandle::owes_empty_commit`]), in that tenure or a later
 //!   one. A deletion or a horizon commits at one above the watermark itself and writes only rows keyed by
-//!   publish_id, so it pays the debt as well. Every attempt of an
-//!   earlier holder is at a version at most one above the watermark read after the claim: its commits are fenced,
-//!   and a version it read from the watermark was read before its local deadline, so before its lease expired on the
-//!   server. So the rows of such attempts are orphans below every row written from then on. (The first claim of a
-//!   catalog follows no term.)
+//!   publish_id, so it pays the debt as well. Every attempt of an earlier holder is at a version at most one above
+//!   the watermark read after the claim: its commits are fenced, and a version it read from the watermark was read
+//!   before its local deadline, so before its lease expired on the server. So the rows of such attempts are orphans
+//!   below every row written from then on. (The first claim of a catalog follows no term.)
 //!
 //! States of an attempt here:
 //!
@@ -57,14 +56,6 @@ struct RowsInDoubt {
     rows: HashSet<RowKey>,
 }
 
-/// What [`AttemptsInDoubt::attempt`] decided for an attempt about to be sent.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Attempt {
-    pub publish_id: Uuid,
-    /// Whether it repeats an attempt in doubt.
-    repeat: bool,
-}
-
 /// The attempts in doubt of one publisher (see the module doc).
 #[derive(Default)]
 pub struct AttemptsInDoubt {
@@ -72,19 +63,19 @@ pub struct AttemptsInDoubt {
 }
 
 impl AttemptsInDoubt {
-    /// The attempt at `version` writing `rows`: under the publish_id of the attempt in doubt whose rows these
+    /// The publish_id of an attempt at `version` writing `rows`: that of the attempt in doubt whose rows these
     /// include, or a new one. `None` when these share a capture or a pack with an attempt in doubt (or two) without
     /// including all its rows: they can be sent as no attempt at this version (the caller commits the version empty
     /// first).
-    pub fn attempt(&self, version: u64, rows: &HashSet<RowKey>) -> Option<Attempt> {
+    pub fn attempt(&self, version: u64, rows: &HashSet<RowKey>) -> Option<Uuid> {
         let attempts = self.lock();
         match attempt_to_repeat(&attempts, version, rows) {
             Ok(Some(at)) => {
                 let publish_id = attempts[at].publish_id;
                 tracing::info!(version, %publish_id, "sending again the attempt whose rows are in doubt");
-                Some(Attempt { publish_id, repeat: true })
+                Some(publish_id)
             }
-            Ok(None) => Some(Attempt { publish_id: Uuid::now_v7(), repeat: false }),
+            Ok(None) => Some(Uuid::now_v7()),
             Err(shared) => {
                 tracing::warn!(
                     version,
@@ -97,18 +88,18 @@ impl AttemptsInDoubt {
         }
     }
 
-    /// The insert of `attempt`'s `rows` at `version` failed. Where it `may_have_run` (an error that does not rule
-    /// it out), its rows are in doubt: a repeat's attempt has them all from then on (they include the earlier
-    /// sends'). Where it did not, an earlier send of a repeat stays in doubt as it was.
-    pub fn failed(&self, attempt: &Attempt, version: u64, rows: HashSet<RowKey>, may_have_run: bool) {
+    /// The insert of the attempt `publish_id`'s `rows` at `version` failed. Where it `may_have_run` (an error that
+    /// does not rule it out), its rows are in doubt: a repeat's attempt has them all from then on (they include the
+    /// earlier sends'). Where it did not, an earlier send of a repeat stays in doubt as it was.
+    pub fn failed(&self, publish_id: Uuid, version: u64, rows: HashSet<RowKey>, may_have_run: bool) {
         // An attempt of no rows (a compaction's switch that only retires packs) has nothing that could land.
         if !may_have_run || rows.is_empty() {
             return;
         }
         let mut attempts = self.lock();
-        match attempts.iter_mut().find(|recorded| recorded.publish_id == attempt.publish_id) {
+        match attempts.iter_mut().find(|recorded| recorded.publish_id == publish_id) {
             Some(recorded) => recorded.rows = rows,
-            None => attempts.push(RowsInDoubt { version, publish_id: attempt.publish_id, rows }),
+            None => attempts.push(RowsInDoubt { version, publish_id, rows }),
         }
     }
 
@@ -191,27 +182,27 @@ mod tests {
         let batch = rows(&[(1, 0), (1, 11), (1, 12)]);
         // A send that did not run leaves nothing in doubt.
         let ruled_out = doubts.attempt(7, &batch).unwrap();
-        doubts.failed(&ruled_out, 7, batch.clone(), false);
+        doubts.failed(ruled_out, 7, batch.clone(), false);
         assert!(doubts.lock().is_empty());
         let sent = doubts.attempt(7, &batch).unwrap();
-        doubts.failed(&sent, 7, batch.clone(), true);
+        doubts.failed(sent, 7, batch.clone(), true);
         // Repeated with a pack more, which may have run too: the batch alone no longer repeats it.
         let mut bigger = batch.clone();
         bigger.insert(key(2, 0));
         let repeat = doubts.attempt(7, &bigger).unwrap();
-        assert_eq!(repeat.publish_id, sent.publish_id, "the same attempt, with a pack more");
-        doubts.failed(&repeat, 7, bigger.clone(), true);
+        assert_eq!(repeat, sent, "the same attempt, with a pack more");
+        doubts.failed(repeat, 7, bigger.clone(), true);
         assert_eq!(doubts.attempt(7, &batch), None);
         // A repeat that did not run leaves the earlier sends in doubt as they were.
         let again = doubts.attempt(7, &bigger.iter().copied().chain([key(3, 0)]).collect()).unwrap();
-        doubts.failed(&again, 7, HashSet::new(), false);
+        doubts.failed(again, 7, HashSet::new(), false);
         assert_eq!(doubts.lock()[0].rows, bigger);
         // Nothing of no rows is in doubt; a commit clears every attempt.
         let switch = doubts.attempt(7, &HashSet::new()).unwrap();
-        doubts.failed(&switch, 7, HashSet::new(), true);
+        doubts.failed(switch, 7, HashSet::new(), true);
         assert_eq!(doubts.lock().len(), 1);
         doubts.committed();
         assert!(doubts.lock().is_empty());
-        assert!(doubts.attempt(7, &batch).is_some_and(|fresh| fresh.publish_id != sent.publish_id));
+        assert!(doubts.attempt(7, &batch).is_some_and(|fresh| fresh != sent));
     }
 }

@@ -7,7 +7,7 @@
 //! - [`lease`]: the lease statements and the fence ([`lease::LeaseStore`]), and the keeper task (renew, quarantine,
 //!   latch, start wait: [`lease::LeaseKeeper`]).
 //! - [`intents`]: the packs about to be uploaded, recorded before the upload, so a start reconciles without a listing.
-//! - [`in_doubt`]: the publish attempts whose rows may still land, kept in the spool, repeated as the same attempt.
+//! - [`in_doubt`]: the publish attempts whose rows may still land, and how a publish keeps them below its rows.
 //! - [`publish`]: publishing a batch of packs at version watermark + 1 behind the fence, with read-back.
 //! - [`query`]: reads with a pinned watermark, tailing by version, garbage collection.
 //! - [`tail`]: the log of publishes read a few pages ahead, for a tail catching up on a long history.

@@ -272,29 +272,31 @@ impl Publisher {
         }
     }
 
-    /// The version a publish of `rows` under `permit` takes, and its attempt there. A version is committed empty
-    /// first (no rows, under a publish_id of its own), and these go to the next, where rows of another attempt may
-    /// land at it later (see [`super::in_doubt`]): at the first publish of a tenure that followed another lease_id's,
-    /// and where these rows share captures or packs with an attempt of ours in doubt at that version without
-    /// repeating it. A merge keeps the highest version, so a late landing of those rows can no longer win over these.
+    /// The version a publish of `rows` under `permit` takes, and the publish_id of its attempt there. Where rows of
+    /// another attempt may land at that version later (see [`super::in_doubt`]) the version is committed empty first
+    /// (no rows, under a publish_id of its own), and these go to the next: while the lease owes an empty commit, and
+    /// where these rows share captures or packs with an attempt of ours in doubt there without repeating it. A merge
+    /// keeps the highest version, so a late landing of those rows can no longer win over these.
     async fn version_and_attempt(
         &self,
         permit: &PublishPermit,
         rows: &HashSet<RowKey>,
-    ) -> Result<(u64, super::in_doubt::Attempt), PublishError> {
+    ) -> Result<(u64, Uuid), PublishError> {
         loop {
             let version = self.next_version(permit).await?;
-            if self.lease.owes_empty_commit() {
-                tracing::info!(
-                    version,
-                    "the lease followed a holder whose rows may still land: committing a version empty first"
-                );
-                self.commit(permit, version, Uuid::now_v7(), 0, 0).await?;
-                continue;
-            }
-            match self.in_doubt.attempt(version, rows) {
-                Some(attempt) => return Ok((version, attempt)),
-                // The commit clears every record of attempts in doubt: the next turn of the loop finds none.
+            let attempt = match self.lease.owes_empty_commit() {
+                true => {
+                    tracing::info!(
+                        version,
+                        "the lease followed a holder whose rows may still land: committing a version empty first"
+                    );
+                    None
+                }
+                false => self.in_doubt.attempt(version, rows),
+            };
+            match attempt {
+                Some(publish_id) => return Ok((version, publish_id)),
+                // The commit pays what the lease owes and ends every doubt: the next turn goes through.
                 None => self.commit(permit, version, Uuid::now_v7(), 0, 0).await?,
             }
         }
@@ -448,10 +450,9 @@ impl Publisher {
             .map(|(pack, entry)| (pack.summary.pack_id, entry.meta.capture_id))
             .chain(fresh.iter().map(|pack| (pack.summary.pack_id, Uuid::nil())))
             .collect();
-        let (version, attempt) = self.version_and_attempt(permit, &rows).await?;
-        let publish_id = attempt.publish_id;
+        let (version, publish_id) = self.version_and_attempt(permit, &rows).await?;
         if let Err(error) = self.insert_descriptor_rows(&fresh, &captures, version, publish_id).await {
-            self.in_doubt.failed(&attempt, version, rows, error.kind != ErrorKind::DefinitelyFailed);
+            self.in_doubt.failed(publish_id, version, rows, error.kind != ErrorKind::DefinitelyFailed);
             return Err(error.into());
         }
         self.commit(permit, version, publish_id, fresh.len(), captures.len()).await?;
@@ -627,8 +628,7 @@ impl Publisher {
                 movable.iter().map(move |entry| (id, entry.meta.capture_id)).chain([(id, Uuid::nil())])
             })
             .collect();
-        let (version, attempt) = self.version_and_attempt(&permit, &doubted).await?;
-        let publish_id = attempt.publish_id;
+        let (version, publish_id) = self.version_and_attempt(&permit, &doubted).await?;
         let publish_id_text = publish_id.to_string();
         self.stamp_at_least(super::schema::STAMPED_BY_COMPACTION).await?;
         if let Some(pack) = &relocation.new_pack {
@@ -639,7 +639,7 @@ impl Publisher {
                 self.client.insert_rows(&self.tables.packs, &[self.pack_row(pack, version, &publish_id_text)]).await
             };
             if let Err(error) = inserted.await {
-                self.in_doubt.failed(&attempt, version, doubted, error.kind != ErrorKind::DefinitelyFailed);
+                self.in_doubt.failed(publish_id, version, doubted, error.kind != ErrorKind::DefinitelyFailed);
                 return Err(error.into());
             }
         }

@@ -1661,9 +1661,9 @@ impl CatalogReader {
     /// position after them. Whole versions or part of one: a publish of 100,000 captures is read in pages too.
     ///
     /// Two statements, each bounded by the page: the publishes after `from.version` (at most `limit`; a horizon, a
-    /// compaction's switch or an empty version holds no capture) give the last version the page can reach by their capture counts, then one primary-key
-    /// range of `by_version` up to it (inside the first version, the ids after the position), visible against just
-    /// those publishes. An empty page with `next == from` means caught up.
+    /// compaction's switch or an empty version holds no capture) give the last version the page can reach by their
+    /// capture counts, then one primary-key range of `by_version` up to it (inside the first version, the ids after
+    /// the position), visible against just those publishes. An empty page with `next == from` means caught up.
     pub async fn tail_page(
         &self,
         from: TailPosition,

@@ -152,9 +152,8 @@ impl ReadLimits {
     }
 }
 
-/// What reads do about a profile's bound of `setting`, in words; `configured` is the value `configured_as` names.
-fn describe(setting: &str, bound: ProfileBound, configured: u64, configured_as: &str) -> String {
-    let key = configured_as;
+/// What reads do about a profile's bound of `setting`, in words; `configured` is the value `key` names.
+fn describe(setting: &str, bound: ProfileBound, configured: u64, key: &str) -> String {
     match bound {
         ProfileBound::AtMost(most) if most < configured => format!(
             "the settings profile lets a read set {setting} to at most {most}: reads are bounded there, below {key} \
