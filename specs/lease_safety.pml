@@ -27,6 +27,10 @@
  *   STRICT_I3     I3 read literally: the head has exactly our lease id when a publish lands
  *   NO_PT_MARGIN  control: fence margin clock_skew only (no publish_timeout)
  *   REL_NEXT      control: release tombstone at head+1 instead of own term
+ *   REL_CUT       a release may cut off a publish in flight (the drain's
+ *                 timeout, a compaction publish still running at shutdown): its
+ *                 tombstone lingers publish_timeout + clock_skew + 0.1 s
+ *   REL_AT_ONCE   control for REL_CUT: that tombstone ends the lease at once
  *   NO_QUAR       control: no quarantine after an unknown outcome
  *   SKEW_BUG      control: real skew 2 > declared skew 1
  *   NO_VCHECK     the publish statement without its version check
@@ -39,9 +43,13 @@
  * Same-spool takeover (publisher 0 is SIGKILLed, publisher 1 has its spool id):
  *   TAKEOVER               claim at once, no embargo (DESIGN 7 as first written)
  *   TAKEOVER EMB_SENT      embargo publish_timeout + clock_skew + 0.1 s counted
- *                          from when the takeover claim was SENT (the code now)
+ *                          from when the takeover claim was SENT
  *   TAKEOVER EMB_REPLY     the same embargo counted from when the claim's
- *                          read-back said held
+ *                          read-back said held (the code now)
+ *   TAKEOVER EMB_REPLY OWN_HEAD_AT_ONCE
+ *                          control: a claim over the claimant's own live head
+ *                          (its start's first claim went unanswered, and a
+ *                          start keeps its lease id) takes no embargo
  * (specs/takeover.pml selects TAKEOVER.)
  */
 
@@ -87,6 +95,8 @@
 #define QUAR_T (TTL-SR)        /* earliest server end of a quarantine        */
 /* takeover embargo: PT + SK + 0.1 s local; the 0.1 s (strict margin) is one tick */
 #define EMB_T (PT+SK+1-SR)
+/* a release's linger when a publish of its went unanswered: the same, stamped by the server */
+#define LINGER (FENCE_MARGIN+1)
 
 /* lease ids: CUR(i) is publisher i's current lease id, OLD(i) all its earlier ones */
 #define NID (2*N+1)
@@ -119,6 +129,7 @@ byte q[N];              /* server ticks of quarantine left (earliest case)      
 bit  mtb[N];            /* own term is below the head (else: is the head)       */
 bit  lw[N];             /* STALE_WM: cached watermark is current                */
 bit  tr[N];             /* the keeper already acted this tick (claim, renew, or a failed request) */
+bit  eh[N];             /* held the lease once: a start (acquire_at_start) is over */
 byte nd;                /* requests that definitely failed so far              */
 #ifdef TAKEOVER
 byte emb[N];            /* embargo ticks left (server, earliest case)           */
@@ -134,7 +145,8 @@ byte cdl[N];            /* the local deadline it would give, counting from sendi
 byte cexp[N];           /* ticks to the expiry of the row it writes (from the read) */
 bit  corph[N];          /* nobody waits for its reply                           */
 bit  ccont[N];          /* its term has another lease id: read-back says contested */
-bit  ctk[N];            /* a same-spool takeover claim                          */
+bit  ctk[N];            /* a claim over a live head (a same-spool takeover, or its own): embargoed */
+bit  clg[N];            /* a release's tombstone lingers (a publish of its went unanswered) */
 
 /* ---- publish statements: slot i of publisher i; slot N+i only with NO_QUAR */
 #ifdef NO_QUAR
@@ -246,6 +258,9 @@ inline claim_send(i) {
         :: TAKES(i) -> ctk[i] = 1
         :: else -> cph[i] = 0        /* refused */
         fi
+#ifndef OWN_HEAD_AT_ONCE
+     :: hlive && hsole == CUR(i) -> ctk[i] = 1
+#endif
      :: else
      fi
   fi
@@ -269,7 +284,7 @@ inline claim_eval(i) {
 /* its row becomes visible */
 inline claim_land(i) {
   TRACE(printf("claim_land P%d ct %d ok %d\n", i, ct[i], cok[i]));
-  if :: ck[i] == K_TOMB -> cexp[i] = 0 :: else fi;
+  if :: ck[i] == K_TOMB -> if :: clg[i] -> cexp[i] = cexp[i] - (TTL - LINGER) :: else -> cexp[i] = 0 fi :: else fi;
   if
   :: cok[i] && ct[i] == 2 ->
      j = 1; do :: j < NID -> hx[j] = ABS; j++ :: else -> break od;
@@ -329,15 +344,26 @@ inline claim_reply(i) {
      :: else
      fi;
 #endif
-     st[i] = HELD; dl[i] = cdl[i]; mtb[i] = (ct[i] == 0)
+     st[i] = HELD; dl[i] = cdl[i]; mtb[i] = (ct[i] == 0); eh[i] = 1
   :: else -> st[i] = NONE; dl[i] = 0
   fi;
   cph[i] = 0
 }
 
-/* LeaseKeeper::release -> LeaseStore::release: tombstone at own term, then exit */
+/* LeaseKeeper::release -> LeaseStore::release: tombstone at own term, then exit.
+   A publish in flight is cut off (the drain's timeout): it may still run on
+   the server, and the tombstone lingers (LeaseHandle::commit_sent). */
 inline release(i) {
   TRACE(printf("release P%d\n", i));
+#ifdef REL_AT_ONCE
+  clg[i] = 0;
+#else
+  clg[i] = (pph[i] != 0 && !porph[i]);    /* PBUSY(i): its commit is unanswered */
+#endif
+#ifndef REL_CUT
+  assert(!clg[i]);                          /* the drain let every publish end */
+#endif
+  if :: pph[i] == 3 -> pph[i] = 0 :: pph[i] != 0 -> porph[i] = 1 :: else fi;
   cph[i] = 1; ck[i] = K_TOMB; ct[i] = 1 - mtb[i]; cok[i] = 0; clid[i] = CUR(i);
   cdl[i] = DL0; cexp[i] = 0; corph[i] = 1; ccont[i] = 0; ctk[i] = 0;
   st[i] = OFF; dl[i] = 0
@@ -483,6 +509,11 @@ inline tick() {
 #endif
 
 #define RUNS(i) (st[i] == NONE || st[i] == HELD || st[i] == QUAR)
+#if defined(REL_CUT) || defined(REL_AT_ONCE)
+#define REL_CUTS 1      /* a release may cut off a publish in flight */
+#else
+#define REL_CUTS 0
+#endif
 #define PBUSY(i) (pph[i] != 0 && !porph[i])
 
 #ifdef TAKEOVER
@@ -491,6 +522,14 @@ inline tick() {
 #else
 #define PERMIT(i) (st[i] == HELD && dl[i] > 0)
 #define CAN_RELEASE 1
+#endif
+
+/* An unknown outcome quarantines, except a claim's at start with START_KEEPS_ID
+   (acquire_at_start keeps its lease id and claims again; takeover.pml) */
+#ifdef START_KEEPS_ID
+#define START_UNKNOWN(i) if :: eh[i] -> QUARANTINE(i) :: else -> st[i] = NONE fi
+#else
+#define START_UNKNOWN(i) QUARANTINE(i)
 #endif
 
 #define PSLOT(i, s) \
@@ -519,9 +558,10 @@ inline tick() {
   :: d_step { cph[i] == 2 -> claim_land(i) } \
   :: d_step { cph[i] == 3 && !corph[i] -> claim_reply(i) } \
   :: d_step { nf < MAXF && cph[i] != 0 && !corph[i] && RUNS(i) -> \
-              nf++; if :: cph[i] == 3 -> cph[i] = 0 :: else -> corph[i] = 1 fi; QUARANTINE(i) } \
-  :: d_step { CAN_RELEASE && st[i] == HELD && cph[i] == 0 && !PBUSY(i) -> release(i) } \
-  :: d_step { CAN_RELEASE && st[i] == OFF && cph[i] == 0 && pph[i] == 0 -> genchange(i); st[i] = NONE; mtb[i] = 1 } \
+              nf++; if :: cph[i] == 3 -> cph[i] = 0 :: else -> corph[i] = 1 fi; \
+              START_UNKNOWN(i) } \
+  :: d_step { CAN_RELEASE && st[i] == HELD && cph[i] == 0 && (REL_CUTS || !PBUSY(i)) -> release(i) } \
+  :: d_step { CAN_RELEASE && st[i] == OFF && cph[i] == 0 && pph[i] == 0 -> genchange(i); st[i] = NONE; mtb[i] = 1; eh[i] = 0 } \
   :: d_step { PERMIT(i) && !PBUSY(i) && pph[i] == 0 -> pub_send(i, i) } \
   PSLOT(i, i) PSLOT2(i)
 

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use capstore::capture::CaptureMeta;
 use capstore::catalog::lease::{
-    ClaimOutcome, Identity, LeaseKeeper, LeaseState, LeaseStore, LeaseTimings, PublishPermit, StartError,
+    ClaimOutcome, Identity, LeaseKeeper, LeaseState, LeaseStore, LeaseTimings, PublishPermit, RunningLease, StartError,
 };
 use capstore::catalog::publish::{PackDescriptor, PublishError, PublishOutcome, Publisher};
 use capstore::catalog::query::{CatalogReader, ListQuery, Page};
@@ -200,14 +200,14 @@ async fn claim_renew_release_refusal_and_takeover(server: &'static ClickHouseSer
         other => panic!("bob must be refused while alice holds: {other:?}"),
     }
 
-    store.release(&alice_id, &alice, renewed).await.unwrap();
+    store.release(&alice_id, &alice, renewed, Duration::ZERO).await.unwrap();
     let ClaimOutcome::Held { term: bob_term, .. } = store.claim(&bob_id, &bob).await.unwrap() else {
         panic!("a released lease is free at once")
     };
     assert_eq!(bob_term, 3);
 
     // A late tombstone of alice's, at her own term, never revokes bob's later term.
-    store.release(&alice_id, &alice, renewed).await.unwrap();
+    store.release(&alice_id, &alice, renewed, Duration::ZERO).await.unwrap();
     let head = store.read_head().await.unwrap();
     assert!(head.is_live() && head.entries[0].holder == bob.holder(), "{head:?}");
     assert!(matches!(store.renew(&bob_id, &bob, bob_term).await.unwrap(), ClaimOutcome::Held { term: 4, .. }));
@@ -515,7 +515,7 @@ async fn run_rival(store: LeaseStore, renew_for: Duration, release_at_end: bool)
         }
     }
     if release_at_end {
-        store.release(&lease_id, &rival, term).await.unwrap();
+        store.release(&lease_id, &rival, term, Duration::ZERO).await.unwrap();
     }
     rival.holder()
 }
@@ -621,7 +621,12 @@ async fn start_wait_for_a_killed_holder_and_same_spool_takeover(server: &'static
     assert!(waited >= Duration::from_millis(500) && waited <= bound, "waited {waited:?}, expected 0.5 s..{bound:?}");
     let successor_status = waiter.handle().status();
     store
-        .release(&waiter.handle().permit().unwrap().lease_id, waiter.handle().identity(), successor_status.lease_term)
+        .release(
+            &waiter.handle().permit().unwrap().lease_id,
+            waiter.handle().identity(),
+            successor_status.lease_term,
+            Duration::ZERO,
+        )
         .await
         .unwrap();
 
@@ -687,6 +692,134 @@ async fn start_wait_for_a_killed_holder_and_same_spool_takeover(server: &'static
     assert!(matches!(result, Err(PublishError::NotCommitted)), "{result:?}");
     assert!(catalog.committed_versions().is_empty());
     sigkill(&mut restarted.child);
+}
+
+for_each_version!(a_start_whose_takeover_claim_went_unanswered_waits_out_the_embargo_after_its_retry);
+async fn a_start_whose_takeover_claim_went_unanswered_waits_out_the_embargo_after_its_retry(
+    server: &'static ClickHouseServer,
+) {
+    let catalog = catalog(server, true).await;
+    let proxy = catalog.proxy.as_ref().unwrap();
+    let name = &catalog.config.catalog_name;
+    // The spool's previous process holds a live lease and is dead: its last commit may still be running.
+    let spool_id = Uuid::new_v4();
+    let predecessor = Identity { spool_id, host: "before".into(), pid: 1 };
+    let store = catalog.store(name);
+    assert!(matches!(store.claim("lease-before", &predecessor).await.unwrap(), ClaimOutcome::Held { term: 1, .. }));
+
+    // The restart's takeover claim lands, but its reply is lost; the start retries with the same lease_id and finds
+    // its own row live at the head.
+    let keeper = catalog.keeper(Identity { spool_id, host: "after".into(), pid: 2 });
+    let handle = keeper.handle();
+    proxy.blackhole_replies_matching("claim");
+    let (_shutdown_tx, mut shutdown_rx) = watch::channel(false);
+    let start = tokio::spawn(async move {
+        keeper.acquire_at_start(Duration::ZERO, &mut shutdown_rx).await.unwrap();
+        (keeper, shutdown_rx)
+    });
+    let heads_written_after = format!(
+        "SELECT count() FROM {} WHERE catalog = '{name}' AND holder LIKE '%@after:2' FORMAT TSV",
+        catalog.tables.lease
+    );
+    let landed = tokio::time::timeout(TTL * 3, async {
+        while catalog.server.query(&heads_written_after).unwrap().trim() == "0" {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(landed.is_ok(), "the unanswered takeover claim never landed");
+    proxy.pass();
+    let (keeper, shutdown_rx) = start.await.unwrap();
+    let held_at = Instant::now();
+    // Renewing, so that the embargo (longer than a claim's local lifetime on 18.16) can end while the lease is held.
+    tokio::spawn(keeper.run(shutdown_rx));
+    assert_eq!(handle.state(), LeaseState::Held);
+    let lease_rows = catalog.server.query(&heads_written_after).unwrap();
+    assert!(lease_rows.trim().parse::<u64>().unwrap() >= 2, "the start claimed again over its own row: {lease_rows}");
+
+    // Nothing is published until publish_timeout + clock_skew after the claim that answered: the predecessor's
+    // commit may have passed its fence just before the first claim landed.
+    assert!(handle.permit().is_none(), "a claim over its own unanswered takeover must wait out the embargo");
+    let embargo = catalog.timings().fence_margin();
+    let permitted = tokio::time::timeout(TTL, async {
+        while handle.permit().is_none() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(permitted.is_ok(), "the embargo never ended");
+    assert!(held_at.elapsed() >= embargo, "permitted {:?} after the claim, before the embargo", held_at.elapsed());
+}
+
+for_each_version!(a_release_that_cut_off_a_commit_keeps_the_lease_until_the_commit_has_ended, flavor = "multi_thread");
+async fn a_release_that_cut_off_a_commit_keeps_the_lease_until_the_commit_has_ended(server: &'static ClickHouseServer) {
+    let catalog = catalog(server, true).await;
+    let proxy = catalog.proxy.as_ref().unwrap();
+    let name = &catalog.config.catalog_name;
+    let rival_store = catalog.store(name);
+    let rival = identity("rival");
+    let start = |host: &str| {
+        let keeper = catalog.keeper(identity(host));
+        async move {
+            let (_shutdown_tx, mut shutdown_rx) = watch::channel(false);
+            keeper.start(Duration::ZERO, &mut shutdown_rx).await.unwrap()
+        }
+    };
+    let publisher_for = |lease: &RunningLease| {
+        Publisher::new(catalog.client.clone(), catalog.tables.clone(), name, lease.handle().clone())
+    };
+
+    // Every commit answered: the release ends the lease at once.
+    let running = start("answered").await;
+    publisher_for(&running).publish_batch(&[one_capture_pack()]).await.unwrap();
+    running.stop().await;
+    let ClaimOutcome::Held { term, .. } = rival_store.claim("lease-rival", &rival).await.unwrap() else {
+        panic!("a release after answered commits must free the lease at once")
+    };
+    rival_store.release("lease-rival", &rival, term, Duration::ZERO).await.unwrap();
+
+    // A commit sent and cut off before its answer (as the drain's timeout cuts one): the server may still run it.
+    let running = start("cut").await;
+    let publisher = Arc::new(publisher_for(&running));
+    publisher.publish_batch(&[one_capture_pack()]).await.unwrap();
+    let commit = format!("INSERT INTO {} ", catalog.tables.publishes);
+    let commits_sent = proxy.count_requests_containing(&commit);
+    proxy.blackhole_replies_matching(&commit);
+    let cut = tokio::spawn({
+        let publisher = Arc::clone(&publisher);
+        async move { publisher.publish_batch(&[one_capture_pack()]).await }
+    });
+    let sent = tokio::time::timeout(TTL, async {
+        while commits_sent.load(Ordering::SeqCst) == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    assert!(sent.is_ok(), "the commit was never sent");
+    cut.abort();
+    assert!(cut.await.unwrap_err().is_cancelled());
+    proxy.pass();
+    let released_at = Instant::now();
+    running.stop().await;
+
+    // The tombstone lingers for publish_timeout + clock_skew and the margin, so the rival waits that long.
+    let refused = rival_store.claim("lease-rival-2", &rival).await.unwrap();
+    assert!(
+        matches!(refused, ClaimOutcome::Refused { .. }),
+        "the lease was free at once after a cut commit: {refused:?}"
+    );
+    let claimed = tokio::time::timeout(TTL * 2, async {
+        loop {
+            match rival_store.claim("lease-rival-2", &rival).await.unwrap() {
+                ClaimOutcome::Held { .. } => break,
+                _ => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
+    })
+    .await;
+    assert!(claimed.is_ok(), "the lingering release never ended");
+    let linger = catalog.timings().fence_margin();
+    assert!(released_at.elapsed() >= linger, "claimed {:?} after the release", released_at.elapsed());
 }
 
 for_each_version!(a_publish_whose_reply_is_lost_is_decided_by_read_back_with_gapless_versions);
@@ -2448,7 +2581,7 @@ async fn the_holder_trims_its_lease_history_below_the_head_and_leaves_other_cata
         };
         term = renewed;
     }
-    other.release("lease-n", &neighbour, term).await.unwrap();
+    other.release("lease-n", &neighbour, term, Duration::ZERO).await.unwrap();
     let history = |name: &str| -> (u64, u64, u64) {
         let text = catalog
             .server

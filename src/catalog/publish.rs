@@ -703,7 +703,10 @@ impl Publisher {
             self.lease.report_unknown_outcome(&error.to_string());
             PublishError::OutcomeUnknown(error)
         };
-        match self.client.execute_deciding(&sql, statement_cap).await {
+        let in_flight = self.lease.commit_sent();
+        let sent = self.client.execute_deciding(&sql, statement_cap).await;
+        in_flight.answered();
+        match sent {
             Ok(()) => {}
             Err(error) if error.kind == ErrorKind::DefinitelyFailed => return Err(PublishError::Catalog(error)),
             Err(error) => return Err(unknown(error)),

@@ -534,3 +534,19 @@ fn spawn_signal_thread(shutdown_tx: watch::Sender<bool>) -> std::io::Result<()> 
     })?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::catalog::publish::PublishError;
+
+    #[test]
+    fn a_round_that_lost_the_lease_partway_is_no_failure_and_a_catalog_error_is() {
+        let mut outage = OutageLog::new("test");
+        let mut moved = 0;
+        assert!(count_round(Err(PublishError::NoLease.into()), &mut outage, &mut moved));
+        assert!(!count_round(Err(PublishError::NotCommitted.into()), &mut outage, &mut moved));
+        assert!(count_round(Ok(3), &mut outage, &mut moved));
+        assert_eq!(moved, 3);
+    }
+}

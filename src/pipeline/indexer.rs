@@ -94,7 +94,7 @@ impl Pipeline {
                 self.count_rejection(&descriptor, &error.to_string()).await;
                 Ok((0, false))
             }
-            Err(error) => Err(RoundError::Publish(error)),
+            Err(error) => Err(error.into()),
             Ok(count) => Ok((count, true)),
         }
     }
@@ -107,7 +107,7 @@ impl Pipeline {
                 self.count_rejection(&descriptor, &error.to_string()).await;
                 Ok(None)
             }
-            Err(error) => Err(RoundError::Publish(error)),
+            Err(error) => Err(error.into()),
         }
     }
 

@@ -190,7 +190,7 @@ pub enum RoundError {
     #[error("bucket: {0}")]
     Bucket(#[from] crate::bucket::BucketError),
     #[error("catalog: {0}")]
-    Publish(#[from] crate::catalog::publish::PublishError),
+    Publish(crate::catalog::publish::PublishError),
     #[error("catalog: {0}")]
     Catalog(#[from] crate::catalog::CatalogError),
     #[error("catalog: {0}")]
@@ -199,6 +199,17 @@ pub enum RoundError {
     Spool(#[from] std::io::Error),
     #[error("stopped: the process is shutting down")]
     Stopped,
+}
+
+impl From<crate::catalog::publish::PublishError> for RoundError {
+    /// A publish that found the lease gone partway (its permit too short by then, or its watermark read past the
+    /// lease's deadline) ends the round as one that found it gone at the start: no failure, the keeper is on it.
+    fn from(error: crate::catalog::publish::PublishError) -> RoundError {
+        match error {
+            crate::catalog::publish::PublishError::NoLease => RoundError::NoLease,
+            other => RoundError::Publish(other),
+        }
+    }
 }
 
 /// Runs spool work that blocks (directory listings, pack reads, renames and unlinks with their fsyncs) on the blocking

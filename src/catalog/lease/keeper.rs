@@ -52,6 +52,9 @@ struct Shared {
     empty_commit_owed_since: Option<u64>,
     /// Whether the newest lease statement got an answer from the catalog (false until the first one does).
     catalog_reachable: bool,
+    /// Fenced commits sent without an answer yet: in flight, or cut off (a drain's timeout, a task aborted at
+    /// shutdown) while the server may still run them. Never decreased for a cut one (see [`CommitInFlight`]).
+    commits_unanswered: u64,
 }
 
 /// Cheap handle to the lease state, shared by the keeper, the uploader, the indexer and status.
@@ -118,6 +121,14 @@ impl LeaseHandle {
         if shared.empty_commit_owed_since.is_some_and(|tenure| permit.tenure >= tenure) {
             shared.empty_commit_owed_since = None;
         }
+    }
+
+    /// A fenced commit is about to be sent: until [`CommitInFlight::answered`], the release of this lease lingers
+    /// (see [`LeaseKeeper`]'s release), as the commit may still pass its fence and run for `publish_timeout` on the
+    /// server. A guard dropped unanswered keeps that so for the rest of the process.
+    pub fn commit_sent(&self) -> CommitInFlight {
+        self.lock().commits_unanswered += 1;
+        CommitInFlight { shared: Arc::clone(&self.shared), answered: false }
     }
 
     /// The local deadline of the lease now if `permit` is of the tenure held now (renewals within a tenure form an
@@ -197,6 +208,29 @@ impl LeaseHandle {
         shared.last_error = Some(format!("outcome unknown: {what}"));
         tracing::warn!(term = shared.term, what, quarantine = ?ttl, "lease quarantined: outcome unknown");
         self.publish_state(shared);
+    }
+}
+
+/// A fenced commit sent and not yet answered ([`LeaseHandle::commit_sent`]).
+pub struct CommitInFlight {
+    shared: Arc<Mutex<Shared>>,
+    answered: bool,
+}
+
+impl CommitInFlight {
+    /// The commit's statement got an answer, whatever it said: it runs no longer. (One that timed out quarantined
+    /// the lease, and no release follows a quarantine.)
+    pub fn answered(mut self) {
+        self.answered = true;
+    }
+}
+
+impl Drop for CommitInFlight {
+    fn drop(&mut self) {
+        if self.answered {
+            let mut shared = self.shared.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            shared.commits_unanswered -= 1;
+        }
     }
 }
 
@@ -281,6 +315,7 @@ impl LeaseKeeper {
             empty_commit_owed_since: None,
             tenure: 0,
             catalog_reachable: false,
+            commits_unanswered: 0,
         };
         let (state_tx, _) = watch::channel(LeaseState::None);
         let handle = LeaseHandle {
@@ -612,17 +647,26 @@ impl LeaseKeeper {
         }
     }
 
-    /// Clean shutdown: tombstone at our own term if we hold the lease.
+    /// Clean shutdown: tombstone at our own term if we hold the lease. It ends the lease at once unless a commit of
+    /// ours went unanswered (the drain's timeout cut it, or a compaction's publish still runs): then it ends
+    /// `publish_timeout + clock_skew` and the margin after it lands, so no successor claims before whatever of ours
+    /// passed its fence has ended, and nothing of ours passes it from then on (specs/lease_safety.pml, REL_AT_ONCE
+    /// is refuted).
     async fn release(&self) {
-        let (state, lease_id, term) = {
+        let (state, lease_id, term, commits_unanswered) = {
             let shared = self.handle.lock();
-            (shared.state, shared.lease_id.clone(), shared.term)
+            (shared.state, shared.lease_id.clone(), shared.term, shared.commits_unanswered)
         };
         if state != LeaseState::Held {
             return;
         }
-        match self.handle.store.release(&lease_id, &self.handle.identity, term).await {
-            Ok(()) => tracing::info!(term, "lease released"),
+        let linger = if commits_unanswered > 0 {
+            self.timings().fence_margin() + super::DEADLINE_MARGIN
+        } else {
+            Duration::ZERO
+        };
+        match self.handle.store.release(&lease_id, &self.handle.identity, term, linger).await {
+            Ok(()) => tracing::info!(term, ?linger, commits_unanswered, "lease released"),
             // A lost release only means a successor waits out the TTL (or takes over at once if it is our spool).
             Err(error) => tracing::warn!(%error, term, "lease release failed; it will expire by itself"),
         }
