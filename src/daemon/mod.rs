@@ -315,8 +315,10 @@ impl Running {
         );
 
         // Owed packs first, then reconcile, then the loop.
-        if let Err(error) = pipeline.index_round().await {
-            tracing::warn!(%error, "publishing owed packs at start failed; the loop retries");
+        match pipeline.index_round().await {
+            // Not held with time enough, or a takeover's embargo: the loop publishes once it is.
+            Ok(_) | Err(RoundError::NoLease) => {}
+            Err(error) => tracing::warn!(%error, "publishing owed packs at start failed; the loop retries"),
         }
         // The uploader's gate would do it before the first upload; done here so status shows it from the start.
         if let Some(permit) = lease.permit() {
