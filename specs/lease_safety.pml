@@ -28,9 +28,9 @@
  *   NO_PT_MARGIN  control: fence margin clock_skew only (no publish_timeout)
  *   REL_NEXT      control: release tombstone at head+1 instead of own term
  *   REL_CUT       a release may cut off a publish in flight (the drain's
- *                 timeout, a compaction publish still running at shutdown): its
- *                 tombstone lingers publish_timeout + clock_skew + 0.1 s
- *   REL_AT_ONCE   control for REL_CUT: that tombstone ends the lease at once
+ *                 timeout, a compaction publish still running at shutdown):
+ *                 then it writes no tombstone, and the lease expires
+ *   REL_AT_ONCE   control for REL_CUT: it writes its tombstone all the same
  *   NO_QUAR       control: no quarantine after an unknown outcome
  *   SKEW_BUG      control: real skew 2 > declared skew 1
  *   NO_VCHECK     the publish statement without its version check
@@ -46,10 +46,10 @@
  *                          from when the takeover claim was SENT
  *   TAKEOVER EMB_REPLY     the same embargo counted from when the claim's
  *                          read-back said held (the code now)
- *   TAKEOVER EMB_REPLY OWN_HEAD_AT_ONCE
- *                          control: a claim over the claimant's own live head
- *                          (its start's first claim went unanswered, and a
- *                          start keeps its lease id) takes no embargo
+ *   TAKEOVER EMB_REPLY START_KEEPS_ID OWN_HEAD_AT_ONCE
+ *                          control (the code before): a start whose claim went
+ *                          unanswered claims again with the same lease id, and a
+ *                          claim over its own live head takes no embargo
  * (specs/takeover.pml selects TAKEOVER.)
  */
 
@@ -95,8 +95,6 @@
 #define QUAR_T (TTL-SR)        /* earliest server end of a quarantine        */
 /* takeover embargo: PT + SK + 0.1 s local; the 0.1 s (strict margin) is one tick */
 #define EMB_T (PT+SK+1-SR)
-/* a release's linger when a publish of its went unanswered: the same, stamped by the server */
-#define LINGER (FENCE_MARGIN+1)
 
 /* lease ids: CUR(i) is publisher i's current lease id, OLD(i) all its earlier ones */
 #define NID (2*N+1)
@@ -146,7 +144,6 @@ byte cexp[N];           /* ticks to the expiry of the row it writes (from the re
 bit  corph[N];          /* nobody waits for its reply                           */
 bit  ccont[N];          /* its term has another lease id: read-back says contested */
 bit  ctk[N];            /* a claim over a live head (a same-spool takeover, or its own): embargoed */
-bit  clg[N];            /* a release's tombstone lingers (a publish of its went unanswered) */
 
 /* ---- publish statements: slot i of publisher i; slot N+i only with NO_QUAR */
 #ifdef NO_QUAR
@@ -197,7 +194,8 @@ inline headinfo() {
 }
 
 #ifdef TAKEOVER
-#define TAKES(i) ((i) == 1 && (hsole == CUR(0) || hsole == OLD(0)))
+/* a live head of the spool's: the other process's, or an earlier lease id of its own */
+#define TAKES(i) (hsole == OLD(i) || ((i) == 1 && (hsole == CUR(0) || hsole == OLD(0))))
 #else
 #define TAKES(i) 0
 #endif
@@ -284,7 +282,7 @@ inline claim_eval(i) {
 /* its row becomes visible */
 inline claim_land(i) {
   TRACE(printf("claim_land P%d ct %d ok %d\n", i, ct[i], cok[i]));
-  if :: ck[i] == K_TOMB -> if :: clg[i] -> cexp[i] = cexp[i] - (TTL - LINGER) :: else -> cexp[i] = 0 fi :: else fi;
+  if :: ck[i] == K_TOMB -> cexp[i] = 0 :: else fi;
   if
   :: cok[i] && ct[i] == 2 ->
      j = 1; do :: j < NID -> hx[j] = ABS; j++ :: else -> break od;
@@ -352,20 +350,28 @@ inline claim_reply(i) {
 
 /* LeaseKeeper::release -> LeaseStore::release: tombstone at own term, then exit.
    A publish in flight is cut off (the drain's timeout): it may still run on
-   the server, and the tombstone lingers (LeaseHandle::commit_sent). */
+   the server, and then no tombstone is written (LeaseHandle::commit_sent).
+   From the release on, no publish is sent (the permit and commit_sent read
+   the same flag the release sets). */
 inline release(i) {
   TRACE(printf("release P%d\n", i));
-#ifdef REL_AT_ONCE
-  clg[i] = 0;
-#else
-  clg[i] = (pph[i] != 0 && !porph[i]);    /* PBUSY(i): its commit is unanswered */
-#endif
 #ifndef REL_CUT
-  assert(!clg[i]);                          /* the drain let every publish end */
+#ifndef REL_AT_ONCE
+  assert(!(pph[i] != 0 && !porph[i]));      /* the drain let every publish end */
+#endif
+#endif
+#ifdef REL_AT_ONCE
+  ok = 1;
+#else
+  ok = !(pph[i] != 0 && !porph[i]);         /* no commit unanswered (PBUSY) */
 #endif
   if :: pph[i] == 3 -> pph[i] = 0 :: pph[i] != 0 -> porph[i] = 1 :: else fi;
-  cph[i] = 1; ck[i] = K_TOMB; ct[i] = 1 - mtb[i]; cok[i] = 0; clid[i] = CUR(i);
-  cdl[i] = DL0; cexp[i] = 0; corph[i] = 1; ccont[i] = 0; ctk[i] = 0;
+  if
+  :: ok ->
+     cph[i] = 1; ck[i] = K_TOMB; ct[i] = 1 - mtb[i]; cok[i] = 0; clid[i] = CUR(i);
+     cdl[i] = DL0; cexp[i] = 0; corph[i] = 1; ccont[i] = 0; ctk[i] = 0
+  :: else
+  fi;
   st[i] = OFF; dl[i] = 0
 }
 
@@ -524,10 +530,13 @@ inline tick() {
 #define CAN_RELEASE 1
 #endif
 
-/* An unknown outcome quarantines, except a claim's at start with START_KEEPS_ID
-   (acquire_at_start keeps its lease id and claims again; takeover.pml) */
-#ifdef START_KEEPS_ID
+/* An unknown outcome quarantines, except a claim's at start with START_FRESH_ID
+   (acquire_at_start claims again at once with a fresh lease id; takeover.pml)
+   or START_KEEPS_ID (the code before: again at once with the same lease id) */
+#if defined(START_KEEPS_ID)
 #define START_UNKNOWN(i) if :: eh[i] -> QUARANTINE(i) :: else -> st[i] = NONE fi
+#elif defined(START_FRESH_ID)
+#define START_UNKNOWN(i) if :: eh[i] -> QUARANTINE(i) :: else -> st[i] = NONE; genchange(i) fi
 #else
 #define START_UNKNOWN(i) QUARANTINE(i)
 #endif

@@ -11,13 +11,17 @@
  *               takeover claim was SENT (the first version of the fix)
  *   EMB_REPLY   the same embargo counted from when the claim's read-back said
  *               held (what src/catalog/lease/store.rs does)
- *   EMB_REPLY OWN_HEAD_AT_ONCE
- *               control: a start whose claim went unanswered keeps its lease id
- *               (as everywhere in takeover.pml) and claims again at once over
- *               its own live head without the embargo
+ *   EMB_REPLY START_KEEPS_ID OWN_HEAD_AT_ONCE
+ *               control (the code before): a start whose claim went unanswered
+ *               claims again with the same lease id, and a claim over its own
+ *               live head takes no embargo.  Otherwise a start claims again with
+ *               a fresh lease id, and a live head of an earlier lease id of its
+ *               own is a takeover (the holder names the spool)
  * The protocol itself is specs/lease_safety.pml.
  */
 #define TAKEOVER 1
-#define START_KEEPS_ID 1
+#ifndef START_KEEPS_ID
+#define START_FRESH_ID 1
+#endif
 #define TTL 5           /* TTL 4 leaves the fence open for one instant only (see README) */
 #include "lease_safety.pml"

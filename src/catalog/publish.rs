@@ -703,14 +703,14 @@ impl Publisher {
             self.lease.report_unknown_outcome(&error.to_string());
             PublishError::OutcomeUnknown(error)
         };
-        let in_flight = self.lease.commit_sent();
-        let sent = self.client.execute_deciding(&sql, statement_cap).await;
+        let Some(in_flight) = self.lease.commit_sent() else { return Err(PublishError::NoLease) };
+        let sent = match self.client.execute_deciding(&sql, statement_cap).await {
+            Ok(()) => Ok(()),
+            Err(error) if error.kind == ErrorKind::DefinitelyFailed => Err(PublishError::Catalog(error)),
+            Err(error) => Err(unknown(error)),
+        };
         in_flight.answered();
-        match sent {
-            Ok(()) => {}
-            Err(error) if error.kind == ErrorKind::DefinitelyFailed => return Err(PublishError::Catalog(error)),
-            Err(error) => return Err(unknown(error)),
-        }
+        sent?;
         match self.read_back(version, publish_id).await {
             Ok(Some(committed)) => {
                 debug_assert_eq!(committed, version);

@@ -77,7 +77,9 @@ pub fn lease(config: &Config, command: LeaseCommand) -> anyhow::Result<i32> {
                 if head.is_live() {
                     eprintln!(
                         "WARNING: the lease of catalog {} is LIVE (held by {}, {:.1}s left). Breaking it now; if that \
-                         process is still running it will re-claim the lease, and publishes in flight fail the fence.",
+                         process is still running it will re-claim the lease. Its publishes fail the fence from now on, \
+                         but one that passed it already may run for up to lease.publish_timeout: start no other \
+                         publisher before that.",
                         config.catalog_name,
                         head.holders(),
                         head.time_left().as_secs_f64()

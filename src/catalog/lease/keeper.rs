@@ -55,6 +55,8 @@ struct Shared {
     /// Fenced commits sent without an answer yet: in flight, or cut off (a drain's timeout, a task aborted at
     /// shutdown) while the server may still run them. Never decreased for a cut one (see [`CommitInFlight`]).
     commits_unanswered: u64,
+    /// Set once the release has decided how to end the lease: no permit and no commit from then on.
+    releasing: bool,
 }
 
 /// Cheap handle to the lease state, shared by the keeper, the uploader, the indexer and status.
@@ -95,7 +97,8 @@ impl LeaseHandle {
         let now = Instant::now();
         let enough_left = deadline.saturating_duration_since(now) >= self.store.timings().permit_margin();
         let embargoed = shared.publish_not_before.is_some_and(|not_before| now < not_before);
-        (shared.state == LeaseState::Held && enough_left && !embargoed).then(|| PublishPermit {
+        let held = shared.state == LeaseState::Held && !shared.releasing;
+        (held && enough_left && !embargoed).then(|| PublishPermit {
             lease_id: shared.lease_id.clone(),
             tenure: shared.tenure,
             term: shared.term,
@@ -123,12 +126,17 @@ impl LeaseHandle {
         }
     }
 
-    /// A fenced commit is about to be sent: until [`CommitInFlight::answered`], the release of this lease lingers
-    /// (see [`LeaseKeeper`]'s release), as the commit may still pass its fence and run for `publish_timeout` on the
-    /// server. A guard dropped unanswered keeps that so for the rest of the process.
-    pub fn commit_sent(&self) -> CommitInFlight {
-        self.lock().commits_unanswered += 1;
-        CommitInFlight { shared: Arc::clone(&self.shared), answered: false }
+    /// A fenced commit is about to be sent, or None once the lease is being released (a publish on a task of its own
+    /// may have taken its permit before). Until [`CommitInFlight::answered`] the release writes no tombstone (see
+    /// [`LeaseKeeper`]'s release): the commit may pass its fence and run for `publish_timeout` on the server. A
+    /// guard dropped unanswered keeps that so for the rest of the process.
+    pub fn commit_sent(&self) -> Option<CommitInFlight> {
+        let mut shared = self.lock();
+        if shared.releasing {
+            return None;
+        }
+        shared.commits_unanswered += 1;
+        Some(CommitInFlight { shared: Arc::clone(&self.shared), answered: false })
     }
 
     /// The local deadline of the lease now if `permit` is of the tenure held now (renewals within a tenure form an
@@ -218,8 +226,9 @@ pub struct CommitInFlight {
 }
 
 impl CommitInFlight {
-    /// The commit's statement got an answer, whatever it said: it runs no longer. (One that timed out quarantined
-    /// the lease, and no release follows a quarantine.)
+    /// The commit's statement got an answer: it runs no longer. Called after the quarantine when the answer was no
+    /// answer (a timeout, a reset connection), as the server may still run it then: no release follows a
+    /// quarantine.
     pub fn answered(mut self) {
         self.answered = true;
     }
@@ -316,6 +325,7 @@ impl LeaseKeeper {
             tenure: 0,
             catalog_reachable: false,
             commits_unanswered: 0,
+            releasing: false,
         };
         let (state_tx, _) = watch::channel(LeaseState::None);
         let handle = LeaseHandle {
@@ -407,7 +417,12 @@ impl LeaseKeeper {
                 }
                 Ok(ClaimOutcome::Raced) => self.timings().start_retry_interval(),
                 Err(error) => {
-                    // An unknown claim outcome is harmless here: we keep our lease_id, so a landed row is ours.
+                    if error.kind != ErrorKind::DefinitelyFailed {
+                        // The claim may land later. With a fresh lease_id a read-back can only find the row of the
+                        // claim it was sent for (one that found ours would count the deadline from the wrong send),
+                        // and a landed row of the old one is our spool's: claimed over as a takeover, embargo and all.
+                        self.handle.lock().lease_id = Uuid::new_v4().to_string();
+                    }
                     self.unreachable_failed(&error);
                     unreachable_backoff.next_delay_unbounded()
                 }
@@ -647,28 +662,28 @@ impl LeaseKeeper {
         }
     }
 
-    /// Clean shutdown: tombstone at our own term if we hold the lease. It ends the lease at once unless a commit of
-    /// ours went unanswered (the drain's timeout cut it, or a compaction's publish still runs): then it ends
-    /// `publish_timeout + clock_skew` and the margin after it lands, so no successor claims before whatever of ours
-    /// passed its fence has ended, and nothing of ours passes it from then on (specs/lease_safety.pml, REL_AT_ONCE
-    /// is refuted).
+    /// Clean shutdown: tombstone at our own term if we hold the lease, unless a commit of ours went unanswered (the
+    /// drain's timeout cut it, or a compaction's publish still runs). That commit may have passed its fence and may
+    /// run for `publish_timeout` on the server; left to expire, the lease ends no earlier than it does, as the fence
+    /// asks for more than that left (specs/lease_safety.pml: REL_CUT holds, REL_AT_ONCE is refuted). The decision
+    /// and the end of permits and commits are one step, so no commit starts after it.
     async fn release(&self) {
-        let (state, lease_id, term, commits_unanswered) = {
-            let shared = self.handle.lock();
-            (shared.state, shared.lease_id.clone(), shared.term, shared.commits_unanswered)
+        let (lease_id, term, commits_unanswered) = {
+            let mut shared = self.handle.lock();
+            if shared.state != LeaseState::Held {
+                return;
+            }
+            shared.releasing = true;
+            (shared.lease_id.clone(), shared.term, shared.commits_unanswered)
         };
-        if state != LeaseState::Held {
-            return;
-        }
-        let linger = if commits_unanswered > 0 {
-            self.timings().fence_margin() + super::DEADLINE_MARGIN
+        if commits_unanswered > 0 {
+            tracing::info!(term, commits_unanswered, "lease left to expire: a commit of ours may still be running");
         } else {
-            Duration::ZERO
-        };
-        match self.handle.store.release(&lease_id, &self.handle.identity, term, linger).await {
-            Ok(()) => tracing::info!(term, ?linger, commits_unanswered, "lease released"),
-            // A lost release only means a successor waits out the TTL (or takes over at once if it is our spool).
-            Err(error) => tracing::warn!(%error, term, "lease release failed; it will expire by itself"),
+            match self.handle.store.release(&lease_id, &self.handle.identity, term).await {
+                Ok(()) => tracing::info!(term, "lease released"),
+                // A lost release only means a successor waits out the TTL (or takes over at once if it is our spool).
+                Err(error) => tracing::warn!(%error, term, "lease release failed; it will expire by itself"),
+            }
         }
         let mut shared = self.handle.lock();
         shared.state = LeaseState::Released;

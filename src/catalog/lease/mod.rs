@@ -16,16 +16,17 @@
 //!   publish attempts may still land, and an empty commit is owed before any row is written
 //!   ([`LeaseHandle::owes_empty_commit`], see [`crate::catalog::in_doubt`]).
 //! - Renew: the same insert at our term + 1, conditional on our term still being the head and still live.
-//! - Release: a tombstone at our own term (never head+1, which could revoke a successor). It ends the lease at once,
-//!   or `publish_timeout + clock_skew + 0.1 s` after it is stamped when a commit of ours went unanswered (cut off by
-//!   the drain's timeout, or still running): that commit may have passed its fence and may still run on the server.
+//! - Release: a tombstone at our own term (never head+1, which could revoke a successor). None while a commit of ours
+//!   is unanswered (cut off by the drain's timeout, or still running): it may have passed its fence and may still run
+//!   on the server, and the lease left to expire outlives it. No permit and no commit after the release decides.
 //! - Fence ([`fence_condition`]): inside every publishing statement, the head has exactly one lease_id, it is ours, and
 //!   its expiry is more than `publish_timeout + clock_skew` away. An empty table fails the fence.
 //! - Same-spool takeover: the holder is `<spool id>@<host>:<pid>`. A process that holds the spool's flock knows every
 //!   earlier process of that spool is dead, so it may claim over a live head held by its own spool id at once; the
 //!   fence keeps any late statement of the predecessor (old lease_id) from landing, and an embargo of
 //!   `publish_timeout + clock_skew + 0.1 s` after the claim's read-back lets one that passed its fence before end.
-//!   A claim over our own live head (a start whose claim went unanswered keeps its lease_id) takes the same embargo.
+//!   Every claim over a live head of our spool takes it: a start whose claim went unanswered claims again with a fresh
+//!   lease_id, and the row of the first, if it landed, is such a head.
 //!
 //! # Keeper states ([`LeaseKeeper`], [`LeaseState`], in `keeper.rs`)
 //!

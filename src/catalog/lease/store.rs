@@ -146,8 +146,9 @@ impl LeaseStore {
     /// Claim the lease at head+1 (see the module doc). `identity` decides same-spool takeover.
     pub async fn claim(&self, lease_id: &str, identity: &Identity) -> Result<ClaimOutcome, CatalogError> {
         let head = self.read_head().await?;
-        // Over a live head: our spool's dead predecessor's (a takeover), or our own, whose claim went unanswered (a
-        // start keeps its lease_id through an unknown outcome) and which may itself have been a takeover.
+        // Over a live head of our spool: a dead predecessor's (a takeover), a claim of this process's own that went
+        // unanswered at start (the retry has a fresh lease_id, and the claim it follows may itself have been a
+        // takeover), or this process's own lease after a local loss.
         let over_live_head = head.is_live();
         if over_live_head {
             let sole = head.sole_entry();
@@ -181,9 +182,10 @@ impl LeaseStore {
             // moment our claim row lands, and then run on the server for up to max_execution_time. So we hold the
             // lease at once (no rival can take it) but publish nothing until publish_timeout + clock skew after our
             // claim is known to have landed, i.e. after its read-back returned (specs/takeover.pml, EMB_REPLY; counting
-            // from when the claim was sent is too short: EMB_SENT is refuted). A claim over our own live head waits
-            // the same: the head it followed is unknown, and this read-back is the first that says ours landed
-            // (OWN_HEAD_AT_ONCE is refuted).
+            // from when the claim was sent is too short: EMB_SENT is refuted). Every claim over a live head of our
+            // spool waits the same, whoever wrote that head: after a start's unanswered takeover claim, the head its
+            // retry follows is that claim, and the predecessor's publish may still run (START_KEEPS_ID with
+            // OWN_HEAD_AT_ONCE, the code before, is refuted).
             ClaimOutcome::Held { term, deadline, followed, .. } if over_live_head => {
                 let embargo = self.timings.fence_margin() + DEADLINE_MARGIN;
                 tracing::info!(term, ?embargo, "claimed over a live head of this spool: publishing after an embargo");
@@ -255,36 +257,18 @@ impl LeaseStore {
         }
     }
 
-    /// Tombstone at our own term: ends our lease `linger` after the server stamps it, without touching any later
-    /// term. A statement of ours that passes its fence after the tombstone has landed ends before the lease does
-    /// (the fence asks for more than `publish_timeout` left); one that passed it before ends within
-    /// `publish_timeout` of the landing. So a linger of [`LeaseTimings::fence_margin`] and [`super::DEADLINE_MARGIN`]
-    /// keeps every successor out until both have ended, as long as the row lands within the clock skew and the
-    /// margin of being stamped (see [`super::LeaseHandle::commit_sent`]).
-    pub async fn release(
-        &self,
-        lease_id: &str,
-        identity: &Identity,
-        term: u64,
-        linger: Duration,
-    ) -> Result<(), CatalogError> {
-        self.write_tombstone(term, lease_id, &identity.holder(), "release", linger).await
+    /// Tombstone at our own term: ends our lease without touching any later term.
+    pub async fn release(&self, lease_id: &str, identity: &Identity, term: u64) -> Result<(), CatalogError> {
+        self.write_tombstone(term, lease_id, &identity.holder(), "release").await
     }
 
-    async fn write_tombstone(
-        &self,
-        term: u64,
-        lease_id: &str,
-        holder: &str,
-        kind: &str,
-        linger: Duration,
-    ) -> Result<(), CatalogError> {
-        let sql = self.lease_row_sql(term, lease_id, holder, kind, linger, None);
+    async fn write_tombstone(&self, term: u64, lease_id: &str, holder: &str, kind: &str) -> Result<(), CatalogError> {
+        let sql = self.lease_row_sql(term, lease_id, holder, kind, Duration::ZERO, None);
         self.client.execute_deciding(&sql, self.timings.statement_cap()).await
     }
 
-    /// The one shape of every lease statement: a row stamped with server time, living `lifetime` (a tombstone's
-    /// linger, zero unless a commit may still run), written only if `condition_opt` holds when the statement runs.
+    /// The one shape of every lease statement: a row stamped with server time, living `lifetime` (zero for a
+    /// tombstone), written only if `condition_opt` holds when the statement runs.
     fn lease_row_sql(
         &self,
         term: u64,
@@ -313,7 +297,7 @@ impl LeaseStore {
     pub async fn break_head(&self) -> Result<Head, CatalogError> {
         let head = self.read_head().await?;
         for entry in &head.entries {
-            self.write_tombstone(entry.term, &entry.lease_id, &entry.holder, "break", Duration::ZERO).await?;
+            self.write_tombstone(entry.term, &entry.lease_id, &entry.holder, "break").await?;
         }
         Ok(head)
     }
