@@ -17,10 +17,15 @@
 //! Stall points never return instead (the watchdog tests wedge a part with them): `stall_before_fsync` (blocks the
 //! spool's syncer thread before an append's fsync), `stall_upload` (an upload that never answers, as a black-holed
 //! bucket connection without timeouts would).
+//!
+//! Pause points hold their task for [`PAUSE`], once: a window in which a test acts between two steps. Retention's
+//! `after_drop_check` (its check found nothing to remove first; the publish turn not taken yet) and
+//! `before_partition_drop` (in the turn, checked again: the months are dropped next).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
+use std::time::Duration;
 
 pub const ENV: &str = "CAPSTORE_FAILPOINTS";
 
@@ -69,6 +74,18 @@ pub async fn stall_async(name: &str) {
     if passes.fetch_add(1, Ordering::SeqCst) + 1 >= *nth {
         eprintln!("failpoint {name} reached: this task hangs");
         std::future::pending::<()>().await;
+    }
+}
+
+/// How long a pause point holds its task.
+pub const PAUSE: Duration = Duration::from_secs(5);
+
+/// Hold this task for [`PAUSE`] the n-th time execution passes `name` if it is armed.
+pub async fn pause(name: &str) {
+    let Some((nth, passes)) = armed().get(name) else { return };
+    if passes.fetch_add(1, Ordering::SeqCst) + 1 == *nth {
+        eprintln!("failpoint {name} reached: pausing this task for {PAUSE:?}");
+        tokio::time::sleep(PAUSE).await;
     }
 }
 

@@ -2519,6 +2519,62 @@ async fn post_recent_then_150_days_earlier(daemon: &HttpDaemon, client: &reqwest
     }
 }
 
+for_each_version!(a_capture_posted_again_with_an_expired_time_while_its_month_is_dropped_stays_gone);
+async fn a_capture_posted_again_with_an_expired_time_while_its_month_is_dropped_stays_gone(
+    server: &'static ClickHouseServer,
+) {
+    // Posted again before the drop takes the publish turn (its check must look again), and while the drop holds it
+    // (the publish must wait for it).
+    for pause in ["after_drop_check", "before_partition_drop"] {
+        posted_again_with_an_expired_time_during(server, pause).await;
+    }
+}
+
+/// Retention's first drop pauses at `pause` after its check found nothing to remove first; meanwhile a capture is
+/// posted again with a time in the month it drops. The drop must not take that publish's rows: the capture's recent
+/// post would then be its newest row, and bring it back.
+async fn posted_again_with_an_expired_time_during(server: &'static ClickHouseServer, pause: &str) {
+    let mut daemon = HttpDaemon::start_on(server, &horizon_lifecycle()).await;
+    let client = reqwest::Client::new();
+    daemon.get_ok(&client, "/v1/tail").await;
+    let config = daemon.env.config();
+    let (database, catalog_name) = (config.catalog.database.clone(), config.catalog_name.clone());
+    let now_ns = now_ns();
+    // A month below the horizon to come, and a capture posted with a recent time.
+    let old_at = now_ns - 150 * DAY_NS;
+    let base = daemon.base.clone();
+    let post = |id: String, at: u64, body: &'static str| {
+        let url = format!("{base}/v1/captures?stream=again/a&id={id}&captured_at_ns={at}&wait=published");
+        let client = client.clone();
+        async move {
+            let response = client.post(url).body(body).send().await.unwrap();
+            assert_eq!(response.status(), StatusCode::CREATED);
+        }
+    };
+    post(uuid::Uuid::now_v7().to_string(), old_at, "old").await;
+    let id = uuid::Uuid::now_v7().to_string();
+    post(id.clone(), now_ns - DAY_NS, "recent").await;
+
+    let config_file = daemon._dir.path().join("retention.toml");
+    std::fs::write(&config_file, "[[retention]]\nstreams = \"*\"\nkeep = \"60d\"\n").unwrap();
+    daemon.daemon.signal(nix::sys::signal::Signal::SIGTERM);
+    daemon.restart(&[("CAPSTORE_CONFIG", config_file.to_str().unwrap()), (capstore::failpoint::ENV, pause)]).await;
+    let paused = format!("failpoint {pause} reached");
+    wait_until_async(&daemon, Duration::from_secs(60), "the drop paused", || async { daemon.log().contains(&paused) })
+        .await;
+    post(id.clone(), old_at + 1, "posted again, earlier").await;
+    let horizon_month = month_of(server, now_ns - 60 * DAY_NS);
+    wait_until_async(&daemon, Duration::from_secs(90), "the months below the horizon dropped", || async {
+        ["cs_captures", "cs_by_version", "cs_by_id"]
+            .iter()
+            .all(|table| months_of(server, &database, table, &catalog_name).iter().all(|month| *month >= horizon_month))
+    })
+    .await;
+    let answer = client.get(daemon.url(&format!("/v1/captures/{id}"))).send().await.unwrap();
+    assert_eq!(answer.status(), StatusCode::NOT_FOUND, "posted again at {pause}, and back: {}", daemon.log());
+    assert!(listed_places(&daemon, &client, "again/a").await.is_empty(), "{}", daemon.log());
+}
+
 #[tokio::test]
 async fn a_capture_posted_again_with_an_expired_time_stays_gone_when_its_months_are_dropped() {
     let mut daemon = HttpDaemon::start(&horizon_lifecycle()).await;

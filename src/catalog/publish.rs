@@ -272,6 +272,12 @@ impl Publisher {
         }
     }
 
+    /// The publish turn, held: while the guard lives no publish of this process is between its rows and its commit
+    /// (each takes the turn for both). A partition drop holds it so that it takes no committing publish's rows.
+    pub async fn exclusive_turn(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.turn.lock().await
+    }
+
     /// The version a publish of `rows` under `permit` takes, and the publish_id of its attempt there. Where rows of
     /// another attempt may land at that version later (see [`super::in_doubt`]) the version is committed empty first
     /// (no rows, under a publish_id of its own), and these go to the next: while the lease owes an empty commit, and
