@@ -764,6 +764,36 @@ async fn a_start_whose_takeover_claim_went_unanswered_waits_out_the_embargo_afte
     assert!(held_at.elapsed() >= embargo, "permitted {:?} after the claim, before the embargo", held_at.elapsed());
 }
 
+for_each_version!(a_contested_head_of_this_spools_lease_ids_is_taken_over_with_the_embargo);
+async fn a_contested_head_of_this_spools_lease_ids_is_taken_over_with_the_embargo(server: &'static ClickHouseServer) {
+    let catalog = catalog(server, false).await;
+    let name = &catalog.config.catalog_name;
+    let store = catalog.store(name);
+    let spool_id = Uuid::new_v4();
+    let process = |pid: u32| Identity { spool_id, host: "vm".into(), pid };
+    assert!(matches!(store.claim("lease-a", &process(1)).await.unwrap(), ClaimOutcome::Held { term: 1, .. }));
+    // A second lease_id of the same spool at that term (a start's retry landing beside its own unanswered claim).
+    catalog
+        .server
+        .query(&format!(
+            "INSERT INTO {} (catalog, term, lease_id, holder, written_at_ms, expires_at_ms, kind) SELECT '{name}', 1, \
+             'lease-b', '{}', toUInt64(now()) * 1000, toUInt64(now()) * 1000 + 60000, 'claim'",
+            catalog.tables.lease,
+            process(2).holder()
+        ))
+        .unwrap();
+    let head = store.read_head().await.unwrap();
+    assert!(head.is_live() && head.entries.len() == 2, "{head:?}");
+
+    let other_spool = identity("elsewhere");
+    let refused = store.claim("lease-x", &other_spool).await.unwrap();
+    assert!(matches!(refused, ClaimOutcome::Refused { .. }), "{refused:?}");
+    match store.claim("lease-c", &process(3)).await.unwrap() {
+        ClaimOutcome::Held { term: 2, publish_not_before: Some(_), .. } => {}
+        other => panic!("this spool's contested head is taken over, with the embargo: {other:?}"),
+    }
+}
+
 for_each_version!(a_release_that_cut_off_a_commit_keeps_the_lease_until_the_commit_has_ended, flavor = "multi_thread");
 async fn a_release_that_cut_off_a_commit_keeps_the_lease_until_the_commit_has_ended(server: &'static ClickHouseServer) {
     let catalog = catalog(server, true).await;

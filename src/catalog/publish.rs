@@ -272,10 +272,14 @@ impl Publisher {
         }
     }
 
-    /// The publish turn, held: while the guard lives no publish of this process is between its rows and its commit
-    /// (each takes the turn for both). A partition drop holds it so that it takes no committing publish's rows.
-    pub async fn exclusive_turn(&self) -> tokio::sync::MutexGuard<'_, ()> {
-        self.turn.lock().await
+    /// The publish turn, held, if the lease is held with time left and no publish of this process has an outcome
+    /// still unknown: while the guard lives no publish is between its rows and its commit (each takes the turn for
+    /// both, and only the holder publishes). A partition drop holds it so that it takes no committing publish's
+    /// rows. None while the lease is not held, or a commit whose answer was lost may still be running.
+    pub async fn exclusive_turn(&self) -> Option<tokio::sync::MutexGuard<'_, ()>> {
+        let turn = self.turn.lock().await;
+        let settled = self.unresolved.lock().unwrap_or_else(|p| p.into_inner()).is_none();
+        (settled && self.lease.permit().is_some()).then_some(turn)
     }
 
     /// The version a publish of `rows` under `permit` takes, and the publish_id of its attempt there. Where rows of

@@ -822,24 +822,34 @@ impl Compactor {
         // only at what was published since the last one that found nothing.
         let published_after = self.drop_checked.filter(|(checked, _)| *checked == month).map_or(0, |(_, at)| at);
         let watermark = self.catalog.watermark().await?;
-        if remove_superseded(purge, month, published_after).await? {
-            return Ok(());
+        let superseded = purge.superseded_across(month, published_after).await?;
+        if !superseded.is_empty() {
+            return remove_superseded(purge, superseded).await;
         }
         // The drop in the publish turn, after a second check of what was published since the first: a publish between
         // its rows and its commit would otherwise lose its rows to the drop, and a capture it posts again with an
-        // expired time would be back as its older row, in a month that stays.
+        // expired time would be back as its older row, in a month that stays. (A removal the second check calls for
+        // runs after the turn: it takes only rows below a capture's newest, and may take minutes.)
         crate::failpoint::pause("after_drop_check").await;
-        let _turn = self.publisher.exclusive_turn().await;
-        let turn_watermark = self.catalog.watermark().await?;
-        if turn_watermark != watermark && remove_superseded(purge, month, watermark).await? {
-            return Ok(());
-        }
-        crate::failpoint::pause("before_partition_drop").await;
-        self.drop_checked = Some((month, turn_watermark));
-        let dropped = purge.drop_partitions(&partitions, || crate::failpoint::hit("during_partition_drop")).await?;
-        pass.partitions_dropped += dropped;
-        self.counters.partitions_dropped.fetch_add(dropped, Ordering::Relaxed);
-        Ok(())
+        let superseded = {
+            let Some(_turn) = self.publisher.exclusive_turn().await else { return Ok(()) };
+            let turn_watermark = self.catalog.watermark().await?;
+            let superseded = match turn_watermark == watermark {
+                true => Vec::new(),
+                false => purge.superseded_across(month, watermark).await?,
+            };
+            if superseded.is_empty() {
+                crate::failpoint::pause("before_partition_drop").await;
+                self.drop_checked = Some((month, turn_watermark));
+                let dropped =
+                    purge.drop_partitions(&partitions, || crate::failpoint::hit("during_partition_drop")).await?;
+                pass.partitions_dropped += dropped;
+                self.counters.partitions_dropped.fetch_add(dropped, Ordering::Relaxed);
+                return Ok(());
+            }
+            superseded
+        };
+        remove_superseded(purge, superseded).await
     }
 
     fn staged_paths(&self, pack_id: Uuid) -> (PathBuf, PathBuf) {
@@ -858,20 +868,14 @@ impl Compactor {
     }
 }
 
-/// Remove the rows below the newest of the captures whose newest committed row lies below `month` while an older one
-/// lies in it or after, looking only at captures published after `published_after` when it is not 0 (see
-/// [`RowPurge::superseded_across`]). True when there were some: the months wait for the removal.
-async fn remove_superseded(purge: &RowPurge, month: u32, published_after: u64) -> anyhow::Result<bool> {
-    let superseded = purge.superseded_across(month, published_after).await?;
-    if superseded.is_empty() {
-        return Ok(false);
-    }
+/// Remove the rows below the newest of `superseded` ([`RowPurge::superseded_across`]); the months wait for it.
+async fn remove_superseded(purge: &RowPurge, superseded: Vec<(String, u64)>) -> anyhow::Result<()> {
     tracing::info!(
         captures = superseded.len(),
         "removing the older rows of captures whose newest row is below the retention horizon"
     );
     purge.remove(&crate::catalog::purge::PurgeBatch { through: 0, captures: superseded }, || {}).await?;
-    Ok(true)
+    Ok(())
 }
 
 const NS_PER_DAY: u64 = 86_400 * 1_000_000_000;

@@ -151,9 +151,10 @@ impl LeaseStore {
         // takeover), or this process's own lease after a local loss.
         let over_live_head = head.is_live();
         if over_live_head {
-            let sole = head.sole_entry();
-            let ours = sole.is_some_and(|entry| entry.lease_id == lease_id);
-            let takeover = sole.is_some_and(|entry| holder_spool_id(&entry.holder) == Some(identity.spool_id));
+            let ours = head.sole_entry().is_some_and(|entry| entry.lease_id == lease_id);
+            // Every lease_id at the head our spool's, contested ones too: a start's retry may land beside its own
+            // unanswered claim, and neither holds.
+            let takeover = head.entries.iter().all(|entry| holder_spool_id(&entry.holder) == Some(identity.spool_id));
             if !ours && !takeover {
                 return Ok(ClaimOutcome::Refused { holder: head.holders(), time_left: head.time_left() });
             }
