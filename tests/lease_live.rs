@@ -2144,13 +2144,14 @@ async fn a_deletion_is_a_fenced_version_that_hides_the_capture_from_every_read_f
     assert_eq!((stale.changed, stale.deleted, stale.version), (vec![a], vec![], None));
     assert_eq!(ids(reader.list(&stream).await.unwrap()), [a.to_string(), b_text.clone()]);
 
-    // A holder whose lease has ended (released here) deletes nothing, whatever permit it kept.
+    // A holder whose lease has ended (released here) deletes nothing, whatever permit it kept: its commit is not
+    // sent once the release has decided (the fence would refuse it too, see the paused holder's test).
     let stale_permit = handle.permit().expect("held with time left");
     shutdown_tx.send(true).unwrap();
     keeper_task.await.unwrap();
     assert_eq!(handle.state(), LeaseState::Released);
     let result = publisher.delete_with_permit(&stale_permit, &[b]).await;
-    assert!(matches!(result, Err(PublishError::NotCommitted)), "{result:?}");
+    assert!(matches!(result, Err(PublishError::NoLease)), "{result:?}");
     assert_eq!(catalog.committed_versions(), vec![1, 2, 3, 4]);
     assert!(reader.get(b, None).await.unwrap().is_some(), "the refused deletion hides nothing");
 }
