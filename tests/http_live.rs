@@ -1989,6 +1989,13 @@ fn months_of(server: &ClickHouseServer, database: &str, table: &str, catalog: &s
         .collect()
 }
 
+/// Whether every month below `month` is gone from `catalog`'s `captures`, `by_version` and `by_id`.
+fn no_month_below(server: &ClickHouseServer, database: &str, catalog: &str, month: u32) -> bool {
+    ["cs_captures", "cs_by_version", "cs_by_id"]
+        .iter()
+        .all(|table| months_of(server, database, table, catalog).iter().all(|kept| *kept >= month))
+}
+
 /// The UTC month (`YYYYMM`) of a time, as the server computes it for the partitions.
 fn month_of(server: &ClickHouseServer, at_ns: u64) -> u32 {
     server
@@ -2177,9 +2184,7 @@ async fn a_retention_horizon_hides_what_is_older_at_once_and_drops_its_months_af
     daemon.restart(&[("CAPSTORE_LIFECYCLE_READ_GRACE", "1s")]).await;
     let horizon_month = month_of(server, before_ns);
     wait_until_async(&daemon, Duration::from_secs(60), "the months below the horizon dropped", || async {
-        ["cs_captures", "cs_by_version", "cs_by_id"]
-            .iter()
-            .all(|table| months_of(server, &database, table, &catalog).iter().all(|month| *month >= horizon_month))
+        no_month_below(server, &database, &catalog, horizon_month)
     })
     .await;
     wait_until_async(&daemon, Duration::from_secs(60), "the old packs' objects removed", || async {
@@ -2259,9 +2264,7 @@ async fn a_horizon_killed_before_or_after_its_commit_or_between_its_drops_ends_l
     daemon.restart(&[("CAPSTORE_FAILPOINTS", "")]).await;
     let horizon_month = month_of(server, horizons.before_at(u64::MAX));
     wait_until_async(&daemon, Duration::from_secs(60), "the months below the horizon dropped", || async {
-        ["cs_captures", "cs_by_version", "cs_by_id"]
-            .iter()
-            .all(|table| months_of(server, &database, table, &catalog_name).iter().all(|month| *month >= horizon_month))
+        no_month_below(server, &database, &catalog_name, horizon_month)
     })
     .await;
 
@@ -2447,9 +2450,7 @@ async fn repartition_moves_an_older_catalog_onto_month_partitions_and_every_read
     daemon.restart(&[("CAPSTORE_CONFIG", config_file.to_str().unwrap())]).await;
     let horizon_month = month_of(server, now_ns - 60 * DAY_NS);
     wait_until_async(&daemon, Duration::from_secs(60), "the months below the horizon dropped", || async {
-        big_three
-            .iter()
-            .all(|table| months_of(server, &database, table, &catalog_name).iter().all(|month| *month >= horizon_month))
+        no_month_below(server, &database, &catalog_name, horizon_month)
     })
     .await;
     assert_bytes_identical(&daemon, &client, &posted[2..]).await;
@@ -2565,9 +2566,7 @@ async fn posted_again_with_an_expired_time_during(server: &'static ClickHouseSer
     post(id.clone(), old_at + 1, "posted again, earlier").await;
     let horizon_month = month_of(server, now_ns - 60 * DAY_NS);
     wait_until_async(&daemon, Duration::from_secs(90), "the months below the horizon dropped", || async {
-        ["cs_captures", "cs_by_version", "cs_by_id"]
-            .iter()
-            .all(|table| months_of(server, &database, table, &catalog_name).iter().all(|month| *month >= horizon_month))
+        no_month_below(server, &database, &catalog_name, horizon_month)
     })
     .await;
     let answer = client.get(daemon.url(&format!("/v1/captures/{id}"))).send().await.unwrap();
@@ -2593,9 +2592,7 @@ async fn a_capture_posted_again_with_an_expired_time_stays_gone_when_its_months_
     daemon.restart(&[("CAPSTORE_CONFIG", config_file.to_str().unwrap())]).await;
     let horizon_month = month_of(server, now_ns - 60 * DAY_NS);
     wait_until_async(&daemon, Duration::from_secs(90), "the months below the horizon dropped", || async {
-        ["cs_captures", "cs_by_version", "cs_by_id"]
-            .iter()
-            .all(|table| months_of(server, &database, table, &catalog_name).iter().all(|month| *month >= horizon_month))
+        no_month_below(server, &database, &catalog_name, horizon_month)
     })
     .await;
     // Its newest version is gone with its month, and its older one, in a month that stays, went before: not back.
@@ -2619,10 +2616,7 @@ async fn a_capture_posted_again_with_an_expired_time_stays_gone_when_its_months_
             .count()
     };
     wait_until_async(&daemon, Duration::from_secs(90), "the late arrival's month dropped again", || async {
-        removals(&daemon) >= 2
-            && ["cs_captures", "cs_by_version", "cs_by_id"].iter().all(|table| {
-                months_of(server, &database, table, &catalog_name).iter().all(|month| *month >= horizon_month)
-            })
+        removals(&daemon) >= 2 && no_month_below(server, &database, &catalog_name, horizon_month)
     })
     .await;
     let answer = client.get(daemon.url(&format!("/v1/captures/{again}"))).send().await.unwrap();

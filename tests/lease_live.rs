@@ -931,13 +931,7 @@ async fn a_publish_whose_reply_is_lost_is_decided_by_read_back_with_gapless_vers
         );
     }
     assert_eq!(catalog.committed_versions(), vec![1]);
-    let next = loop {
-        match publisher.publish_batch(&[one_capture_pack()]).await {
-            Ok(PublishOutcome::Committed { version, .. }) => break version,
-            Ok(other) => panic!("{other:?}"),
-            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-        }
-    };
+    let (next, _) = committed_within(&publisher, &[one_capture_pack()], TTL * 6).await;
     assert_eq!(catalog.committed_versions(), (1..=next).collect::<Vec<u64>>(), "no version used twice, none skipped");
     // Version 2 is the batch's, or an empty commit before it: a renewal in flight when the quarantine began may have
     // landed unconfirmed, and a claim that follows a term this process did not confirm owes one.
@@ -947,6 +941,22 @@ async fn a_publish_whose_reply_is_lost_is_decided_by_read_back_with_gapless_vers
         catalog.tables.publishes, catalog.config.catalog_name
     );
     assert_eq!(catalog.server.query(&empty).unwrap().trim(), (next - 2).to_string());
+}
+
+/// Publish `batch` until it commits, through any error (a quarantine, a refused fence), within `within`: its version
+/// and publish_id. Any other outcome fails the test.
+async fn committed_within(publisher: &Publisher, batch: &[PackDescriptor], within: Duration) -> (u64, Uuid) {
+    let committed = tokio::time::timeout(within, async {
+        loop {
+            match publisher.publish_batch(batch).await {
+                Ok(PublishOutcome::Committed { version, publish_id }) => break (version, publish_id),
+                Ok(other) => panic!("{other:?}"),
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+    })
+    .await;
+    committed.expect("the batch was never published")
 }
 
 /// The publish_ids of the rows at `version` in `by_version`, whether committed or not.
@@ -1024,17 +1034,8 @@ async fn rows_whose_insert_lost_its_reply_are_sent_again_as_the_same_attempt(ser
     let first_attempt = publish_losing_the_captures_reply(&catalog, publisher, &batch).await;
     assert_eq!(first_attempt.len(), 1, "{first_attempt:?}");
 
-    let committed = tokio::time::timeout(TTL * 6, async {
-        loop {
-            match publisher.publish_batch(&batch).await {
-                Ok(PublishOutcome::Committed { version: 1, publish_id }) => break publish_id,
-                Ok(other) => panic!("{other:?}"),
-                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-            }
-        }
-    })
-    .await;
-    let publish_id = committed.expect("the batch was never published");
+    let (version, publish_id) = committed_within(publisher, &batch, TTL * 6).await;
+    assert_eq!(version, 1);
     assert_eq!(attempts_at(&catalog, 1), vec![publish_id.to_string()], "the retry was a second attempt at version 1");
 
     // The first attempt's insert lands once more, after the commit, and a merge keeps the last copy of each capture.
@@ -1061,17 +1062,8 @@ async fn rows_sharing_captures_with_an_attempt_in_doubt_go_to_the_next_version_a
 
     // The first pack alone (a smaller batch, as after `batch_max_rows` was lowered): it cannot be that attempt, so
     // version 1 is committed empty and the pack goes to version 2.
-    let committed = tokio::time::timeout(TTL * 6, async {
-        loop {
-            match publisher.publish_batch(std::slice::from_ref(&first)).await {
-                Ok(PublishOutcome::Committed { version, .. }) => break version,
-                Ok(other) => panic!("{other:?}"),
-                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-            }
-        }
-    })
-    .await;
-    assert_eq!(committed.expect("the pack was never published"), 2);
+    let (committed, _) = committed_within(publisher, std::slice::from_ref(&first), TTL * 6).await;
+    assert_eq!(committed, 2);
     let publishes = catalog
         .server
         .query(&format!(

@@ -831,25 +831,21 @@ impl Compactor {
         // expired time would be back as its older row, in a month that stays. (A removal the second check calls for
         // runs after the turn: it takes only rows below a capture's newest, and may take minutes.)
         crate::failpoint::pause("after_drop_check").await;
-        let superseded = {
-            let Some(_turn) = self.publisher.exclusive_turn().await else { return Ok(()) };
-            let turn_watermark = self.catalog.watermark().await?;
-            let superseded = match turn_watermark == watermark {
-                true => Vec::new(),
-                false => purge.superseded_across(month, watermark).await?,
-            };
-            if superseded.is_empty() {
-                crate::failpoint::pause("before_partition_drop").await;
-                self.drop_checked = Some((month, turn_watermark));
-                let dropped =
-                    purge.drop_partitions(&partitions, || crate::failpoint::hit("during_partition_drop")).await?;
-                pass.partitions_dropped += dropped;
-                self.counters.partitions_dropped.fetch_add(dropped, Ordering::Relaxed);
-                return Ok(());
+        let Some(turn) = self.publisher.exclusive_turn().await else { return Ok(()) };
+        let turn_watermark = self.catalog.watermark().await?;
+        if turn_watermark != watermark {
+            let superseded = purge.superseded_across(month, watermark).await?;
+            if !superseded.is_empty() {
+                drop(turn);
+                return remove_superseded(purge, superseded).await;
             }
-            superseded
-        };
-        remove_superseded(purge, superseded).await
+        }
+        crate::failpoint::pause("before_partition_drop").await;
+        self.drop_checked = Some((month, turn_watermark));
+        let dropped = purge.drop_partitions(&partitions, || crate::failpoint::hit("during_partition_drop")).await?;
+        pass.partitions_dropped += dropped;
+        self.counters.partitions_dropped.fetch_add(dropped, Ordering::Relaxed);
+        Ok(())
     }
 
     fn staged_paths(&self, pack_id: Uuid) -> (PathBuf, PathBuf) {

@@ -23,8 +23,7 @@
 //!   its expiry is more than `publish_timeout + clock_skew` away. An empty table fails the fence.
 //! - Same-spool takeover: the holder is `<spool id>@<host>:<pid>`. A process that holds the spool's flock knows every
 //!   earlier process of that spool is dead, so it may claim over a live head whose every lease_id is its own spool's
-//!   at once; the
-//!   fence keeps any late statement of the predecessor (old lease_id) from landing, and an embargo of
+//!   at once; the fence keeps any late statement of the predecessor (old lease_id) from landing, and an embargo of
 //!   `publish_timeout + clock_skew + 0.1 s` after the claim's read-back lets one that passed its fence before end.
 //!   Every claim over a live head of our spool takes it: a start whose claim went unanswered claims again with a fresh
 //!   lease_id, and the row of the first, if it landed, is such a head.
