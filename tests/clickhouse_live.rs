@@ -237,6 +237,38 @@ async fn a_closed_port_is_definitely_failed() {
     let error =
         CatalogClient::connect(&config_for(format!("http://{closed_port}"), Duration::from_secs(5))).await.unwrap_err();
     assert_kind(&error, ErrorKind::DefinitelyFailed, None);
+    // Nothing listens there, so nothing sent there before still runs (what a wait for a statement's end relies on).
+    assert!(error.is_refused(), "{error:?}");
+}
+
+for_each_version!(a_statement_run_to_its_end_comes_back_only_once_the_server_has_finished_it);
+async fn a_statement_run_to_its_end_comes_back_only_once_the_server_has_finished_it(server: &'static ClickHouseServer) {
+    let table = fresh_table(server, "to_its_end");
+    let client = CatalogClient::connect(&config_for(server.url(), Duration::from_secs(1))).await.unwrap();
+    // About 4 s on the server, past the 1 s request timeout: not read-only, so the server runs it on after its
+    // client has given up.
+    let insert = |first: u64| {
+        format!(
+            "INSERT INTO {table} SELECT number + {first}, toString(sleepEachRow(0.5)) FROM numbers(8) SETTINGS \
+             max_block_size = 1"
+        )
+    };
+    let running = |first: u64| {
+        server
+            .query(&format!(
+                "SELECT count() FROM system.processes WHERE query LIKE '%number + {first},%' AND query NOT LIKE \
+                 '%system.processes%'"
+            ))
+            .unwrap()
+    };
+    let error = client.execute_to_its_end(&insert(0)).await.unwrap_err();
+    assert!(error.reply_lost(), "{error:?}");
+    assert_eq!(running(0), "0\n", "still running after its end was waited for");
+    assert_eq!(server.query(&format!("SELECT count() FROM {table} WHERE id < 100")).unwrap(), "8\n");
+    // The same statement through `execute` comes back at the timeout, while the server still runs it.
+    let error = client.execute(&insert(100)).await.unwrap_err();
+    assert!(error.reply_lost(), "{error:?}");
+    assert_eq!(running(100), "1\n", "the control statement ended within its request timeout");
 }
 
 for_each_version!(a_cut_connection_is_outcome_unknown_and_pass_recovers);

@@ -229,6 +229,22 @@ impl CatalogError {
         self.source.as_ref().is_some_and(is_connect_failure)
     }
 
+    /// The server refused the connection: nothing listens there, so nothing sent to it before still runs (a server
+    /// stopped or restarted since). A connect timeout is not this: the server may be alive beyond a cut network.
+    pub fn is_refused(&self) -> bool {
+        let mut cause: Option<&(dyn std::error::Error + 'static)> = self.source.as_ref().map(|error| error as _);
+        while let Some(error) = cause {
+            if error
+                .downcast_ref::<std::io::Error>()
+                .is_some_and(|io| io.kind() == std::io::ErrorKind::ConnectionRefused)
+            {
+                return true;
+            }
+            cause = error.source();
+        }
+        false
+    }
+
     /// The request was sent and its reply did not come back (a broken connection or no reply in time): the
     /// statement may have run.
     pub fn reply_lost(&self) -> bool {
@@ -460,6 +476,8 @@ fn one_thread() -> (&'static str, String) {
 /// How long the pool keeps an idle connection: below the 3 s keep-alive of older servers, so the client never sends
 /// a request on a connection the server is about to close.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(2);
+/// How often [`CatalogClient::execute_to_its_end`] asks whether a statement whose reply was lost still runs.
+const STILL_RUNNING_POLL: Duration = Duration::from_millis(200);
 
 impl CatalogClient {
     /// Build the client, detect the server version and choose settings for it.
@@ -630,6 +648,43 @@ impl CatalogClient {
     /// Run DDL or a statement whose outcome decides nothing. `sql` is sent verbatim.
     pub async fn execute(&self, sql: &str) -> Result<(), CatalogError> {
         self.execute_with(sql, &[], self.request_timeout).await
+    }
+
+    /// [`CatalogClient::execute`] for a statement that no fence guards and that nothing may run beside once the
+    /// caller goes on (a month's `DROP PARTITION`, see [`super::purge`]). Where its reply is lost (a timeout while it
+    /// waits on a table lock, a broken connection) it may still run on the server, so this returns only once the
+    /// server it was sent to runs it no longer (its query_id gone from `system.processes`) or refuses connections (a
+    /// server that is down runs nothing), with the error then. While neither can be told (the server stalled or cut
+    /// off) it keeps asking. (A request held up on its way, before the server has taken it, cannot be seen there.)
+    pub async fn execute_to_its_end(&self, sql: &str) -> Result<(), CatalogError> {
+        let query_id = uuid::Uuid::new_v4().to_string();
+        let sent = self
+            .request_naming_server("execute", self.request_timeout, |client| {
+                client.query_raw(sql).with_setting("query_id", query_id.clone()).execute()
+            })
+            .await;
+        let (error, index) = match sent {
+            Ok(()) => return Ok(()),
+            Err((error, Some(index))) if error.reply_lost() => (error, index),
+            Err((error, _)) => return Err(error),
+        };
+        let server = &self.endpoints.servers[index];
+        tracing::warn!(url = %server.shown_url, %query_id, %error, "catalog: waiting for a statement whose reply was lost to end on the server");
+        let running =
+            format!("SELECT count() FROM system.processes WHERE query_id = {}", sql_string_literal(&query_id));
+        loop {
+            let asked = run_with_timeout(
+                self.request_timeout,
+                "ask whether a statement still runs",
+                server.client.query_raw(&running).fetch_one::<u64>(),
+            )
+            .await;
+            match asked {
+                Ok(0) => return Err(error),
+                Err(asking) if asking.is_refused() => return Err(error),
+                Ok(_) | Err(_) => tokio::time::sleep(STILL_RUNNING_POLL).await,
+            }
+        }
     }
 
     /// [`CatalogClient::execute`] for a long server-side statement (a schema upgrade's copy) that may take longer than
@@ -891,6 +946,20 @@ impl CatalogClient {
     where
         Fut: std::future::Future<Output = clickhouse::error::Result<T>>,
     {
+        self.request_naming_server(context, timeout, send).await.map_err(|(error, _)| error)
+    }
+
+    /// [`CatalogClient::request`], whose error comes with the server the request was sent to (None if it was sent to
+    /// none).
+    async fn request_naming_server<T, Fut>(
+        &self,
+        context: &str,
+        timeout: Duration,
+        send: impl Fn(clickhouse::Client) -> Fut,
+    ) -> Result<T, (CatalogError, Option<usize>)>
+    where
+        Fut: std::future::Future<Output = clickhouse::error::Result<T>>,
+    {
         let endpoints = &self.endpoints;
         let first = endpoints.current();
         let count = endpoints.servers.len();
@@ -932,17 +1001,18 @@ impl CatalogClient {
                     } else if count > 1 && error.server_code.is_some_and(|code| REPLICA_CANNOT_SERVE.contains(&code)) {
                         endpoints.switch(first, (index + 1) % count, "the replica cannot serve (behind or read-only)");
                     }
-                    return Err(error);
+                    return Err((error, Some(index)));
                 }
             }
         }
-        Err(last_error.unwrap_or_else(|| {
+        let error = last_error.unwrap_or_else(|| {
             CatalogError::new(
                 ErrorKind::DefinitelyFailed,
                 "no server of catalog.url and catalog.replica_urls is a replica of the same shard with the catalog's \
                  tables (see the error log)",
             )
-        }))
+        });
+        Err((error, None))
     }
 
     /// Every server failed over to must hold these tables and views of `database` (the catalog's, views included:

@@ -256,6 +256,27 @@ pub struct Publisher {
     in_doubt: AttemptsInDoubt,
 }
 
+/// The publish turn held for statements no fence guards ([`Publisher::exclusive_turn`]): a month's drop.
+pub struct ExclusiveTurn<'a> {
+    _turn: tokio::sync::MutexGuard<'a, ()>,
+    lease: &'a LeaseHandle,
+}
+
+impl ExclusiveTurn<'_> {
+    /// Whether the lease is still held with time left: checked before each unfenced statement, as no fence refuses
+    /// one of a holder that has lost the lease meanwhile.
+    pub fn lease_held(&self) -> bool {
+        self.lease.permit().is_some()
+    }
+
+    /// Unfenced statements are about to be sent: counted as a commit in flight ([`LeaseHandle::commit_sent`]), so
+    /// that a release while they may still run (the shutdown aborts a pass that does not end in time) writes no
+    /// tombstone. None once the lease is being released.
+    pub fn unfenced_sent(&self) -> Option<super::lease::CommitInFlight> {
+        self.lease.commit_sent()
+    }
+}
+
 impl Publisher {
     pub fn new(client: CatalogClient, tables: Tables, catalog: &str, lease: LeaseHandle) -> Publisher {
         Publisher {
@@ -276,10 +297,10 @@ impl Publisher {
     /// still unknown: while the guard lives no publish is between its rows and its commit (each takes the turn for
     /// both, and only the holder publishes). A partition drop holds it so that it takes no committing publish's
     /// rows. None while the lease is not held, or a commit whose answer was lost may still be running.
-    pub async fn exclusive_turn(&self) -> Option<tokio::sync::MutexGuard<'_, ()>> {
+    pub async fn exclusive_turn(&self) -> Option<ExclusiveTurn<'_>> {
         let turn = self.turn.lock().await;
         let settled = self.unresolved.lock().unwrap_or_else(|p| p.into_inner()).is_none();
-        (settled && self.lease.permit().is_some()).then_some(turn)
+        (settled && self.lease.permit().is_some()).then_some(ExclusiveTurn { _turn: turn, lease: &self.lease })
     }
 
     /// The version a publish of `rows` under `permit` takes, and the publish_id of its attempt there. Where rows of

@@ -36,7 +36,10 @@
 //! horizon whose publish is older than `read_grace`: every row in it is hidden from every reader that may still be
 //! reading, whatever its kind (a capture, a deletion, a move, an orphan), and a row published into it later (a late
 //! arrival) is hidden from the start and dropped by the next pass. Partitions are found in `system.parts`, so a
-//! pass that dropped some and died before the others drops the rest next time.
+//! pass that dropped some and died before the others drops the rest next time. No fence can guard a drop (it takes
+//! no condition), so the compactor drops in the publish turn, checks the lease before each drop, and waits for each
+//! to end on the server even when its reply is lost ([`CatalogClient::execute_to_its_end`]): a drop that waited on a
+//! table lock past its client's timeout must not take the rows of a publish let in after it.
 //!
 //! A removal is not a publish: it takes no version and carries no fence. Only the lease holder runs it (the
 //! compactor's passes need a publish permit), but a stale process that ran it anyway would remove only rows that a
@@ -258,25 +261,33 @@ impl RowPurge {
             .collect())
     }
 
-    /// Drop `partitions` ([`RowPurge::months_before`]). Returns how many were dropped. `between` runs after the first
-    /// drop (a failpoint's place).
-    pub async fn drop_partitions(&self, partitions: &[(String, u32)], between: impl Fn()) -> Result<u64, CatalogError> {
+    /// Drop `partitions` ([`RowPurge::months_before`]), one statement each, each waited for to its end on the server
+    /// ([`CatalogClient::execute_to_its_end`]): no fence guards a drop, so none may still run once this returns.
+    /// Returns how many were dropped, beside the error that stopped the rest (a drop whose reply was lost is not
+    /// counted, though it may have run). `go_on(dropped)` runs before each drop, with how many were dropped so far:
+    /// false stops the drops there (the lease lost meanwhile).
+    pub async fn drop_partitions(
+        &self,
+        partitions: &[(String, u32)],
+        go_on: impl Fn(u64) -> bool,
+    ) -> (u64, Result<(), CatalogError>) {
         let mut dropped = 0;
         for (table, month) in partitions {
-            self.client
-                .execute(&format!(
-                    "ALTER TABLE {}.{table} DROP PARTITION ({}, {month})",
-                    self.tables.database,
-                    sql_string_literal(&self.catalog)
-                ))
-                .await?;
-            tracing::info!(%table, month, "dropped a month below the retention horizon");
-            if dropped == 0 {
-                between();
+            if !go_on(dropped) {
+                break;
             }
+            let sql = format!(
+                "ALTER TABLE {}.{table} DROP PARTITION ({}, {month})",
+                self.tables.database,
+                sql_string_literal(&self.catalog)
+            );
+            if let Err(error) = self.client.execute_to_its_end(&sql).await {
+                return (dropped, Err(error));
+            }
+            tracing::info!(%table, month, "dropped a month below the retention horizon");
             dropped += 1;
         }
-        Ok(dropped)
+        (dropped, Ok(()))
     }
 
     /// Captures per batch at most: fewer with replicated tables (see [`CAPTURES_PER_REPLICATED_BATCH`]).

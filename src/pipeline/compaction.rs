@@ -842,10 +842,21 @@ impl Compactor {
         }
         crate::failpoint::pause("before_partition_drop").await;
         self.drop_checked = Some((month, turn_watermark));
-        let dropped = purge.drop_partitions(&partitions, || crate::failpoint::hit("during_partition_drop")).await?;
+        let Some(in_flight) = turn.unfenced_sent() else { return Ok(()) };
+        let (dropped, drops) = purge
+            .drop_partitions(&partitions, |dropped| {
+                if dropped == 1 {
+                    crate::failpoint::hit("during_partition_drop");
+                }
+                turn.lease_held()
+            })
+            .await;
+        // Each drop has ended on the server, answered or not (see `drop_partitions`).
+        in_flight.answered();
+        drop(turn);
         pass.partitions_dropped += dropped;
         self.counters.partitions_dropped.fetch_add(dropped, Ordering::Relaxed);
-        Ok(())
+        Ok(drops?)
     }
 
     fn staged_paths(&self, pack_id: Uuid) -> (PathBuf, PathBuf) {
