@@ -50,6 +50,11 @@
  *                          control (the code before): a start whose claim went
  *                          unanswered claims again with the same lease id, and a
  *                          claim over its own live head takes no embargo
+ *   TAKEOVER ... SOLE_HEAD_ONLY   a contested head is refused even where its
+ *                          every lease id is the spool's (the code before
+ *                          that takeover; by default it is taken, embargoed)
+ *   TAKEOVER ... CONTESTED_AT_ONCE   control: such a contested head taken
+ *                          over with no embargo
  * (specs/takeover.pml selects TAKEOVER.)
  */
 
@@ -194,8 +199,20 @@ inline headinfo() {
 }
 
 #ifdef TAKEOVER
-/* a live head of the spool's: the other process's, or an earlier lease id of its own */
-#define TAKES(i) (hsole == OLD(i) || ((i) == 1 && (hsole == CUR(0) || hsole == OLD(0))))
+#ifdef N3
+#error "TAKEOVER models two publishers of one spool"
+#endif
+/* a head of publisher 0's lease ids only (publisher 1 may take over all of them) */
+#define OWN_IDS_ONLY(i) ((i) == 1 || (hx[CUR(1)] == ABS && hx[OLD(1)] == ABS))
+#ifdef SOLE_HEAD_ONLY
+#define SPOOL_CONTESTED(i) 0
+#else
+/* a contested live head whose every lease id is the spool's (LeaseStore::claim) */
+#define SPOOL_CONTESTED(i) (hn > 1 && OWN_IDS_ONLY(i))
+#endif
+/* a live head of the spool's: the other process's, or an earlier lease id of its own, or a contested one of the
+   spool's lease ids */
+#define TAKES(i) (hsole == OLD(i) || ((i) == 1 && (hsole == CUR(0) || hsole == OLD(0))) || SPOOL_CONTESTED(i))
 #else
 #define TAKES(i) 0
 #endif
@@ -253,7 +270,12 @@ inline claim_send(i) {
      if
      :: hlive && hsole != CUR(i) ->
         if
+#ifdef CONTESTED_AT_ONCE
+        :: hn > 1 && TAKES(i) -> skip
+        :: hn <= 1 && TAKES(i) -> ctk[i] = 1
+#else
         :: TAKES(i) -> ctk[i] = 1
+#endif
         :: else -> cph[i] = 0        /* refused */
         fi
 #ifndef OWN_HEAD_AT_ONCE
