@@ -95,6 +95,54 @@ async fn a_daemon_on_a_cluster_replicates_its_tables_survives_a_lost_replica_and
 }
 
 /// A daemon on `cluster` (through replica 0) listening on `port`.
+/// Retention decides from what it reads which rows go for good, so every read of the purge is sequentially
+/// consistent: a replica that lags (its fetches stopped) refuses the checks before a month's drop, where a plain read
+/// there answers without a capture a quorum insert has put in. Once it has caught up it answers them.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lagging_replica_refuses_the_checks_before_a_months_drop_until_it_has_caught_up() {
+    use capstore::catalog::purge::RowPurge;
+    use capstore::catalog::query::CatalogReader;
+    let cluster = ClickHouseCluster::start();
+    let dir = tempfile::tempdir().unwrap();
+    let port = common::free_port(false);
+    let env = cluster_env(&cluster, dir.path(), port);
+    let mut daemon = env.start(dir.path().join("daemon.log"));
+    daemon.wait_for_log_async("lease held", Duration::from_secs(180)).await;
+    let client = reqwest::Client::new();
+    post_capture(client.clone(), port, 0, true).await;
+    cluster.replicas[2].query("SYSTEM STOP FETCHES").unwrap();
+    let (missed_id, _) = post_capture(client.clone(), port, 1, true).await;
+    let missed_id: uuid::Uuid = missed_id.parse().unwrap();
+
+    let on_lagging = env.clone().set("CAPSTORE_CATALOG_URL", cluster.replicas[2].url());
+    let config = on_lagging.config();
+    let catalog_client = capstore::catalog::CatalogClient::connect(&config.catalog).await.unwrap();
+    let tables = capstore::catalog::Tables::from_config(&config.catalog);
+    let reader = CatalogReader::new(catalog_client.clone(), tables.clone(), &config.catalog_name);
+    let purge = RowPurge::new(catalog_client, tables, &config.catalog_name).partitioned(true);
+    // The lag is real: a plain read there answers, without the second capture.
+    assert_eq!(reader.get(missed_id, None).await.unwrap(), None, "the replica is not behind");
+    let plain_watermark = reader.watermark().await.unwrap();
+    // The purge's reads are refused there (REPLICA_IS_NOT_IN_QUORUM).
+    let refused = purge.watermark().await.unwrap_err();
+    assert_eq!(refused.server_code, Some(289), "{refused}");
+    let refused = purge.superseded_across(300_001, 0).await.unwrap_err();
+    assert_eq!(refused.server_code, Some(289), "{refused}");
+
+    cluster.replicas[2].query("SYSTEM START FETCHES").unwrap();
+    let started = Instant::now();
+    let caught_up = loop {
+        if let Ok(watermark) = purge.watermark().await {
+            break watermark;
+        }
+        assert!(started.elapsed() < REPLICATION_PATIENCE, "the replica never caught up:\n{}", daemon.log());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(caught_up > plain_watermark, "{caught_up} after catching up, {plain_watermark} behind");
+    purge.superseded_across(300_001, 0).await.unwrap();
+    assert!(reader.get(missed_id, None).await.unwrap().is_some());
+}
+
 fn cluster_env(cluster: &ClickHouseCluster, dir: &std::path::Path, port: u16) -> DaemonEnv {
     DaemonEnv::live_on(&cluster.replicas[0], "cluster", dir)
         .set("CAPSTORE_CATALOG_CLUSTER", CLUSTER)

@@ -428,6 +428,8 @@ pub struct CatalogClient {
     one_thread_refused: Arc<AtomicBool>,
     /// What the user's settings profile lets a read set its time and memory limits to (shared by the clones).
     read_limits: ReadLimits,
+    /// Every read sequentially consistent on a replicated catalog ([`CatalogClient::with_consistent_reads`]).
+    consistent_reads: bool,
 }
 
 impl fmt::Debug for CatalogClient {
@@ -618,6 +620,7 @@ impl CatalogClient {
             server_version: Arc::new(server_version),
             insert_quorum,
             one_thread_refused: Arc::default(),
+            consistent_reads: false,
             read_limits: ReadLimits::default(),
         })
     }
@@ -748,6 +751,13 @@ impl CatalogClient {
     /// publish, a read-back) must not come from a replica that lags: it could let a second publisher in.
     fn sequential_consistency(&self) -> Option<(&'static str, String)> {
         self.insert_quorum.map(|_| ("select_sequential_consistency", "1".to_string()))
+    }
+
+    /// This client with every read sequentially consistent on a replicated catalog, for a user whose every read
+    /// decides what is removed (retention's drops and row removal, see [`super::purge`]): a replica that lags
+    /// refuses them, where it would answer without what a quorum insert put in.
+    pub fn with_consistent_reads(&self) -> CatalogClient {
+        CatalogClient { consistent_reads: true, ..self.clone() }
     }
 
     /// [`CatalogClient::fetch_all`] for a read a decision rests on (the lease head, a read-back, the replay guard):
@@ -882,6 +892,9 @@ impl CatalogClient {
                 settings.push(("cancel_http_readonly_queries_on_client_close", "1".to_string()));
             }
             settings.extend_from_slice(extra);
+            if self.consistent_reads && !extra.iter().any(|(name, _)| *name == "select_sequential_consistency") {
+                settings.extend(self.sequential_consistency());
+            }
             let settings = &settings;
             let answer = self
                 .request("fetch", timeout, |client| with_settings(client.query_raw(sql), settings).fetch_all::<T>())

@@ -39,7 +39,9 @@
 //! pass that dropped some and died before the others drops the rest next time. No fence can guard a drop (it takes
 //! no condition), so the compactor drops in the publish turn, checks the lease before each drop, and waits for each
 //! to end on the server even when its reply is lost ([`CatalogClient::execute_to_its_end`]): a drop that waited on a
-//! table lock past its client's timeout must not take the rows of a publish let in after it.
+//! table lock past its client's timeout must not take the rows of a publish let in after it. Every read here, the
+//! checks before a drop among them, is sequentially consistent on a replicated catalog ([`RowPurge::new`]): a replica
+//! that lags would answer without a committed post again that the drop must not take.
 //!
 //! A removal is not a publish: it takes no version and carries no fence. Only the lease holder runs it (the
 //! compactor's passes need a publish permit), but a stale process that ran it anyway would remove only rows that a
@@ -144,8 +146,15 @@ fn month_start_ns(month: u32) -> u64 {
 }
 
 impl RowPurge {
+    /// Every read of it is sequentially consistent on a replicated catalog
+    /// ([`CatalogClient::with_consistent_reads`]): what it finds is removed or dropped for good.
     pub fn new(client: CatalogClient, tables: Tables, catalog: &str) -> RowPurge {
-        RowPurge { client, tables, catalog: catalog.to_string(), partitioned: false }
+        RowPurge { client: client.with_consistent_reads(), tables, catalog: catalog.to_string(), partitioned: false }
+    }
+
+    /// The highest committed version, read as every read of the purge is (see [`RowPurge::new`]).
+    pub async fn watermark(&self) -> Result<u64, CatalogError> {
+        super::query::CatalogReader::new(self.client.clone(), self.tables.clone(), &self.catalog).watermark().await
     }
 
     /// The same, for tables that are (or are not) partitioned by month.

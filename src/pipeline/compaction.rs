@@ -821,7 +821,7 @@ impl Compactor {
         // Late arrivals below the horizon make months to drop again: the check that comes next pass after pass looks
         // only at what was published since the last one that found nothing.
         let published_after = self.drop_checked.filter(|(checked, _)| *checked == month).map_or(0, |(_, at)| at);
-        let watermark = self.catalog.watermark().await?;
+        let watermark = purge.watermark().await?;
         let superseded = purge.superseded_across(month, published_after).await?;
         if !superseded.is_empty() {
             return remove_superseded(purge, superseded).await;
@@ -832,7 +832,7 @@ impl Compactor {
         // runs after the turn: it takes only rows below a capture's newest, and may take minutes.)
         crate::failpoint::pause("after_drop_check").await;
         let Some(turn) = self.publisher.exclusive_turn().await else { return Ok(()) };
-        let turn_watermark = self.catalog.watermark().await?;
+        let turn_watermark = purge.watermark().await?;
         if turn_watermark != watermark {
             let superseded = purge.superseded_across(month, watermark).await?;
             if !superseded.is_empty() {
