@@ -43,6 +43,7 @@ takeover.pml|EMB_SENT|exhaustive|refuted|I3_serial_publishes
 takeover.pml|EMB_REPLY|exhaustive|holds|-
 takeover.pml|EMB_REPLY,LITERAL_I3|exhaustive|refuted|I3_publisher_held_head_lease
 takeover.pml|EMB_REPLY,START_KEEPS_ID,OWN_HEAD_AT_ONCE|exhaustive|refuted|I3_serial_publishes
+takeover.pml|EMB_REPLY,SOLE_HEAD_ONLY|exhaustive|holds|-
 takeover.pml|EMB_REPLY,CONTESTED_AT_ONCE|exhaustive|refuted|I3_serial_publishes
 lease_live.pml|-|ltl|holds|-
 lease_live.pml|LATCH_EARLY|ltl|refuted|LATCH_ONLY_AFTER_LONG_REFUSAL

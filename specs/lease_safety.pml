@@ -202,7 +202,8 @@ inline headinfo() {
 #ifdef N3
 #error "TAKEOVER models two publishers of one spool"
 #endif
-/* a head of publisher 0's lease ids only (publisher 1 may take over all of them) */
+/* a head of publisher 0's lease ids only (publisher 1 may take over all of them; publisher 0 never meets
+   publisher 1's, as 1 starts once 0 is dead: the restriction only mirrors the code's rule) */
 #define OWN_IDS_ONLY(i) ((i) == 1 || (hx[CUR(1)] == ABS && hx[OLD(1)] == ABS))
 #ifdef SOLE_HEAD_ONLY
 #define SPOOL_CONTESTED(i) 0

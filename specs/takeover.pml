@@ -17,6 +17,12 @@
  *               live head takes no embargo.  Otherwise a start claims again with
  *               a fresh lease id, and a live head of an earlier lease id of its
  *               own is a takeover (the holder names the spool)
+ *   EMB_REPLY SOLE_HEAD_ONLY
+ *               a contested head is refused even where its every lease id is
+ *               the spool's (the code before that takeover; by default it is
+ *               taken over, with the embargo)
+ *   EMB_REPLY CONTESTED_AT_ONCE
+ *               control: such a contested head taken over with no embargo
  * The protocol itself is specs/lease_safety.pml.
  */
 #define TAKEOVER 1

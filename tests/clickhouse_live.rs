@@ -261,14 +261,45 @@ async fn a_statement_run_to_its_end_comes_back_only_once_the_server_has_finished
             ))
             .unwrap()
     };
-    let error = client.execute_to_its_end(&insert(0)).await.unwrap_err();
-    assert!(error.reply_lost(), "{error:?}");
+    let ended = client.execute_to_its_end(&insert(0), Duration::from_secs(30)).await.unwrap_err();
+    assert!(ended.error.reply_lost() && !ended.may_still_run, "{ended:?}");
     assert_eq!(running(0), "0\n", "still running after its end was waited for");
     assert_eq!(server.query(&format!("SELECT count() FROM {table} WHERE id < 100")).unwrap(), "8\n");
     // The same statement through `execute` comes back at the timeout, while the server still runs it.
     let error = client.execute(&insert(100)).await.unwrap_err();
     assert!(error.reply_lost(), "{error:?}");
     assert_eq!(running(100), "1\n", "the control statement ended within its request timeout");
+}
+
+for_each_version!(a_statement_whose_server_cannot_be_asked_is_given_up_as_one_that_may_still_run);
+async fn a_statement_whose_server_cannot_be_asked_is_given_up_as_one_that_may_still_run(
+    server: &'static ClickHouseServer,
+) {
+    let table = fresh_table(server, "unended");
+    let proxy = FaultProxy::start(server.http_addr);
+    let client = CatalogClient::connect(&config_for(proxy.url(), Duration::from_secs(1))).await.unwrap();
+    let sql = format!(
+        "INSERT INTO {table} SELECT number, toString(sleepEachRow(0.5)) FROM numbers(20) SETTINGS max_block_size = 1"
+    );
+    let running = || {
+        server
+            .query(&format!(
+                "SELECT count() FROM system.processes WHERE query LIKE '%INSERT INTO {table} SELECT%' AND query NOT \
+                 LIKE '%system.processes%'"
+            ))
+            .unwrap()
+    };
+    let sent = tokio::spawn(async move { client.execute_to_its_end(&sql, Duration::from_secs(2)).await });
+    // Once the server runs it, nothing more gets through: its reply is lost, and so is every question about it.
+    let started = Instant::now();
+    while running() != "1\n" {
+        assert!(started.elapsed() < Duration::from_secs(10), "the statement never ran");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    proxy.blackhole();
+    let unended = tokio::time::timeout(Duration::from_secs(30), sent).await.expect("given up").unwrap().unwrap_err();
+    assert!(unended.may_still_run, "{unended:?}");
+    assert_eq!(running(), "1\n", "given up while the server runs it: it may still run, as it says");
 }
 
 for_each_version!(a_cut_connection_is_outcome_unknown_and_pass_recovers);

@@ -94,7 +94,6 @@ async fn a_daemon_on_a_cluster_replicates_its_tables_survives_a_lost_replica_and
     assert_eq!(code, 0, "{log}");
 }
 
-/// A daemon on `cluster` (through replica 0) listening on `port`.
 /// Retention decides from what it reads which rows go for good, so every read of the purge is sequentially
 /// consistent: a replica that lags (its fetches stopped) refuses the checks before a month's drop, where a plain read
 /// there answers without a capture a quorum insert has put in. Once it has caught up it answers them.
@@ -143,6 +142,7 @@ async fn a_lagging_replica_refuses_the_checks_before_a_months_drop_until_it_has_
     assert!(reader.get(missed_id, None).await.unwrap().is_some());
 }
 
+/// A daemon on `cluster` (through replica 0) listening on `port`.
 fn cluster_env(cluster: &ClickHouseCluster, dir: &std::path::Path, port: u16) -> DaemonEnv {
     DaemonEnv::live_on(&cluster.replicas[0], "cluster", dir)
         .set("CAPSTORE_CATALOG_CLUSTER", CLUSTER)

@@ -266,6 +266,16 @@ impl CatalogError {
     }
 }
 
+/// Why [`CatalogClient::execute_to_its_end`] failed: the statement's error, and whether it may still run on the
+/// server (whether it does could not be told).
+#[derive(Debug, thiserror::Error)]
+#[error("{error}{}", if *.may_still_run { " (it may still run on the server)" } else { "" })]
+pub struct UnendedError {
+    #[source]
+    pub error: CatalogError,
+    pub may_still_run: bool,
+}
+
 /// Decide what a failed request means. The one place capstore classifies ClickHouse failures.
 ///
 /// A request timeout is passed in as `clickhouse::error::Error::TimedOut`.
@@ -478,8 +488,10 @@ fn one_thread() -> (&'static str, String) {
 /// How long the pool keeps an idle connection: below the 3 s keep-alive of older servers, so the client never sends
 /// a request on a connection the server is about to close.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(2);
-/// How often [`CatalogClient::execute_to_its_end`] asks whether a statement whose reply was lost still runs.
+/// How often [`CatalogClient::execute_to_its_end`] asks whether a statement whose outcome is unknown still runs.
 const STILL_RUNNING_POLL: Duration = Duration::from_millis(200);
+/// How often it says that it is still waiting.
+const STILL_RUNNING_WARN_EVERY: Duration = Duration::from_secs(30);
 
 impl CatalogClient {
     /// Build the client, detect the server version and choose settings for it.
@@ -654,12 +666,17 @@ impl CatalogClient {
     }
 
     /// [`CatalogClient::execute`] for a statement that no fence guards and that nothing may run beside once the
-    /// caller goes on (a month's `DROP PARTITION`, see [`super::purge`]). Where its reply is lost (a timeout while it
-    /// waits on a table lock, a broken connection) it may still run on the server, so this returns only once the
-    /// server it was sent to runs it no longer (its query_id gone from `system.processes`) or refuses connections (a
-    /// server that is down runs nothing), with the error then. While neither can be told (the server stalled or cut
-    /// off) it keeps asking. (A request held up on its way, before the server has taken it, cannot be seen there.)
-    pub async fn execute_to_its_end(&self, sql: &str) -> Result<(), CatalogError> {
+    /// caller goes on (a month's `DROP PARTITION`, see [`super::purge`]). Where its outcome is unknown (a timeout while
+    /// it waits on a table lock, a broken connection, a proxy's error) it may still run on the server, so this asks the
+    /// server it was sent to, each [`STILL_RUNNING_POLL`], until its query_id is gone from `system.processes`, or the
+    /// server refuses connections (a server that is down runs nothing); the error is returned then. While the server
+    /// shows it running this waits (servers from 20.x on give up a lock after `lock_acquire_timeout`, 120 s by
+    /// default); once it has not been able to tell for `can_tell_within` (the server stalled or cut off, or the user
+    /// may not read `system.processes`) it gives up, and says the statement may still run.
+    ///
+    /// What it cannot see: a request held up on its way before the server took it, and a server other than the one
+    /// sent to. Each URL of `catalog.url` and `catalog.replica_urls` must name one server, not a load balancer.
+    pub async fn execute_to_its_end(&self, sql: &str, can_tell_within: Duration) -> Result<(), UnendedError> {
         let query_id = uuid::Uuid::new_v4().to_string();
         let sent = self
             .request_naming_server("execute", self.request_timeout, |client| {
@@ -668,14 +685,18 @@ impl CatalogClient {
             .await;
         let (error, index) = match sent {
             Ok(()) => return Ok(()),
-            Err((error, Some(index))) if error.reply_lost() => (error, index),
-            Err((error, _)) => return Err(error),
+            Err((error, Some(index))) if error.kind == ErrorKind::OutcomeUnknown => (error, index),
+            Err((error, _)) => return Err(UnendedError { error, may_still_run: false }),
         };
         let server = &self.endpoints.servers[index];
-        tracing::warn!(url = %server.shown_url, %query_id, %error, "catalog: waiting for a statement whose reply was lost to end on the server");
+        tracing::warn!(url = %server.shown_url, %query_id, %error, "catalog: waiting for a statement whose outcome is unknown to end on the server");
         let running =
             format!("SELECT count() FROM system.processes WHERE query_id = {}", sql_string_literal(&query_id));
+        let mut told_at = Instant::now();
+        let mut warned_at = Instant::now();
         loop {
+            // A first pause too: the server may not have taken the statement in yet when its client gave up.
+            tokio::time::sleep(STILL_RUNNING_POLL).await;
             let asked = run_with_timeout(
                 self.request_timeout,
                 "ask whether a statement still runs",
@@ -683,9 +704,18 @@ impl CatalogClient {
             )
             .await;
             match asked {
-                Ok(0) => return Err(error),
-                Err(asking) if asking.is_refused() => return Err(error),
-                Ok(_) | Err(_) => tokio::time::sleep(STILL_RUNNING_POLL).await,
+                Ok(0) => return Err(UnendedError { error, may_still_run: false }),
+                Err(asking) if asking.is_refused() => return Err(UnendedError { error, may_still_run: false }),
+                Ok(_) => told_at = Instant::now(),
+                Err(asking) if told_at.elapsed() >= can_tell_within => {
+                    tracing::warn!(url = %server.shown_url, %query_id, error = %asking, "catalog: cannot tell whether a statement still runs; given up");
+                    return Err(UnendedError { error, may_still_run: true });
+                }
+                Err(_) => {}
+            }
+            if warned_at.elapsed() >= STILL_RUNNING_WARN_EVERY {
+                warned_at = Instant::now();
+                tracing::warn!(url = %server.shown_url, %query_id, "catalog: still waiting for a statement whose outcome is unknown to end on the server");
             }
         }
     }

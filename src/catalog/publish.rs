@@ -269,6 +269,18 @@ impl ExclusiveTurn<'_> {
         self.lease.permit().is_some()
     }
 
+    /// How long an unfenced statement of unknown outcome may go without its server telling whether it still runs
+    /// before the lease is quarantined ([`ExclusiveTurn::may_still_run`]): the lease's TTL.
+    pub fn can_tell_within(&self) -> std::time::Duration {
+        self.lease.timings().ttl
+    }
+
+    /// An unfenced statement may still run on the server, and whether it does cannot be told: the lease is
+    /// quarantined, as after a publish of unknown outcome, so nothing is published for a TTL more.
+    pub fn may_still_run(&self, what: &str) {
+        self.lease.report_unknown_outcome(what);
+    }
+
     /// Unfenced statements are about to be sent: counted as a commit in flight ([`LeaseHandle::commit_sent`]), so
     /// that a release while they may still run (the shutdown aborts a pass that does not end in time) writes no
     /// tombstone. None once the lease is being released.

@@ -38,10 +38,13 @@
 //! arrival) is hidden from the start and dropped by the next pass. Partitions are found in `system.parts`, so a
 //! pass that dropped some and died before the others drops the rest next time. No fence can guard a drop (it takes
 //! no condition), so the compactor drops in the publish turn, checks the lease before each drop, and waits for each
-//! to end on the server even when its reply is lost ([`CatalogClient::execute_to_its_end`]): a drop that waited on a
-//! table lock past its client's timeout must not take the rows of a publish let in after it. Every read here, the
-//! checks before a drop among them, is sequentially consistent on a replicated catalog ([`RowPurge::new`]): a replica
-//! that lags would answer without a committed post again that the drop must not take.
+//! to end on the server when its outcome is unknown ([`CatalogClient::execute_to_its_end`]): a drop that waited on a
+//! table lock past its client's timeout must not take the rows of a publish let in after it. Where whether it still
+//! runs cannot be told for a TTL, the lease is quarantined, as after a publish of unknown outcome. Every read of the
+//! catalog's tables here, the checks before a drop among them, is sequentially consistent on a replicated catalog
+//! ([`RowPurge::new`]): a replica that lags would answer without a committed post again that the drop must not take.
+//! (`system.parts` and `system.mutations` are the replica's own: one that lags lists fewer months to drop, which is
+//! safe.)
 //!
 //! A removal is not a publish: it takes no version and carries no fence. Only the lease holder runs it (the
 //! compactor's passes need a publish permit), but a stale process that ran it anyway would remove only rows that a
@@ -50,7 +53,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use super::client::{sql_string_literal, CatalogClient, CatalogError};
+use super::client::{sql_string_literal, CatalogClient, CatalogError, UnendedError};
 use super::lease::server_now_ms_expr;
 use super::schema::{parse_partition, Tables};
 
@@ -271,15 +274,16 @@ impl RowPurge {
     }
 
     /// Drop `partitions` ([`RowPurge::months_before`]), one statement each, each waited for to its end on the server
-    /// ([`CatalogClient::execute_to_its_end`]): no fence guards a drop, so none may still run once this returns.
-    /// Returns how many were dropped, beside the error that stopped the rest (a drop whose reply was lost is not
-    /// counted, though it may have run). `go_on(dropped)` runs before each drop, with how many were dropped so far:
-    /// false stops the drops there (the lease lost meanwhile).
+    /// when its outcome is unknown ([`CatalogClient::execute_to_its_end`], giving up after `can_tell_within` of not
+    /// being able to tell): no fence guards a drop. Returns how many were dropped, beside the error that stopped the
+    /// rest (a drop whose outcome is unknown is not counted, though it may have run). `go_on(dropped)` runs before each
+    /// drop, with how many were dropped so far: false stops the drops there (the lease lost meanwhile).
     pub async fn drop_partitions(
         &self,
         partitions: &[(String, u32)],
+        can_tell_within: Duration,
         go_on: impl Fn(u64) -> bool,
-    ) -> (u64, Result<(), CatalogError>) {
+    ) -> (u64, Result<(), UnendedError>) {
         let mut dropped = 0;
         for (table, month) in partitions {
             if !go_on(dropped) {
@@ -290,7 +294,7 @@ impl RowPurge {
                 self.tables.database,
                 sql_string_literal(&self.catalog)
             );
-            if let Err(error) = self.client.execute_to_its_end(&sql).await {
+            if let Err(error) = self.client.execute_to_its_end(&sql, can_tell_within).await {
                 return (dropped, Err(error));
             }
             tracing::info!(%table, month, "dropped a month below the retention horizon");

@@ -844,14 +844,20 @@ impl Compactor {
         self.drop_checked = Some((month, turn_watermark));
         let Some(in_flight) = turn.unfenced_sent() else { return Ok(()) };
         let (dropped, drops) = purge
-            .drop_partitions(&partitions, |dropped| {
+            .drop_partitions(&partitions, turn.can_tell_within(), |dropped| {
                 if dropped == 1 {
                     crate::failpoint::hit("during_partition_drop");
                 }
                 turn.lease_held()
             })
             .await;
-        // Each drop has ended on the server, answered or not (see `drop_partitions`).
+        // Each drop sent has ended on the server, as far as it shows (see `execute_to_its_end`), unless it could not
+        // tell: then the quarantine keeps publishes back.
+        if let Err(error) = &drops {
+            if error.may_still_run {
+                turn.may_still_run(&format!("a month's drop: {error}"));
+            }
+        }
         in_flight.answered();
         drop(turn);
         pass.partitions_dropped += dropped;
