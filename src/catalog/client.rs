@@ -266,6 +266,17 @@ impl CatalogError {
     }
 }
 
+/// How long [`CatalogClient::execute_to_its_end`] lets a statement run on the server, and waits to be told whether
+/// it still does.
+#[derive(Debug, Clone, Copy)]
+pub struct RunBounds {
+    /// The statement asks the server to stop it (and to give up a table lock) after this.
+    pub on_server: Duration,
+    /// How long the server may go unable to say whether the statement still runs before it is given up as one that
+    /// may.
+    pub tell_within: Duration,
+}
+
 /// Why [`CatalogClient::execute_to_its_end`] failed: the statement's error, and whether it may still run on the
 /// server (whether it does could not be told).
 #[derive(Debug, thiserror::Error)]
@@ -440,6 +451,8 @@ pub struct CatalogClient {
     read_limits: ReadLimits,
     /// Every read sequentially consistent on a replicated catalog ([`CatalogClient::with_consistent_reads`]).
     consistent_reads: bool,
+    /// The server has `lock_acquire_timeout` (20.x on): a statement can bound how long it waits on a table lock.
+    bounds_lock_waits: bool,
 }
 
 impl fmt::Debug for CatalogClient {
@@ -633,6 +646,7 @@ impl CatalogClient {
             insert_quorum,
             one_thread_refused: Arc::default(),
             consistent_reads: false,
+            bounds_lock_waits: present.contains("lock_acquire_timeout"),
             read_limits: ReadLimits::default(),
         })
     }
@@ -670,17 +684,27 @@ impl CatalogClient {
     /// it waits on a table lock, a broken connection, a proxy's error) it may still run on the server, so this asks the
     /// server it was sent to, each [`STILL_RUNNING_POLL`], until its query_id is gone from `system.processes`, or the
     /// server refuses connections (a server that is down runs nothing); the error is returned then. While the server
-    /// shows it running this waits (servers from 20.x on give up a lock after `lock_acquire_timeout`, 120 s by
-    /// default); once it has not been able to tell for `can_tell_within` (the server stalled or cut off, or the user
-    /// may not read `system.processes`) it gives up, and says the statement may still run.
+    /// shows it running this waits: the statement asks the server to stop it after `bounds.on_server`
+    /// (`max_execution_time`, and `lock_acquire_timeout` for a wait on a table lock where the server has it, 20.x on;
+    /// 18.16 bounds neither). Once it has not been able to tell for `bounds.tell_within` (the server stalled or cut
+    /// off, or the user may not read `system.processes`) it gives up, and says the statement may still run.
     ///
     /// What it cannot see: a request held up on its way before the server took it, and a server other than the one
     /// sent to. Each URL of `catalog.url` and `catalog.replica_urls` must name one server, not a load balancer.
-    pub async fn execute_to_its_end(&self, sql: &str, can_tell_within: Duration) -> Result<(), UnendedError> {
+    pub async fn execute_to_its_end(&self, sql: &str, bounds: RunBounds) -> Result<(), UnendedError> {
         let query_id = uuid::Uuid::new_v4().to_string();
+        let on_server = bounds.on_server.as_secs_f64().ceil().max(1.0).to_string();
+        let mut settings = vec![
+            ("query_id", query_id.clone()),
+            ("max_execution_time", on_server.clone()),
+            ("timeout_overflow_mode", "throw".to_string()),
+        ];
+        if self.bounds_lock_waits {
+            settings.push(("lock_acquire_timeout", on_server));
+        }
         let sent = self
             .request_naming_server("execute", self.request_timeout, |client| {
-                client.query_raw(sql).with_setting("query_id", query_id.clone()).execute()
+                with_settings(client.query_raw(sql), &settings).execute()
             })
             .await;
         let (error, index) = match sent {
@@ -707,7 +731,7 @@ impl CatalogClient {
                 Ok(0) => return Err(UnendedError { error, may_still_run: false }),
                 Err(asking) if asking.is_refused() => return Err(UnendedError { error, may_still_run: false }),
                 Ok(_) => told_at = Instant::now(),
-                Err(asking) if told_at.elapsed() >= can_tell_within => {
+                Err(asking) if told_at.elapsed() >= bounds.tell_within => {
                     tracing::warn!(url = %server.shown_url, %query_id, error = %asking, "catalog: cannot tell whether a statement still runs; given up");
                     return Err(UnendedError { error, may_still_run: true });
                 }
@@ -1218,8 +1242,13 @@ struct ServerFact {
 }
 
 /// The settings capstore sets where the server has them (newer releases), looked up in `system.settings` at connect.
-const OPTIONAL_SETTINGS: [&str; 4] =
-    ["async_insert", "wait_for_async_insert", "insert_quorum_parallel", "max_partitions_per_insert_block"];
+const OPTIONAL_SETTINGS: [&str; 5] = [
+    "async_insert",
+    "wait_for_async_insert",
+    "insert_quorum_parallel",
+    "max_partitions_per_insert_block",
+    "lock_acquire_timeout",
+];
 
 /// The insert settings every request carries (see the module doc, "Asynchronous inserts"): nothing on a server
 /// without asynchronous inserts (18.16 refuses settings it does not know); there, asynchronous with the flush awaited

@@ -269,10 +269,13 @@ impl ExclusiveTurn<'_> {
         self.lease.permit().is_some()
     }
 
-    /// How long an unfenced statement of unknown outcome may go without its server telling whether it still runs
-    /// before the lease is quarantined ([`ExclusiveTurn::may_still_run`]): the lease's TTL.
-    pub fn can_tell_within(&self) -> std::time::Duration {
-        self.lease.timings().ttl
+    /// The bounds of an unfenced statement ([`super::client::CatalogClient::execute_to_its_end`]): the server
+    /// stops it after `publish_timeout`, as a publish (checked before each, [`ExclusiveTurn::lease_held`] leaves
+    /// more than that on the lease, and a takeover's embargo waits it out); one whose server cannot say whether it
+    /// still runs for a TTL is given up, and the lease quarantined ([`ExclusiveTurn::may_still_run`]).
+    pub fn run_bounds(&self) -> super::client::RunBounds {
+        let timings = self.lease.timings();
+        super::client::RunBounds { on_server: timings.statement_cap(), tell_within: timings.ttl }
     }
 
     /// An unfenced statement may still run on the server, and whether it does cannot be told: the lease is

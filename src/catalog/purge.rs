@@ -53,7 +53,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use super::client::{sql_string_literal, CatalogClient, CatalogError, UnendedError};
+use super::client::{sql_string_literal, CatalogClient, CatalogError, RunBounds, UnendedError};
 use super::lease::server_now_ms_expr;
 use super::schema::{parse_partition, Tables};
 
@@ -274,14 +274,13 @@ impl RowPurge {
     }
 
     /// Drop `partitions` ([`RowPurge::months_before`]), one statement each, each waited for to its end on the server
-    /// when its outcome is unknown ([`CatalogClient::execute_to_its_end`], giving up after `can_tell_within` of not
-    /// being able to tell): no fence guards a drop. Returns how many were dropped, beside the error that stopped the
+    /// when its outcome is unknown ([`CatalogClient::execute_to_its_end`] with `bounds`): no fence guards a drop. Returns how many were dropped, beside the error that stopped the
     /// rest (a drop whose outcome is unknown is not counted, though it may have run). `go_on(dropped)` runs before each
     /// drop, with how many were dropped so far: false stops the drops there (the lease lost meanwhile).
     pub async fn drop_partitions(
         &self,
         partitions: &[(String, u32)],
-        can_tell_within: Duration,
+        bounds: RunBounds,
         go_on: impl Fn(u64) -> bool,
     ) -> (u64, Result<(), UnendedError>) {
         let mut dropped = 0;
@@ -294,7 +293,7 @@ impl RowPurge {
                 self.tables.database,
                 sql_string_literal(&self.catalog)
             );
-            if let Err(error) = self.client.execute_to_its_end(&sql, can_tell_within).await {
+            if let Err(error) = self.client.execute_to_its_end(&sql, bounds).await {
                 return (dropped, Err(error));
             }
             tracing::info!(%table, month, "dropped a month below the retention horizon");

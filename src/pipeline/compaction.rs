@@ -844,7 +844,7 @@ impl Compactor {
         self.drop_checked = Some((month, turn_watermark));
         let Some(in_flight) = turn.unfenced_sent() else { return Ok(()) };
         let (dropped, drops) = purge
-            .drop_partitions(&partitions, turn.can_tell_within(), |dropped| {
+            .drop_partitions(&partitions, turn.run_bounds(), |dropped| {
                 if dropped == 1 {
                     crate::failpoint::hit("during_partition_drop");
                 }
