@@ -878,6 +878,43 @@ async fn a_release_that_cut_off_a_commit_keeps_the_lease_until_the_commit_has_en
     assert!(claimed.is_ok(), "the lease left to expire never did");
 }
 
+for_each_version!(drops_cut_off_in_the_publish_turn_hold_back_every_publish_until_the_server_has_stopped_them);
+async fn drops_cut_off_in_the_publish_turn_hold_back_every_publish_until_the_server_has_stopped_them(
+    server: &'static ClickHouseServer,
+) {
+    let catalog = catalog(server, false).await;
+    let name = &catalog.config.catalog_name;
+    let keeper = catalog.keeper(identity("dropper"));
+    let (_shutdown_tx, mut shutdown_rx) = watch::channel(false);
+    let running = keeper.start(Duration::ZERO, &mut shutdown_rx).await.unwrap();
+    let publisher = Publisher::new(catalog.client.clone(), catalog.tables.clone(), name, running.handle().clone());
+    retried!(publisher.publish_batch(&[one_capture_pack()]).await);
+    // A pass that sent its drops in the turn and was cut off before they were known to have ended (the shutdown's
+    // abort): the server may run them for their bound yet.
+    let turn = loop {
+        match publisher.exclusive_turn().await {
+            Some(turn) => break turn,
+            None => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    };
+    let on_server = turn.run_bounds().on_server;
+    let in_flight = turn.unfenced_sent().expect("the lease is not being released");
+    let cut_at = Instant::now();
+    drop(in_flight);
+    drop(turn);
+    retried!(publisher.publish_batch(&[one_capture_pack()]).await);
+    let published_after = cut_at.elapsed();
+    assert!(
+        published_after >= on_server,
+        "published {published_after:?} after the cut, within the drops' {on_server:?}"
+    );
+    // And the release leaves the lease to expire, as after a commit cut off.
+    running.stop().await;
+    let rival = identity("rival");
+    let refused = catalog.store(name).claim("lease-rival", &rival).await.unwrap();
+    assert!(matches!(refused, ClaimOutcome::Refused { .. }), "the lease was free at once after cut drops: {refused:?}");
+}
+
 for_each_version!(a_publish_whose_reply_is_lost_is_decided_by_read_back_with_gapless_versions);
 async fn a_publish_whose_reply_is_lost_is_decided_by_read_back_with_gapless_versions(
     server: &'static ClickHouseServer,

@@ -254,19 +254,22 @@ pub struct Publisher {
     /// The attempts whose rows may still land (see [`super::in_doubt`]): at one version, the one being tried (a
     /// batch of packs and a compaction's switch may take turns there); cleared by a commit.
     in_doubt: AttemptsInDoubt,
+    /// Until when an unfenced statement cut off in the turn may still run on the server ([`UnfencedInFlight`]): the
+    /// turn is given to no publish before then.
+    unfenced_until: Mutex<Option<Instant>>,
 }
 
 /// The publish turn held for statements no fence guards ([`Publisher::exclusive_turn`]): a month's drop.
 pub struct ExclusiveTurn<'a> {
     _turn: tokio::sync::MutexGuard<'a, ()>,
-    lease: &'a LeaseHandle,
+    publisher: &'a Publisher,
 }
 
-impl ExclusiveTurn<'_> {
+impl<'a> ExclusiveTurn<'a> {
     /// Whether the lease is still held with time left: checked before each unfenced statement, as no fence refuses
     /// one of a holder that has lost the lease meanwhile.
     pub fn lease_held(&self) -> bool {
-        self.lease.permit().is_some()
+        self.publisher.lease.permit().is_some()
     }
 
     /// The bounds of an unfenced statement ([`super::client::CatalogClient::execute_to_its_end`]): the server
@@ -274,21 +277,49 @@ impl ExclusiveTurn<'_> {
     /// more than that on the lease, and a takeover's embargo waits it out); one whose server cannot say whether it
     /// still runs for a TTL is given up, and the lease quarantined ([`ExclusiveTurn::may_still_run`]).
     pub fn run_bounds(&self) -> super::client::RunBounds {
-        let timings = self.lease.timings();
+        let timings = self.publisher.lease.timings();
         super::client::RunBounds { on_server: timings.statement_cap(), tell_within: timings.ttl }
     }
 
     /// An unfenced statement may still run on the server, and whether it does cannot be told: the lease is
     /// quarantined, as after a publish of unknown outcome, so nothing is published for a TTL more.
     pub fn may_still_run(&self, what: &str) {
-        self.lease.report_unknown_outcome(what);
+        self.publisher.lease.report_unknown_outcome(what);
     }
 
-    /// Unfenced statements are about to be sent: counted as a commit in flight ([`LeaseHandle::commit_sent`]), so
-    /// that a release while they may still run (the shutdown aborts a pass that does not end in time) writes no
-    /// tombstone. None once the lease is being released.
-    pub fn unfenced_sent(&self) -> Option<super::lease::CommitInFlight> {
-        self.lease.commit_sent()
+    /// Unfenced statements are about to be sent (see [`UnfencedInFlight`]). None once the lease is being released.
+    pub fn unfenced_sent(&self) -> Option<UnfencedInFlight<'a>> {
+        let in_flight = self.publisher.lease.commit_sent()?;
+        Some(UnfencedInFlight { in_flight: Some(in_flight), publisher: self.publisher })
+    }
+}
+
+/// Unfenced statements sent in the publish turn, until they are known to have ended ([`UnfencedInFlight::ended`]).
+/// Meanwhile they count as a commit in flight ([`LeaseHandle::commit_sent`]): a release writes no tombstone. Dropped
+/// before that (the shutdown aborts a pass that does not end in time, and with it the turn), no publish of this
+/// process is given the turn until the server has stopped them ([`ExclusiveTurn::run_bounds`]'s `on_server` from
+/// now, as they were sent before), and the release still writes no tombstone.
+pub struct UnfencedInFlight<'a> {
+    in_flight: Option<super::lease::CommitInFlight>,
+    publisher: &'a Publisher,
+}
+
+impl UnfencedInFlight<'_> {
+    /// The statements have ended on the server, as far as it shows (or given up on, with the lease quarantined).
+    pub fn ended(mut self) {
+        if let Some(in_flight) = self.in_flight.take() {
+            in_flight.answered();
+        }
+    }
+}
+
+impl Drop for UnfencedInFlight<'_> {
+    fn drop(&mut self) {
+        if self.in_flight.is_some() {
+            let until = Instant::now() + self.publisher.lease.timings().statement_cap();
+            let mut unfenced_until = self.publisher.unfenced_until.lock().unwrap_or_else(|p| p.into_inner());
+            *unfenced_until = Some(unfenced_until.map_or(until, |earlier| earlier.max(until)));
+        }
     }
 }
 
@@ -305,6 +336,7 @@ impl Publisher {
             by_id_time: tokio::sync::OnceCell::new(),
             last_commit: Mutex::new(None),
             in_doubt: AttemptsInDoubt::default(),
+            unfenced_until: Mutex::new(None),
         }
     }
 
@@ -313,9 +345,20 @@ impl Publisher {
     /// both, and only the holder publishes). A partition drop holds it so that it takes no committing publish's
     /// rows. None while the lease is not held, or a commit whose answer was lost may still be running.
     pub async fn exclusive_turn(&self) -> Option<ExclusiveTurn<'_>> {
-        let turn = self.turn.lock().await;
+        let turn = self.take_turn().await;
         let settled = self.unresolved.lock().unwrap_or_else(|p| p.into_inner()).is_none();
-        (settled && self.lease.permit().is_some()).then_some(ExclusiveTurn { _turn: turn, lease: &self.lease })
+        (settled && self.lease.permit().is_some()).then_some(ExclusiveTurn { _turn: turn, publisher: self })
+    }
+
+    /// The publish turn, once no unfenced statement cut off in it may still run on the server
+    /// ([`UnfencedInFlight`]).
+    async fn take_turn(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        let turn = self.turn.lock().await;
+        let until = *self.unfenced_until.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(until) = until {
+            tokio::time::sleep_until(tokio::time::Instant::from_std(until)).await;
+        }
+        turn
     }
 
     /// The version a publish of `rows` under `permit` takes, and the publish_id of its attempt there. Where rows of
@@ -458,7 +501,7 @@ impl Publisher {
     pub async fn publish_batch(&self, packs: &[PackDescriptor]) -> Result<PublishOutcome, PublishError> {
         // The permit is taken in the turn: one taken before it might predate the quarantine of a publish that ran
         // meanwhile.
-        let _turn = self.turn.lock().await;
+        let _turn = self.take_turn().await;
         let permit = self.lease.permit().ok_or(PublishError::NoLease)?;
         self.publish_in_turn(&permit, packs).await
     }
@@ -470,7 +513,7 @@ impl Publisher {
         permit: &PublishPermit,
         packs: &[PackDescriptor],
     ) -> Result<PublishOutcome, PublishError> {
-        let _turn = self.turn.lock().await;
+        let _turn = self.take_turn().await;
         self.publish_in_turn(permit, packs).await
     }
 
@@ -518,7 +561,7 @@ impl Publisher {
         ids: &[Uuid],
         unchanged_since: Option<u64>,
     ) -> Result<DeletionReport, PublishError> {
-        let _turn = self.turn.lock().await;
+        let _turn = self.take_turn().await;
         let permit = self.lease.permit().ok_or(PublishError::NoLease)?;
         self.delete_in_turn(&permit, ids, unchanged_since).await
     }
@@ -529,7 +572,7 @@ impl Publisher {
         permit: &PublishPermit,
         ids: &[Uuid],
     ) -> Result<DeletionReport, PublishError> {
-        let _turn = self.turn.lock().await;
+        let _turn = self.take_turn().await;
         self.delete_in_turn(permit, ids, None).await
     }
 
@@ -587,7 +630,7 @@ impl Publisher {
     /// is published when the catalog's horizon is at `before_ns` or above already (asked inside the publish turn, so
     /// a retried horizon whose first attempt landed is not published twice). Returns the version, if published.
     pub async fn publish_horizon(&self, before_ns: u64) -> Result<Option<u64>, PublishError> {
-        let _turn = self.turn.lock().await;
+        let _turn = self.take_turn().await;
         let permit = self.lease.permit().ok_or(PublishError::NoLease)?;
         self.resolve_unresolved(&permit).await?;
         if self.reader().horizons(u64::MAX).await?.before_at(u64::MAX) >= before_ns {
@@ -620,7 +663,7 @@ impl Publisher {
     /// would replace the capture's row on a merge, committed or not, and readers pinned below the move would lose
     /// it); the `packs` row of the new pack and a `retired_packs` row per source ride on the same version.
     pub async fn publish_relocation(&self, relocation: &Relocation) -> Result<RelocationOutcome, PublishError> {
-        let _turn = self.turn.lock().await;
+        let _turn = self.take_turn().await;
         let permit = self.lease.permit().ok_or(PublishError::NoLease)?;
         self.resolve_unresolved(&permit).await?;
         let entries: &[IndexEntry] = relocation.new_pack.as_ref().map_or(&[], |pack| pack.entries.as_slice());

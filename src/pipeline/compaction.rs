@@ -858,7 +858,7 @@ impl Compactor {
                 turn.may_still_run(&format!("a month's drop: {error}"));
             }
         }
-        in_flight.answered();
+        in_flight.ended();
         drop(turn);
         pass.partitions_dropped += dropped;
         self.counters.partitions_dropped.fetch_add(dropped, Ordering::Relaxed);
