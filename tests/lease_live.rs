@@ -878,8 +878,8 @@ async fn a_release_that_cut_off_a_commit_keeps_the_lease_until_the_commit_has_en
     assert!(claimed.is_ok(), "the lease left to expire never did");
 }
 
-for_each_version!(drops_cut_off_in_the_publish_turn_hold_back_every_publish_until_the_server_has_stopped_them);
-async fn drops_cut_off_in_the_publish_turn_hold_back_every_publish_until_the_server_has_stopped_them(
+for_each_version!(a_statement_cut_off_in_the_publish_turn_holds_back_every_publish_until_it_has_ended);
+async fn a_statement_cut_off_in_the_publish_turn_holds_back_every_publish_until_it_has_ended(
     server: &'static ClickHouseServer,
 ) {
     let catalog = catalog(server, false).await;
@@ -889,25 +889,44 @@ async fn drops_cut_off_in_the_publish_turn_hold_back_every_publish_until_the_ser
     let running = keeper.start(Duration::ZERO, &mut shutdown_rx).await.unwrap();
     let publisher = Publisher::new(catalog.client.clone(), catalog.tables.clone(), name, running.handle().clone());
     retried!(publisher.publish_batch(&[one_capture_pack()]).await);
-    // A pass that sent its drops in the turn and was cut off before they were known to have ended (the shutdown's
-    // abort): the server may run them for their bound yet.
-    let turn = loop {
-        match publisher.exclusive_turn().await {
-            Some(turn) => break turn,
-            None => tokio::time::sleep(Duration::from_millis(20)).await,
-        }
+    // An unfenced statement in the turn, as a month's drop, that runs on the server for about 4 s; its pass is cut
+    // off (as the shutdown aborts one) while the server runs it.
+    let scratch = format!("{}.unfenced_stand_in", catalog.tables.database);
+    catalog.server.query(&format!("CREATE TABLE {scratch} (n UInt64) ENGINE = MergeTree ORDER BY n")).unwrap();
+    let slow =
+        format!("INSERT INTO {scratch} SELECT number + sleepEachRow(0.5) FROM numbers(8) SETTINGS max_block_size = 1");
+    let running_there = || {
+        catalog
+            .server
+            .query(&format!(
+                "SELECT count() FROM system.processes WHERE query LIKE '%INSERT INTO {scratch} SELECT%' AND query NOT \
+                 LIKE '%system.processes%'"
+            ))
+            .unwrap()
     };
-    let on_server = turn.run_bounds().on_server;
-    let in_flight = turn.unfenced_sent().expect("the lease is not being released");
-    let cut_at = Instant::now();
-    drop(in_flight);
-    drop(turn);
+    let pass = async {
+        let turn = publisher.exclusive_turn().await.expect("the lease is held");
+        let in_flight = turn.unfenced_sent().expect("the lease is not being released");
+        let query_id = in_flight.next_query_id();
+        let _ = catalog.client.execute_to_its_end(&slow, &query_id, TTL).await;
+        unreachable!("cut off before the statement ends");
+    };
+    let cut = tokio::time::timeout(Duration::from_secs(10), async {
+        tokio::select! {
+            _ = pass => {}
+            _ = async {
+                while running_there() != "1\n" {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            } => {}
+        }
+    })
+    .await;
+    assert!(cut.is_ok(), "the statement never ran");
+    // The next publish is given the turn once the statement has ended on the server: every row of it is in.
     retried!(publisher.publish_batch(&[one_capture_pack()]).await);
-    let published_after = cut_at.elapsed();
-    assert!(
-        published_after >= on_server,
-        "published {published_after:?} after the cut, within the drops' {on_server:?}"
-    );
+    assert_eq!(running_there(), "0\n", "published while the cut-off statement ran");
+    assert_eq!(catalog.server.query(&format!("SELECT count() FROM {scratch}")).unwrap(), "8\n");
     // And the release leaves the lease to expire, as after a commit cut off.
     running.stop().await;
     let rival = identity("rival");

@@ -266,17 +266,6 @@ impl CatalogError {
     }
 }
 
-/// How long [`CatalogClient::execute_to_its_end`] lets a statement run on the server, and waits to be told whether
-/// it still does.
-#[derive(Debug, Clone, Copy)]
-pub struct RunBounds {
-    /// The statement asks the server to stop it (and to give up a table lock) after this.
-    pub on_server: Duration,
-    /// How long the server may go unable to say whether the statement still runs before it is given up as one that
-    /// may.
-    pub tell_within: Duration,
-}
-
 /// Why [`CatalogClient::execute_to_its_end`] failed: the statement's error, and whether it may still run on the
 /// server (whether it does could not be told).
 #[derive(Debug, thiserror::Error)]
@@ -451,8 +440,6 @@ pub struct CatalogClient {
     read_limits: ReadLimits,
     /// Every read sequentially consistent on a replicated catalog ([`CatalogClient::with_consistent_reads`]).
     consistent_reads: bool,
-    /// The server has `lock_acquire_timeout` (20.x on): a statement can bound how long it waits on a table lock.
-    bounds_lock_waits: bool,
 }
 
 impl fmt::Debug for CatalogClient {
@@ -646,7 +633,6 @@ impl CatalogClient {
             insert_quorum,
             one_thread_refused: Arc::default(),
             consistent_reads: false,
-            bounds_lock_waits: present.contains("lock_acquire_timeout"),
             read_limits: ReadLimits::default(),
         })
     }
@@ -680,31 +666,22 @@ impl CatalogClient {
     }
 
     /// [`CatalogClient::execute`] for a statement that no fence guards and that nothing may run beside once the
-    /// caller goes on (a month's `DROP PARTITION`, see [`super::purge`]). Where its outcome is unknown (a timeout while
-    /// it waits on a table lock, a broken connection, a proxy's error) it may still run on the server, so this asks the
-    /// server it was sent to, each [`STILL_RUNNING_POLL`], until its query_id is gone from `system.processes`, or the
-    /// server refuses connections (a server that is down runs nothing); the error is returned then. While the server
-    /// shows it running this waits: the statement asks the server to stop it after `bounds.on_server`
-    /// (`max_execution_time`, and `lock_acquire_timeout` for a wait on a table lock where the server has it, 20.x on;
-    /// 18.16 bounds neither). Once it has not been able to tell for `bounds.tell_within` (the server stalled or cut
-    /// off, or the user may not read `system.processes`) it gives up, and says the statement may still run.
-    ///
-    /// What it cannot see: a request held up on its way before the server took it, and a server other than the one
-    /// sent to. Each URL of `catalog.url` and `catalog.replica_urls` must name one server, not a load balancer.
-    pub async fn execute_to_its_end(&self, sql: &str, bounds: RunBounds) -> Result<(), UnendedError> {
-        let query_id = uuid::Uuid::new_v4().to_string();
-        let on_server = bounds.on_server.as_secs_f64().ceil().max(1.0).to_string();
-        let mut settings = vec![
-            ("query_id", query_id.clone()),
-            ("max_execution_time", on_server.clone()),
-            ("timeout_overflow_mode", "throw".to_string()),
-        ];
-        if self.bounds_lock_waits {
-            settings.push(("lock_acquire_timeout", on_server));
-        }
+    /// caller goes on (a month's `DROP PARTITION`, see [`super::purge`]), sent with `query_id`. Where its outcome is
+    /// unknown (a timeout while it waits on a table lock or for merges to stop, a broken connection, a proxy's error)
+    /// it may still run on the server, so this waits until the server it was sent to no longer runs it
+    /// ([`CatalogClient::wait_until_ended`]), and returns the error then. No server bounds a partition's `ALTER`
+    /// (18.16 waits on a table lock for good, 26.x for running merges to stop), so while the server shows it running
+    /// this waits, and says so every 30 s. Once the server has not been able to say for `tell_within`, it gives up,
+    /// and says the statement may still run.
+    pub async fn execute_to_its_end(
+        &self,
+        sql: &str,
+        query_id: &str,
+        tell_within: Duration,
+    ) -> Result<(), UnendedError> {
         let sent = self
             .request_naming_server("execute", self.request_timeout, |client| {
-                with_settings(client.query_raw(sql), &settings).execute()
+                client.query_raw(sql).with_setting("query_id", query_id).execute()
             })
             .await;
         let (error, index) = match sent {
@@ -712,34 +689,64 @@ impl CatalogClient {
             Err((error, Some(index))) if error.kind == ErrorKind::OutcomeUnknown => (error, index),
             Err((error, _)) => return Err(UnendedError { error, may_still_run: false }),
         };
-        let server = &self.endpoints.servers[index];
-        tracing::warn!(url = %server.shown_url, %query_id, %error, "catalog: waiting for a statement whose outcome is unknown to end on the server");
-        let running =
-            format!("SELECT count() FROM system.processes WHERE query_id = {}", sql_string_literal(&query_id));
+        let url = &self.endpoints.servers[index].shown_url;
+        tracing::warn!(%url, query_id, %error, "catalog: waiting for a statement whose outcome is unknown to end on the server");
+        let ended = self.wait_on(&[index], query_id, tell_within).await;
+        Err(UnendedError { error, may_still_run: !ended })
+    }
+
+    /// Wait until no server of the catalog (`catalog.url` and `catalog.replica_urls`: the one a statement went to is
+    /// not known) runs the statement sent with `query_id`: gone from its `system.processes`, or the server refuses
+    /// connections (a server that is down runs nothing). Asks each [`STILL_RUNNING_POLL`], after a first pause (the
+    /// server may not have taken the statement in yet when its client gave up). False once the servers have not been
+    /// able to say for `tell_within` (stalled or cut off, or the user may not read `system.processes`).
+    ///
+    /// What it cannot see: a request held up on its way before the server took it in, and a server other than those
+    /// named. Each URL must name one server, not a load balancer.
+    pub async fn wait_until_ended(&self, query_id: &str, tell_within: Duration) -> bool {
+        let every_server: Vec<usize> = (0..self.endpoints.servers.len()).collect();
+        self.wait_on(&every_server, query_id, tell_within).await
+    }
+
+    async fn wait_on(&self, servers: &[usize], query_id: &str, tell_within: Duration) -> bool {
+        let running = format!("SELECT count() FROM system.processes WHERE query_id = {}", sql_string_literal(query_id));
         let mut told_at = Instant::now();
         let mut warned_at = Instant::now();
         loop {
-            // A first pause too: the server may not have taken the statement in yet when its client gave up.
             tokio::time::sleep(STILL_RUNNING_POLL).await;
-            let asked = run_with_timeout(
-                self.request_timeout,
-                "ask whether a statement still runs",
-                server.client.query_raw(&running).fetch_one::<u64>(),
-            )
-            .await;
-            match asked {
-                Ok(0) => return Err(UnendedError { error, may_still_run: false }),
-                Err(asking) if asking.is_refused() => return Err(UnendedError { error, may_still_run: false }),
-                Ok(_) => told_at = Instant::now(),
-                Err(asking) if told_at.elapsed() >= bounds.tell_within => {
-                    tracing::warn!(url = %server.shown_url, %query_id, error = %asking, "catalog: cannot tell whether a statement still runs; given up");
-                    return Err(UnendedError { error, may_still_run: true });
+            let mut still_running = false;
+            let mut cannot_tell = None;
+            for &index in servers {
+                let server = &self.endpoints.servers[index];
+                let asked = run_with_timeout(
+                    self.request_timeout,
+                    "ask whether a statement still runs",
+                    server.client.query_raw(&running).fetch_one::<u64>(),
+                )
+                .await;
+                match asked {
+                    Ok(0) => {}
+                    Err(asking) if asking.is_refused() => {}
+                    Ok(_) => still_running = true,
+                    Err(asking) => cannot_tell = Some((&server.shown_url, asking)),
                 }
-                Err(_) => {}
+            }
+            match cannot_tell {
+                // Known to run somewhere: wait, whatever another server could not say.
+                _ if still_running => told_at = Instant::now(),
+                None => return true,
+                Some((url, error)) if told_at.elapsed() >= tell_within => {
+                    tracing::warn!(%url, query_id, %error, "catalog: cannot tell whether a statement still runs; given up");
+                    return false;
+                }
+                Some(_) => {}
             }
             if warned_at.elapsed() >= STILL_RUNNING_WARN_EVERY {
                 warned_at = Instant::now();
-                tracing::warn!(url = %server.shown_url, %query_id, "catalog: still waiting for a statement whose outcome is unknown to end on the server");
+                tracing::warn!(
+                    query_id,
+                    "catalog: still waiting for a statement whose outcome is unknown to end on the server"
+                );
             }
         }
     }
@@ -1242,13 +1249,8 @@ struct ServerFact {
 }
 
 /// The settings capstore sets where the server has them (newer releases), looked up in `system.settings` at connect.
-const OPTIONAL_SETTINGS: [&str; 5] = [
-    "async_insert",
-    "wait_for_async_insert",
-    "insert_quorum_parallel",
-    "max_partitions_per_insert_block",
-    "lock_acquire_timeout",
-];
+const OPTIONAL_SETTINGS: [&str; 4] =
+    ["async_insert", "wait_for_async_insert", "insert_quorum_parallel", "max_partitions_per_insert_block"];
 
 /// The insert settings every request carries (see the module doc, "Asynchronous inserts"): nothing on a server
 /// without asynchronous inserts (18.16 refuses settings it does not know); there, asynchronous with the flush awaited

@@ -254,9 +254,9 @@ pub struct Publisher {
     /// The attempts whose rows may still land (see [`super::in_doubt`]): at one version, the one being tried (a
     /// batch of packs and a compaction's switch may take turns there); cleared by a commit.
     in_doubt: AttemptsInDoubt,
-    /// Until when an unfenced statement cut off in the turn may still run on the server ([`UnfencedInFlight`]): the
-    /// turn is given to no publish before then.
-    unfenced_until: Mutex<Option<Instant>>,
+    /// The query_ids of unfenced statements cut off in the turn ([`UnfencedInFlight`]): the turn is given to no
+    /// publish while one of them may still run on the server.
+    unfenced_cut_off: Mutex<Vec<String>>,
 }
 
 /// The publish turn held for statements no fence guards ([`Publisher::exclusive_turn`]): a month's drop.
@@ -265,20 +265,17 @@ pub struct ExclusiveTurn<'a> {
     publisher: &'a Publisher,
 }
 
-impl<'a> ExclusiveTurn<'a> {
+impl ExclusiveTurn<'_> {
     /// Whether the lease is still held with time left: checked before each unfenced statement, as no fence refuses
     /// one of a holder that has lost the lease meanwhile.
     pub fn lease_held(&self) -> bool {
         self.publisher.lease.permit().is_some()
     }
 
-    /// The bounds of an unfenced statement ([`super::client::CatalogClient::execute_to_its_end`]): the server
-    /// stops it after `publish_timeout`, as a publish (checked before each, [`ExclusiveTurn::lease_held`] leaves
-    /// more than that on the lease, and a takeover's embargo waits it out); one whose server cannot say whether it
-    /// still runs for a TTL is given up, and the lease quarantined ([`ExclusiveTurn::may_still_run`]).
-    pub fn run_bounds(&self) -> super::client::RunBounds {
-        let timings = self.publisher.lease.timings();
-        super::client::RunBounds { on_server: timings.statement_cap(), tell_within: timings.ttl }
+    /// How long the server of an unfenced statement of unknown outcome may go unable to say whether it still runs
+    /// before it is given up on, and the lease quarantined ([`ExclusiveTurn::may_still_run`]): the lease's TTL.
+    pub fn tell_within(&self) -> std::time::Duration {
+        self.publisher.lease.timings().ttl
     }
 
     /// An unfenced statement may still run on the server, and whether it does cannot be told: the lease is
@@ -287,25 +284,37 @@ impl<'a> ExclusiveTurn<'a> {
         self.publisher.lease.report_unknown_outcome(what);
     }
 
-    /// Unfenced statements are about to be sent (see [`UnfencedInFlight`]). None once the lease is being released.
-    pub fn unfenced_sent(&self) -> Option<UnfencedInFlight<'a>> {
+    /// Unfenced statements are about to be sent in this turn (see [`UnfencedInFlight`]). None once the lease is being
+    /// released.
+    pub fn unfenced_sent(&self) -> Option<UnfencedInFlight<'_>> {
         let in_flight = self.publisher.lease.commit_sent()?;
-        Some(UnfencedInFlight { in_flight: Some(in_flight), publisher: self.publisher })
+        Some(UnfencedInFlight { in_flight: Some(in_flight), publisher: self.publisher, sending: Mutex::new(None) })
     }
 }
 
-/// Unfenced statements sent in the publish turn, until they are known to have ended ([`UnfencedInFlight::ended`]).
-/// Meanwhile they count as a commit in flight ([`LeaseHandle::commit_sent`]): a release writes no tombstone. Dropped
-/// before that (the shutdown aborts a pass that does not end in time, and with it the turn), no publish of this
-/// process is given the turn until the server has stopped them ([`ExclusiveTurn::run_bounds`]'s `on_server` from
-/// now, as they were sent before), and the release still writes no tombstone.
-pub struct UnfencedInFlight<'a> {
+/// Unfenced statements sent in the publish turn, each with a query_id from [`UnfencedInFlight::next_query_id`], until
+/// they are known to have ended ([`UnfencedInFlight::ended`]). Meanwhile they count as a commit in flight
+/// ([`LeaseHandle::commit_sent`]): a release writes no tombstone. Dropped before that (the shutdown aborts a pass that
+/// does not end in time, and with it the turn), the last statement's query_id is kept: no publish of this process
+/// is given the turn until no server runs it ([`Publisher::take_turn`]), and the release still writes no tombstone.
+/// It borrows the turn, so the turn is given back after it.
+pub struct UnfencedInFlight<'t> {
     in_flight: Option<super::lease::CommitInFlight>,
-    publisher: &'a Publisher,
+    publisher: &'t Publisher,
+    /// The query_id of the statement being sent (each before it has ended or failed).
+    sending: Mutex<Option<String>>,
 }
 
 impl UnfencedInFlight<'_> {
-    /// The statements have ended on the server, as far as it shows (or given up on, with the lease quarantined).
+    /// The query_id to send the next statement with; the statement before it has ended.
+    pub fn next_query_id(&self) -> String {
+        let query_id = Uuid::new_v4().to_string();
+        *self.sending.lock().unwrap_or_else(|p| p.into_inner()) = Some(query_id.clone());
+        query_id
+    }
+
+    /// The statements have ended on the server, as far as it shows (or have been given up on, with the lease
+    /// quarantined first).
     pub fn ended(mut self) {
         if let Some(in_flight) = self.in_flight.take() {
             in_flight.answered();
@@ -315,10 +324,11 @@ impl UnfencedInFlight<'_> {
 
 impl Drop for UnfencedInFlight<'_> {
     fn drop(&mut self) {
-        if self.in_flight.is_some() {
-            let until = Instant::now() + self.publisher.lease.timings().statement_cap();
-            let mut unfenced_until = self.publisher.unfenced_until.lock().unwrap_or_else(|p| p.into_inner());
-            *unfenced_until = Some(unfenced_until.map_or(until, |earlier| earlier.max(until)));
+        if self.in_flight.is_none() {
+            return;
+        }
+        if let Some(query_id) = self.sending.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            self.publisher.unfenced_cut_off.lock().unwrap_or_else(|p| p.into_inner()).push(query_id);
         }
     }
 }
@@ -336,7 +346,7 @@ impl Publisher {
             by_id_time: tokio::sync::OnceCell::new(),
             last_commit: Mutex::new(None),
             in_doubt: AttemptsInDoubt::default(),
-            unfenced_until: Mutex::new(None),
+            unfenced_cut_off: Mutex::new(Vec::new()),
         }
     }
 
@@ -351,12 +361,22 @@ impl Publisher {
     }
 
     /// The publish turn, once no unfenced statement cut off in it may still run on the server
-    /// ([`UnfencedInFlight`]).
+    /// ([`UnfencedInFlight`]): each is waited for until no server runs it, or the lease is quarantined where that
+    /// cannot be told for a TTL. (One is forgotten only once it has been waited for: a wait cut off in turn leaves it
+    /// to the next.)
     async fn take_turn(&self) -> tokio::sync::MutexGuard<'_, ()> {
         let turn = self.turn.lock().await;
-        let until = *self.unfenced_until.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(until) = until {
-            tokio::time::sleep_until(tokio::time::Instant::from_std(until)).await;
+        loop {
+            let cut_off = self.unfenced_cut_off.lock().unwrap_or_else(|p| p.into_inner()).first().cloned();
+            let Some(query_id) = cut_off else { break };
+            tracing::warn!(
+                query_id,
+                "waiting for an unfenced statement cut off in the publish turn to end on the server"
+            );
+            if !self.client.wait_until_ended(&query_id, self.lease.timings().ttl).await {
+                self.lease.report_unknown_outcome(&format!("an unfenced statement cut off ({query_id}) may still run"));
+            }
+            self.unfenced_cut_off.lock().unwrap_or_else(|p| p.into_inner()).retain(|id| *id != query_id);
         }
         turn
     }

@@ -40,7 +40,9 @@
 //! no condition), so the compactor drops in the publish turn, checks the lease before each drop, and waits for each
 //! to end on the server when its outcome is unknown ([`CatalogClient::execute_to_its_end`]): a drop that waited on a
 //! table lock past its client's timeout must not take the rows of a publish let in after it. Where whether it still
-//! runs cannot be told for a TTL, the lease is quarantined, as after a publish of unknown outcome. Every read of the
+//! runs cannot be told for a TTL, the lease is quarantined, as after a publish of unknown outcome; drops cut off
+//! (the shutdown aborts a pass) are waited for the same way before the turn is given to a publish (see
+//! [`super::publish::UnfencedInFlight`]). Every read of the
 //! catalog's tables here, the checks before a drop among them, is sequentially consistent on a replicated catalog
 //! ([`RowPurge::new`]): a replica that lags would answer without a committed post again that the drop must not take.
 //! (`system.parts` and `system.mutations` are the replica's own: one that lags lists fewer months to drop, which is
@@ -53,7 +55,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use super::client::{sql_string_literal, CatalogClient, CatalogError, RunBounds, UnendedError};
+use super::client::{sql_string_literal, CatalogClient, CatalogError, UnendedError};
 use super::lease::server_now_ms_expr;
 use super::schema::{parse_partition, Tables};
 
@@ -274,26 +276,25 @@ impl RowPurge {
     }
 
     /// Drop `partitions` ([`RowPurge::months_before`]), one statement each, each waited for to its end on the server
-    /// when its outcome is unknown ([`CatalogClient::execute_to_its_end`] with `bounds`): no fence guards a drop. Returns how many were dropped, beside the error that stopped the
-    /// rest (a drop whose outcome is unknown is not counted, though it may have run). `go_on(dropped)` runs before each
-    /// drop, with how many were dropped so far: false stops the drops there (the lease lost meanwhile).
+    /// when its outcome is unknown ([`CatalogClient::execute_to_its_end`], giving up after `tell_within`): no fence
+    /// guards a drop. Returns how many were dropped, beside the error that stopped the rest (a drop whose outcome is
+    /// unknown is not counted, though it may have run). `next(dropped)` runs before each drop, with how many were
+    /// dropped so far: it gives the query_id to send the drop with, or None to stop there (the lease lost meanwhile).
     pub async fn drop_partitions(
         &self,
         partitions: &[(String, u32)],
-        bounds: RunBounds,
-        go_on: impl Fn(u64) -> bool,
+        tell_within: Duration,
+        next: impl Fn(u64) -> Option<String>,
     ) -> (u64, Result<(), UnendedError>) {
         let mut dropped = 0;
         for (table, month) in partitions {
-            if !go_on(dropped) {
-                break;
-            }
+            let Some(query_id) = next(dropped) else { break };
             let sql = format!(
                 "ALTER TABLE {}.{table} DROP PARTITION ({}, {month})",
                 self.tables.database,
                 sql_string_literal(&self.catalog)
             );
-            if let Err(error) = self.client.execute_to_its_end(&sql, bounds).await {
+            if let Err(error) = self.client.execute_to_its_end(&sql, &query_id, tell_within).await {
                 return (dropped, Err(error));
             }
             tracing::info!(%table, month, "dropped a month below the retention horizon");

@@ -844,11 +844,11 @@ impl Compactor {
         self.drop_checked = Some((month, turn_watermark));
         let Some(in_flight) = turn.unfenced_sent() else { return Ok(()) };
         let (dropped, drops) = purge
-            .drop_partitions(&partitions, turn.run_bounds(), |dropped| {
+            .drop_partitions(&partitions, turn.tell_within(), |dropped| {
                 if dropped == 1 {
                     crate::failpoint::hit("during_partition_drop");
                 }
-                turn.lease_held()
+                turn.lease_held().then(|| in_flight.next_query_id())
             })
             .await;
         // Each drop sent has ended on the server, as far as it shows (see `execute_to_its_end`), unless it could not

@@ -18,7 +18,6 @@ use std::time::{Duration, Instant};
 
 use uuid::Uuid;
 
-use capstore::catalog::client::RunBounds;
 use capstore::catalog::lease::LeaseKeeper;
 use capstore::catalog::publish::{PublishError, Publisher, DELETION_MAX_IDS};
 use capstore::catalog::purge::RowPurge;
@@ -36,8 +35,6 @@ pub struct PurgeScaleOptions {
 }
 
 const STREAM: &str = "sensor/7";
-/// The bench's drops run with nobody publishing beside them: generous bounds.
-const DROP_BOUNDS: RunBounds = RunBounds { on_server: Duration::from_secs(60), tell_within: Duration::from_secs(60) };
 /// Where the retention horizon goes: 2024-01-01 UTC, the first two of the synthetic catalog's three months below it.
 const HORIZON_NS: u64 = 1_704_067_200_000_000_000;
 /// How long a mutation may take before the bench gives up on it.
@@ -207,7 +204,11 @@ pub async fn purge_scale(options: &PurgeScaleOptions) -> anyhow::Result<Vec<Scal
         let check_ms = started.elapsed().as_secs_f64() * 1000.0;
         row("check before the drop: captures posted again across months, ms".to_string(), check_ms, None);
         let started = Instant::now();
-        let (dropped, drops) = purge.drop_partitions(&purge.months_before(month).await?, DROP_BOUNDS, |_| true).await;
+        let (dropped, drops) = purge
+            .drop_partitions(&purge.months_before(month).await?, Duration::from_secs(60), |_| {
+                Some(Uuid::new_v4().to_string())
+            })
+            .await;
         drops?;
         let drop_ms = started.elapsed().as_secs_f64() * 1000.0;
         let left = client
