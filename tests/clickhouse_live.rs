@@ -261,10 +261,7 @@ async fn a_statement_run_to_its_end_comes_back_only_once_the_server_has_finished
             ))
             .unwrap()
     };
-    let ended = client
-        .execute_to_its_end(&insert(0), &uuid::Uuid::new_v4().to_string(), Duration::from_secs(30))
-        .await
-        .unwrap_err();
+    let ended = client.execute_to_its_end(&insert(0), Duration::from_secs(30)).await.unwrap_err();
     assert!(ended.error.reply_lost() && !ended.may_still_run, "{ended:?}");
     assert_eq!(running(0), "0\n", "still running after its end was waited for");
     assert_eq!(server.query(&format!("SELECT count() FROM {table} WHERE id < 100")).unwrap(), "8\n");
@@ -292,9 +289,7 @@ async fn a_statement_whose_server_cannot_be_asked_is_given_up_as_one_that_may_st
             ))
             .unwrap()
     };
-    let sent = tokio::spawn(async move {
-        client.execute_to_its_end(&sql, &uuid::Uuid::new_v4().to_string(), Duration::from_secs(2)).await
-    });
+    let sent = tokio::spawn(async move { client.execute_to_its_end(&sql, Duration::from_secs(2)).await });
     // Once the server runs it, nothing more gets through: its reply is lost, and so is every question about it.
     let started = Instant::now();
     while running() != "1\n" {

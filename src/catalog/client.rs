@@ -666,22 +666,18 @@ impl CatalogClient {
     }
 
     /// [`CatalogClient::execute`] for a statement that no fence guards and that nothing may run beside once the
-    /// caller goes on (a month's `DROP PARTITION`, see [`super::purge`]), sent with `query_id`. Where its outcome is
-    /// unknown (a timeout while it waits on a table lock or for merges to stop, a broken connection, a proxy's error)
-    /// it may still run on the server, so this waits until the server it was sent to no longer runs it
-    /// ([`CatalogClient::wait_until_ended`]), and returns the error then. No server bounds a partition's `ALTER`
-    /// (18.16 waits on a table lock for good, 26.x for running merges to stop), so while the server shows it running
-    /// this waits, and says so every 30 s. Once the server has not been able to say for `tell_within`, it gives up,
-    /// and says the statement may still run.
-    pub async fn execute_to_its_end(
-        &self,
-        sql: &str,
-        query_id: &str,
-        tell_within: Duration,
-    ) -> Result<(), UnendedError> {
+    /// caller goes on (a month's `DROP PARTITION`, see [`super::purge`]). Where its outcome is unknown (a timeout while
+    /// it waits on a table lock or for merges to stop, a broken connection, a proxy's error) it may still run on the
+    /// server, so this waits, from a moment after (the server may not have taken it in yet), until the server it was
+    /// sent to no longer runs it (its query_id, see [`CatalogClient::wait_until_none_runs`]), and returns the error
+    /// then. No server bounds a partition's `ALTER` (18.16 waits on a table lock for good, 26.x for running merges
+    /// to stop), so while the server shows it running this waits, and says so every 30 s. Once the server has not
+    /// been able to say for `tell_within`, it gives up, and says the statement may still run.
+    pub async fn execute_to_its_end(&self, sql: &str, tell_within: Duration) -> Result<(), UnendedError> {
+        let query_id = uuid::Uuid::new_v4().to_string();
         let sent = self
             .request_naming_server("execute", self.request_timeout, |client| {
-                client.query_raw(sql).with_setting("query_id", query_id).execute()
+                client.query_raw(sql).with_setting("query_id", query_id.clone()).execute()
             })
             .await;
         let (error, index) = match sent {
@@ -691,29 +687,30 @@ impl CatalogClient {
         };
         let url = &self.endpoints.servers[index].shown_url;
         tracing::warn!(%url, query_id, %error, "catalog: waiting for a statement whose outcome is unknown to end on the server");
-        let ended = self.wait_on(&[index], query_id, tell_within).await;
+        tokio::time::sleep(STILL_RUNNING_POLL).await;
+        let condition = format!("query_id = {}", sql_string_literal(&query_id));
+        let ended = self.wait_on(&[index], &condition, tell_within).await;
         Err(UnendedError { error, may_still_run: !ended })
     }
 
-    /// Wait until no server of the catalog (`catalog.url` and `catalog.replica_urls`: the one a statement went to is
-    /// not known) runs the statement sent with `query_id`: gone from its `system.processes`, or the server refuses
-    /// connections (a server that is down runs nothing). Asks each [`STILL_RUNNING_POLL`], after a first pause (the
-    /// server may not have taken the statement in yet when its client gave up). False once the servers have not been
-    /// able to say for `tell_within` (stalled or cut off, or the user may not read `system.processes`).
+    /// Wait until no server of the catalog (`catalog.url` and `catalog.replica_urls`) runs a statement that
+    /// `processes_where` (a condition on `system.processes`) finds: none there, or the server refuses connections (a
+    /// server that is down runs nothing). Asks at once, then each [`STILL_RUNNING_POLL`]. False once the servers have
+    /// not been able to say for `tell_within` (stalled or cut off, or the user may not read `system.processes`);
+    /// with zero, as soon as one cannot say while none shows one running.
     ///
-    /// What it cannot see: a request held up on its way before the server took it in, and a server other than those
+    /// What it cannot see: a request held up on its way before a server took it in, and a server other than those
     /// named. Each URL must name one server, not a load balancer.
-    pub async fn wait_until_ended(&self, query_id: &str, tell_within: Duration) -> bool {
+    pub async fn wait_until_none_runs(&self, processes_where: &str, tell_within: Duration) -> bool {
         let every_server: Vec<usize> = (0..self.endpoints.servers.len()).collect();
-        self.wait_on(&every_server, query_id, tell_within).await
+        self.wait_on(&every_server, processes_where, tell_within).await
     }
 
-    async fn wait_on(&self, servers: &[usize], query_id: &str, tell_within: Duration) -> bool {
-        let running = format!("SELECT count() FROM system.processes WHERE query_id = {}", sql_string_literal(query_id));
+    async fn wait_on(&self, servers: &[usize], processes_where: &str, tell_within: Duration) -> bool {
+        let running = format!("SELECT count() FROM system.processes WHERE {processes_where}");
         let mut told_at = Instant::now();
         let mut warned_at = Instant::now();
         loop {
-            tokio::time::sleep(STILL_RUNNING_POLL).await;
             let mut still_running = false;
             let mut cannot_tell = None;
             for &index in servers {
@@ -736,18 +733,16 @@ impl CatalogClient {
                 _ if still_running => told_at = Instant::now(),
                 None => return true,
                 Some((url, error)) if told_at.elapsed() >= tell_within => {
-                    tracing::warn!(%url, query_id, %error, "catalog: cannot tell whether a statement still runs; given up");
+                    tracing::warn!(%url, processes_where, %error, "catalog: cannot tell whether a statement still runs; given up");
                     return false;
                 }
                 Some(_) => {}
             }
             if warned_at.elapsed() >= STILL_RUNNING_WARN_EVERY {
                 warned_at = Instant::now();
-                tracing::warn!(
-                    query_id,
-                    "catalog: still waiting for a statement whose outcome is unknown to end on the server"
-                );
+                tracing::warn!(processes_where, "catalog: still waiting for a statement to end on the server");
             }
+            tokio::time::sleep(STILL_RUNNING_POLL).await;
         }
     }
 

@@ -254,9 +254,23 @@ pub struct Publisher {
     /// The attempts whose rows may still land (see [`super::in_doubt`]): at one version, the one being tried (a
     /// batch of packs and a compaction's switch may take turns there); cleared by a commit.
     in_doubt: AttemptsInDoubt,
-    /// The query_ids of unfenced statements cut off in the turn ([`UnfencedInFlight`]): the turn is given to no
-    /// publish while one of them may still run on the server.
-    unfenced_cut_off: Mutex<Vec<String>>,
+    /// Whether a month's drop may still run on a server, which no publish may run beside ([`Publisher::take_turn`]).
+    drops: Mutex<DropsMayRun>,
+}
+
+/// Whether a month's drop (retention's, [`super::purge`]: no fence guards one) may still run on a server, as the
+/// publish turn knows it. Changed only by a holder of the turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DropsMayRun {
+    /// This process has not asked yet: one of a process before it (killed mid-drop, or a holder that lost the lease
+    /// during one) may still run. Asked once before the first publish; where a server cannot say, it goes on.
+    Unchecked,
+    /// None runs, as far as the servers showed.
+    No,
+    /// One of this process's drops was cut off (the shutdown aborts a pass that does not end in time) or given up on
+    /// (its server could not say for a TTL): asked before the next publish; where a server cannot say for a TTL, the
+    /// lease is quarantined.
+    Ours,
 }
 
 /// The publish turn held for statements no fence guards ([`Publisher::exclusive_turn`]): a month's drop.
@@ -273,48 +287,37 @@ impl ExclusiveTurn<'_> {
     }
 
     /// How long the server of an unfenced statement of unknown outcome may go unable to say whether it still runs
-    /// before it is given up on, and the lease quarantined ([`ExclusiveTurn::may_still_run`]): the lease's TTL.
+    /// before it is given up on ([`ExclusiveTurn::may_still_run`]): the lease's TTL.
     pub fn tell_within(&self) -> std::time::Duration {
         self.publisher.lease.timings().ttl
     }
 
-    /// An unfenced statement may still run on the server, and whether it does cannot be told: the lease is
-    /// quarantined, as after a publish of unknown outcome, so nothing is published for a TTL more.
-    pub fn may_still_run(&self, what: &str) {
-        self.publisher.lease.report_unknown_outcome(what);
+    /// A drop may still run on the server, and whether it does could not be told: the next publish asks again first
+    /// ([`Publisher::take_turn`]).
+    pub fn may_still_run(&self) {
+        self.publisher.set_drops(DropsMayRun::Ours);
     }
 
-    /// Unfenced statements are about to be sent in this turn (see [`UnfencedInFlight`]). None once the lease is being
-    /// released.
+    /// Drops are about to be sent in this turn (see [`UnfencedInFlight`]). None once the lease is being released.
     pub fn unfenced_sent(&self) -> Option<UnfencedInFlight<'_>> {
         let in_flight = self.publisher.lease.commit_sent()?;
-        Some(UnfencedInFlight { in_flight: Some(in_flight), publisher: self.publisher, sending: Mutex::new(None) })
+        Some(UnfencedInFlight { in_flight: Some(in_flight), publisher: self.publisher })
     }
 }
 
-/// Unfenced statements sent in the publish turn, each with a query_id from [`UnfencedInFlight::next_query_id`], until
-/// they are known to have ended ([`UnfencedInFlight::ended`]). Meanwhile they count as a commit in flight
-/// ([`LeaseHandle::commit_sent`]): a release writes no tombstone. Dropped before that (the shutdown aborts a pass that
-/// does not end in time, and with it the turn), the last statement's query_id is kept: no publish of this process
-/// is given the turn until no server runs it ([`Publisher::take_turn`]), and the release still writes no tombstone.
-/// It borrows the turn, so the turn is given back after it.
+/// Drops sent in the publish turn, until they are known to have ended ([`UnfencedInFlight::ended`]). Meanwhile they
+/// count as a commit in flight ([`LeaseHandle::commit_sent`]): a release writes no tombstone. Dropped before that (the
+/// shutdown aborts a pass that does not end in time, and with it the turn), the next publish of this process waits
+/// until no server runs one ([`Publisher::take_turn`]), and the release still writes no tombstone. It borrows the
+/// turn, so the turn is given back after it.
 pub struct UnfencedInFlight<'t> {
     in_flight: Option<super::lease::CommitInFlight>,
     publisher: &'t Publisher,
-    /// The query_id of the statement being sent (each before it has ended or failed).
-    sending: Mutex<Option<String>>,
 }
 
 impl UnfencedInFlight<'_> {
-    /// The query_id to send the next statement with; the statement before it has ended.
-    pub fn next_query_id(&self) -> String {
-        let query_id = Uuid::new_v4().to_string();
-        *self.sending.lock().unwrap_or_else(|p| p.into_inner()) = Some(query_id.clone());
-        query_id
-    }
-
-    /// The statements have ended on the server, as far as it shows (or have been given up on, with the lease
-    /// quarantined first).
+    /// The drops have ended on the server, as far as it shows (or one was given up on:
+    /// [`ExclusiveTurn::may_still_run`] first).
     pub fn ended(mut self) {
         if let Some(in_flight) = self.in_flight.take() {
             in_flight.answered();
@@ -324,11 +327,8 @@ impl UnfencedInFlight<'_> {
 
 impl Drop for UnfencedInFlight<'_> {
     fn drop(&mut self) {
-        if self.in_flight.is_none() {
-            return;
-        }
-        if let Some(query_id) = self.sending.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            self.publisher.unfenced_cut_off.lock().unwrap_or_else(|p| p.into_inner()).push(query_id);
+        if self.in_flight.is_some() {
+            self.publisher.set_drops(DropsMayRun::Ours);
         }
     }
 }
@@ -346,7 +346,7 @@ impl Publisher {
             by_id_time: tokio::sync::OnceCell::new(),
             last_commit: Mutex::new(None),
             in_doubt: AttemptsInDoubt::default(),
-            unfenced_cut_off: Mutex::new(Vec::new()),
+            drops: Mutex::new(DropsMayRun::Unchecked),
         }
     }
 
@@ -360,25 +360,34 @@ impl Publisher {
         (settled && self.lease.permit().is_some()).then_some(ExclusiveTurn { _turn: turn, publisher: self })
     }
 
-    /// The publish turn, once no unfenced statement cut off in it may still run on the server
-    /// ([`UnfencedInFlight`]): each is waited for until no server runs it, or the lease is quarantined where that
-    /// cannot be told for a TTL. (One is forgotten only once it has been waited for: a wait cut off in turn leaves it
-    /// to the next.)
+    /// The publish turn, once no month's drop may still run on a server ([`DropsMayRun`]; a drop takes every row of
+    /// its month, a publish's between its rows and its commit too, and no fence guards it). Where one may, this asks
+    /// every server of the catalog until none runs one ([`super::purge::wait_until_no_drop_runs`]). (The state
+    /// changes only after the answer: a wait cut off in turn leaves it to the next.)
     async fn take_turn(&self) -> tokio::sync::MutexGuard<'_, ()> {
         let turn = self.turn.lock().await;
-        loop {
-            let cut_off = self.unfenced_cut_off.lock().unwrap_or_else(|p| p.into_inner()).first().cloned();
-            let Some(query_id) = cut_off else { break };
-            tracing::warn!(
-                query_id,
-                "waiting for an unfenced statement cut off in the publish turn to end on the server"
-            );
-            if !self.client.wait_until_ended(&query_id, self.lease.timings().ttl).await {
-                self.lease.report_unknown_outcome(&format!("an unfenced statement cut off ({query_id}) may still run"));
-            }
-            self.unfenced_cut_off.lock().unwrap_or_else(|p| p.into_inner()).retain(|id| *id != query_id);
+        let drops = *self.drops.lock().unwrap_or_else(|p| p.into_inner());
+        let tell_within = match drops {
+            DropsMayRun::No => return turn,
+            DropsMayRun::Unchecked => std::time::Duration::ZERO,
+            DropsMayRun::Ours => self.lease.timings().ttl,
+        };
+        let none_runs =
+            super::purge::wait_until_no_drop_runs(&self.client, &self.tables, &self.catalog, tell_within).await;
+        match (none_runs, drops) {
+            (true, _) => {}
+            (false, DropsMayRun::Ours) => self.lease.report_unknown_outcome("a month's drop may still run"),
+            (false, _) => tracing::warn!(
+                "catalog: a server cannot say whether a month's drop of an earlier process still runs; publishing all \
+                 the same"
+            ),
         }
+        self.set_drops(DropsMayRun::No);
         turn
+    }
+
+    fn set_drops(&self, state: DropsMayRun) {
+        *self.drops.lock().unwrap_or_else(|p| p.into_inner()) = state;
     }
 
     /// The version a publish of `rows` under `permit` takes, and the publish_id of its attempt there. Where rows of

@@ -39,10 +39,10 @@
 //! pass that dropped some and died before the others drops the rest next time. No fence can guard a drop (it takes
 //! no condition), so the compactor drops in the publish turn, checks the lease before each drop, and waits for each
 //! to end on the server when its outcome is unknown ([`CatalogClient::execute_to_its_end`]): a drop that waited on a
-//! table lock past its client's timeout must not take the rows of a publish let in after it. Where whether it still
-//! runs cannot be told for a TTL, the lease is quarantined, as after a publish of unknown outcome; drops cut off
-//! (the shutdown aborts a pass) are waited for the same way before the turn is given to a publish (see
-//! [`super::publish::UnfencedInFlight`]). Every read of the
+//! table lock past its client's timeout must not take the rows of a publish let in after it. No server bounds a
+//! partition's `ALTER`, so a drop cut off (the shutdown aborts a pass), one whose server could not say for a TTL
+//! whether it still ran, and one of an earlier process (killed mid-drop) are waited for before a publish, by their
+//! text in every server's `system.processes` ([`wait_until_no_drop_runs`], from the publish turn). Every read of the
 //! catalog's tables here, the checks before a drop among them, is sequentially consistent on a replicated catalog
 //! ([`RowPurge::new`]): a replica that lags would answer without a committed post again that the drop must not take.
 //! (`system.parts` and `system.mutations` are the replica's own: one that lags lists fewer months to drop, which is
@@ -58,6 +58,37 @@ use std::time::Duration;
 use super::client::{sql_string_literal, CatalogClient, CatalogError, UnendedError};
 use super::lease::server_now_ms_expr;
 use super::schema::{parse_partition, Tables};
+
+/// The statement that drops `catalog`'s `month` from `table`.
+fn drop_statement(tables: &Tables, catalog: &str, table: &str, month: u32) -> String {
+    let (table_part, partition_part) = drop_statement_parts(tables, catalog);
+    format!("{table_part}{table}{partition_part}{month})")
+}
+
+/// The text every [`drop_statement`] of `catalog` holds, before and after its table's name.
+fn drop_statement_parts(tables: &Tables, catalog: &str) -> (String, String) {
+    (format!("ALTER TABLE {}.", tables.database), format!(" DROP PARTITION ({}, ", sql_string_literal(catalog)))
+}
+
+/// Wait until no server of the catalog runs a drop of `catalog`'s months ([`drop_statement`], sent by any process),
+/// as [`CatalogClient::wait_until_none_runs`] does: false once the servers have not been able to say for
+/// `tell_within`. A publish waits for this where a drop may still run ([`super::publish::Publisher`]'s turn): no fence
+/// guards one.
+pub async fn wait_until_no_drop_runs(
+    client: &CatalogClient,
+    tables: &Tables,
+    catalog: &str,
+    tell_within: Duration,
+) -> bool {
+    let (table_part, partition_part) = drop_statement_parts(tables, catalog);
+    // (This question's own text holds the second only with its quotes escaped, and names `system.processes`.)
+    let condition = format!(
+        "position(query, {}) > 0 AND position(query, {}) > 0 AND position(query, 'system.processes') = 0",
+        sql_string_literal(&table_part),
+        sql_string_literal(&partition_part)
+    );
+    client.wait_until_none_runs(&condition, tell_within).await
+}
 
 /// The mutations of `captures`, `by_version`, `by_id` or `by_time` (of any catalog sharing them) still running, each as
 /// `table mutation_id`. A mutation that fails is retried by the server until it is killed (18.16 cannot kill one).
@@ -275,26 +306,24 @@ impl RowPurge {
             .collect())
     }
 
-    /// Drop `partitions` ([`RowPurge::months_before`]), one statement each, each waited for to its end on the server
-    /// when its outcome is unknown ([`CatalogClient::execute_to_its_end`], giving up after `tell_within`): no fence
-    /// guards a drop. Returns how many were dropped, beside the error that stopped the rest (a drop whose outcome is
-    /// unknown is not counted, though it may have run). `next(dropped)` runs before each drop, with how many were
-    /// dropped so far: it gives the query_id to send the drop with, or None to stop there (the lease lost meanwhile).
+    /// Drop `partitions` ([`RowPurge::months_before`]), one statement each ([`drop_statement`]), each waited for to
+    /// its end on the server when its outcome is unknown ([`CatalogClient::execute_to_its_end`], giving up after
+    /// `tell_within`): no fence guards a drop. Returns how many were dropped, beside the error that stopped the rest
+    /// (a drop whose outcome is unknown is not counted, though it may have run). `go_on(dropped)` runs before each
+    /// drop, with how many were dropped so far: false stops the drops there (the lease lost meanwhile).
     pub async fn drop_partitions(
         &self,
         partitions: &[(String, u32)],
         tell_within: Duration,
-        next: impl Fn(u64) -> Option<String>,
+        go_on: impl Fn(u64) -> bool,
     ) -> (u64, Result<(), UnendedError>) {
         let mut dropped = 0;
         for (table, month) in partitions {
-            let Some(query_id) = next(dropped) else { break };
-            let sql = format!(
-                "ALTER TABLE {}.{table} DROP PARTITION ({}, {month})",
-                self.tables.database,
-                sql_string_literal(&self.catalog)
-            );
-            if let Err(error) = self.client.execute_to_its_end(&sql, &query_id, tell_within).await {
+            if !go_on(dropped) {
+                break;
+            }
+            let sql = drop_statement(&self.tables, &self.catalog, table, *month);
+            if let Err(error) = self.client.execute_to_its_end(&sql, tell_within).await {
                 return (dropped, Err(error));
             }
             tracing::info!(%table, month, "dropped a month below the retention horizon");
@@ -419,5 +448,15 @@ mod tests {
         assert_eq!(month_start_ns(202401), 1_704_067_200 * second);
         assert_eq!(month_start_ns(202403), 1_709_251_200 * second, "after a leap February");
         assert_eq!(month_start_ns(210001), 4_102_444_800 * second);
+    }
+
+    #[test]
+    fn a_drop_statement_holds_the_text_a_publish_looks_for() {
+        use super::{drop_statement, drop_statement_parts};
+        let tables = crate::catalog::Tables::from_config(&crate::config::CatalogConfig::default());
+        let statement = drop_statement(&tables, "it's", "cs_captures", 202401);
+        assert_eq!(statement, format!("ALTER TABLE {}.cs_captures DROP PARTITION ('it\\'s', 202401)", tables.database));
+        let (table_part, partition_part) = drop_statement_parts(&tables, "it's");
+        assert!(statement.contains(&table_part) && statement.contains(&partition_part), "{statement}");
     }
 }

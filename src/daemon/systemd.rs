@@ -12,7 +12,9 @@
 //! Progress is what a part reports when it moves: an append answered, a lease step done, a pack uploaded or
 //! published, a reconcile step, a bucket request attempt ended or a multipart part sent. Each of those steps is
 //! bounded (request timeouts), so a period above the longest one (checked at start, with a WARN) never restarts a
-//! slow but healthy daemon.
+//! slow but healthy daemon. One exception: a publish waits while a server shows a month's drop of the catalog
+//! running, which no server bounds (see [`crate::catalog::purge`]); a drop stuck that long restarts the daemon, whose
+//! first publish waits for it again.
 //!
 //! States of the pinger: `watching` (pinging), `stalled` (a part named in the status line and one ERROR log; no
 //! pings until it recovers). The status task reports the phase in `STATUS=`: `starting` (ingest up, catalog not yet),

@@ -848,15 +848,13 @@ impl Compactor {
                 if dropped == 1 {
                     crate::failpoint::hit("during_partition_drop");
                 }
-                turn.lease_held().then(|| in_flight.next_query_id())
+                turn.lease_held()
             })
             .await;
         // Each drop sent has ended on the server, as far as it shows (see `execute_to_its_end`), unless it could not
-        // tell: then the quarantine keeps publishes back.
-        if let Err(error) = &drops {
-            if error.may_still_run {
-                turn.may_still_run(&format!("a month's drop: {error}"));
-            }
+        // tell: then the next publish asks again first.
+        if drops.as_ref().is_err_and(|error| error.may_still_run) {
+            turn.may_still_run();
         }
         in_flight.ended();
         drop(turn);

@@ -665,8 +665,10 @@ impl LeaseKeeper {
     /// Clean shutdown: tombstone at our own term if we hold the lease, unless a commit of ours went unanswered (the
     /// drain's timeout cut it, or a compaction's publish still runs). That commit may have passed its fence and may
     /// run for `publish_timeout` on the server; left to expire, the lease ends no earlier than it does, as the fence
-    /// asks for more than that left (specs/lease_safety.pml: REL_CUT holds, REL_AT_ONCE is refuted). The decision
-    /// and the end of permits and commits are one step, so no commit starts after it.
+    /// asks for more than that left (specs/lease_safety.pml: REL_CUT holds, REL_AT_ONCE is refuted). (A month's drop
+    /// cut off counts too, though nothing bounds it: a successor waits for it before its first publish, see
+    /// [`crate::catalog::purge`].) The decision and the end of permits and commits are one step, so no commit starts
+    /// after it.
     async fn release(&self) {
         let (lease_id, term, commits_unanswered) = {
             let mut shared = self.handle.lock();

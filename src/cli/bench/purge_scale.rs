@@ -204,11 +204,8 @@ pub async fn purge_scale(options: &PurgeScaleOptions) -> anyhow::Result<Vec<Scal
         let check_ms = started.elapsed().as_secs_f64() * 1000.0;
         row("check before the drop: captures posted again across months, ms".to_string(), check_ms, None);
         let started = Instant::now();
-        let (dropped, drops) = purge
-            .drop_partitions(&purge.months_before(month).await?, Duration::from_secs(60), |_| {
-                Some(Uuid::new_v4().to_string())
-            })
-            .await;
+        let (dropped, drops) =
+            purge.drop_partitions(&purge.months_before(month).await?, Duration::from_secs(60), |_| true).await;
         drops?;
         let drop_ms = started.elapsed().as_secs_f64() * 1000.0;
         let left = client
