@@ -878,6 +878,37 @@ async fn a_release_that_cut_off_a_commit_keeps_the_lease_until_the_commit_has_en
     assert!(claimed.is_ok(), "the lease left to expire never did");
 }
 
+/// A stand-in for a month's drop of `catalog`'s catalog that runs on the server for `half_seconds` / 2 s: a statement
+/// with a drop's text, which is what a publish looks for (in a comment the server keeps: 18.16 cuts a trailing one).
+/// A real drop cannot be made to wait that long on every version. `round` tells stand-ins apart.
+fn start_drop_stand_in(catalog: &Catalog, round: u32, half_seconds: u32) -> std::thread::JoinHandle<String> {
+    let marker = format!(
+        "ALTER TABLE {}.stand_in DROP PARTITION ('{}', 197001)",
+        catalog.tables.database, catalog.config.catalog_name
+    );
+    let sql = format!(
+        "SELECT /* {marker} */ sum(sleepEachRow(0.5)) + {round} FROM numbers({half_seconds}) SETTINGS max_block_size = 1"
+    );
+    let server = catalog.server;
+    std::thread::spawn(move || server.query(&sql).unwrap())
+}
+
+fn drop_stand_in_runs(catalog: &Catalog, round: u32) -> bool {
+    let sql = format!(
+        "SELECT count() FROM system.processes WHERE position(query, 'sleepEachRow(0.5)) + {round} ') > 0 AND \
+         position(query, 'system.processes') = 0"
+    );
+    catalog.server.query(&sql).unwrap() == "1\n"
+}
+
+async fn until_drop_stand_in_runs(catalog: &Catalog, round: u32) {
+    let started = Instant::now();
+    while !drop_stand_in_runs(catalog, round) {
+        assert!(started.elapsed() < Duration::from_secs(10), "the stand-in never ran");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 for_each_version!(a_publish_waits_until_no_server_runs_a_months_drop_of_its_catalog);
 async fn a_publish_waits_until_no_server_runs_a_months_drop_of_its_catalog(server: &'static ClickHouseServer) {
     let catalog = catalog(server, false).await;
@@ -887,61 +918,87 @@ async fn a_publish_waits_until_no_server_runs_a_months_drop_of_its_catalog(serve
     let running = keeper.start(Duration::ZERO, &mut shutdown_rx).await.unwrap();
     let publisher = Publisher::new(catalog.client.clone(), catalog.tables.clone(), name, running.handle().clone());
     retried!(publisher.publish_batch(&[one_capture_pack()]).await);
-    // A stand-in for a month's drop of this catalog that runs on the server for about 4 s: a statement with a drop's
-    // text, which is what a publish looks for (in a comment the server keeps: 18.16 cuts a trailing one). (A real
-    // drop cannot be made to wait that long on every version.)
-    let marker = format!("ALTER TABLE {}.stand_in DROP PARTITION ('{name}', 197001)", catalog.tables.database);
-    let stand_in = |round: u32| {
-        let sql = format!(
-            "SELECT /* {marker} */ sum(sleepEachRow(0.5)) + {round} FROM numbers(8) SETTINGS max_block_size = 1"
-        );
-        let server = catalog.server;
-        std::thread::spawn(move || server.query(&sql).unwrap())
-    };
-    let running_there = |round: u32| {
-        catalog
-            .server
-            .query(&format!(
-                "SELECT count() FROM system.processes WHERE position(query, 'sleepEachRow(0.5)) + {round} ') > 0 AND \
-                 position(query, 'system.processes') = 0"
-            ))
-            .unwrap()
-    };
-    let until_running = |round: u32| async move {
-        let started = Instant::now();
-        while running_there(round) != "1\n" {
-            assert!(started.elapsed() < Duration::from_secs(10), "the stand-in never ran");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    };
 
     // Drops cut off in the turn (the shutdown aborts a pass): the next publish of the process waits them out.
-    let first = stand_in(1);
-    until_running(1).await;
+    let first = start_drop_stand_in(&catalog, 1, 8);
+    until_drop_stand_in_runs(&catalog, 1).await;
     {
         let turn = publisher.exclusive_turn().await.expect("the lease is held");
         let in_flight = turn.unfenced_sent().expect("the lease is not being released");
         drop(in_flight);
     }
     retried!(publisher.publish_batch(&[one_capture_pack()]).await);
-    assert_eq!(running_there(1), "0\n", "published beside a drop cut off in the turn");
+    assert!(!drop_stand_in_runs(&catalog, 1), "published beside a drop cut off in the turn");
     first.join().unwrap();
 
     // A process that starts while an earlier one's drop runs (killed mid-drop) waits it out before its first publish.
-    let second = stand_in(2);
-    until_running(2).await;
+    let second = start_drop_stand_in(&catalog, 2, 8);
+    until_drop_stand_in_runs(&catalog, 2).await;
     let started = Publisher::new(catalog.client.clone(), catalog.tables.clone(), name, running.handle().clone());
     retried!(started.publish_batch(&[one_capture_pack()]).await);
-    assert_eq!(running_there(2), "0\n", "a new process published beside an earlier one's drop");
+    assert!(!drop_stand_in_runs(&catalog, 2), "a new process published beside an earlier one's drop");
     second.join().unwrap();
-    // A publish after that asks nothing more.
-    retried!(started.publish_batch(&[one_capture_pack()]).await);
 
     // The release after drops cut off leaves the lease to expire, as after a commit cut off.
     running.stop().await;
     let rival = identity("rival");
     let refused = catalog.store(name).claim("lease-rival", &rival).await.unwrap();
     assert!(matches!(refused, ClaimOutcome::Refused { .. }), "the lease was free at once after cut drops: {refused:?}");
+}
+
+for_each_version!(a_holder_that_takes_the_lease_back_from_another_waits_out_the_others_drop);
+async fn a_holder_that_takes_the_lease_back_from_another_waits_out_the_others_drop(server: &'static ClickHouseServer) {
+    let catalog = catalog(server, true).await;
+    let proxy = catalog.proxy.as_ref().unwrap();
+    let name = &catalog.config.catalog_name;
+    let keeper = catalog.keeper(identity("back"));
+    let (shutdown_tx, mut shutdown_rx) = watch::channel(false);
+    keeper.acquire_at_start(Duration::ZERO, &mut shutdown_rx).await.unwrap();
+    let handle = keeper.handle();
+    let keeper_task = tokio::spawn(keeper.run(shutdown_rx));
+    let publisher = Publisher::new(catalog.client.clone(), catalog.tables.clone(), name, handle.clone());
+    retried!(publisher.publish_batch(&[one_capture_pack()]).await);
+    assert!(!handle.owes_empty_commit());
+
+    // Cut off for longer than the lease: another holder takes it, and dies while its drop runs on the server.
+    proxy.cut();
+    let mut states = handle.subscribe();
+    let lost = tokio::time::timeout(TTL * 3, async {
+        while *states.borrow_and_update() == LeaseState::Held {
+            states.changed().await.unwrap();
+        }
+    })
+    .await;
+    assert!(lost.is_ok(), "the lease was never lost during the cut: {:?}", handle.status());
+    let other = identity("other");
+    let mut direct = catalog.config.catalog.clone();
+    direct.url = server.url();
+    let direct = CatalogClient::connect(&direct).await.unwrap();
+    let store = LeaseStore::new(direct, &catalog.tables, name, catalog.timings());
+    let term = tokio::time::timeout(TTL * 3, async {
+        loop {
+            match store.claim("lease-other", &other).await.unwrap() {
+                ClaimOutcome::Held { term, .. } => break term,
+                _ => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+    })
+    .await
+    .expect("the other holder never took the lease");
+    let dropping = start_drop_stand_in(&catalog, 3, 20);
+    until_drop_stand_in_runs(&catalog, 3).await;
+    store.release("lease-other", &other, term).await.unwrap();
+
+    // The first holder takes the lease back: a claim that follows another holder, whose drop it waits out.
+    proxy.pass();
+    wait_for_state(&handle, LeaseState::Held, TTL * 4).await;
+    assert!(handle.owes_empty_commit(), "the claim did not follow another holder");
+    assert!(drop_stand_in_runs(&catalog, 3), "the stand-in ended before the lease was taken back");
+    retried!(publisher.publish_batch(&[one_capture_pack()]).await);
+    assert!(!drop_stand_in_runs(&catalog, 3), "published beside the other holder's drop");
+    dropping.join().unwrap();
+    shutdown_tx.send(true).unwrap();
+    keeper_task.await.unwrap();
 }
 
 for_each_version!(a_publish_whose_reply_is_lost_is_decided_by_read_back_with_gapless_versions);

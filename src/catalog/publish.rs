@@ -262,8 +262,10 @@ pub struct Publisher {
 /// publish turn knows it. Changed only by a holder of the turn.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum DropsMayRun {
-    /// This process has not asked yet: one of a process before it (killed mid-drop, or a holder that lost the lease
-    /// during one) may still run. Asked once before the first publish; where a server cannot say, it goes on.
+    /// Not asked since this process started, or since it took the lease over from another process (while it
+    /// owes an empty commit, [`LeaseHandle::owes_empty_commit`]): a drop of the process before (killed mid-drop, or a
+    /// holder that lost the lease during one) may still run. Asked before the next publish; where a server cannot
+    /// say, it goes on, with a WARN.
     Unchecked,
     /// None runs, as far as the servers showed.
     No,
@@ -292,9 +294,11 @@ impl ExclusiveTurn<'_> {
         self.publisher.lease.timings().ttl
     }
 
-    /// A drop may still run on the server, and whether it does could not be told: the next publish asks again first
-    /// ([`Publisher::take_turn`]).
-    pub fn may_still_run(&self) {
+    /// A drop may still run on the server, and whether it does could not be told: the lease is quarantined, as after
+    /// a publish of unknown outcome (so a release writes no tombstone), and the next publish asks again first
+    /// ([`Publisher::take_turn`]). Called before [`UnfencedInFlight::ended`].
+    pub fn may_still_run(&self, what: &str) {
+        self.publisher.lease.report_unknown_outcome(what);
         self.publisher.set_drops(DropsMayRun::Ours);
     }
 
@@ -366,7 +370,11 @@ impl Publisher {
     /// changes only after the answer: a wait cut off in turn leaves it to the next.)
     async fn take_turn(&self) -> tokio::sync::MutexGuard<'_, ()> {
         let turn = self.turn.lock().await;
-        let drops = *self.drops.lock().unwrap_or_else(|p| p.into_inner());
+        let mut drops = *self.drops.lock().unwrap_or_else(|p| p.into_inner());
+        if drops == DropsMayRun::No && self.lease.owes_empty_commit() {
+            // The lease was taken over from another process (until this tenure's first commit): its drops may run.
+            drops = DropsMayRun::Unchecked;
+        }
         let tell_within = match drops {
             DropsMayRun::No => return turn,
             DropsMayRun::Unchecked => std::time::Duration::ZERO,

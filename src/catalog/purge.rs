@@ -41,8 +41,10 @@
 //! to end on the server when its outcome is unknown ([`CatalogClient::execute_to_its_end`]): a drop that waited on a
 //! table lock past its client's timeout must not take the rows of a publish let in after it. No server bounds a
 //! partition's `ALTER`, so a drop cut off (the shutdown aborts a pass), one whose server could not say for a TTL
-//! whether it still ran, and one of an earlier process (killed mid-drop) are waited for before a publish, by their
-//! text in every server's `system.processes` ([`wait_until_no_drop_runs`], from the publish turn). Every read of the
+//! whether it still ran, and one of an earlier holder (killed mid-drop) are waited for before a publish, by their
+//! text in every server's `system.processes` ([`wait_until_no_drop_runs`], from the publish turn: at start, after a
+//! takeover, after a drop of ours cut off or given up; a server that cannot say is passed over at start and after a
+//! takeover, with a WARN, and quarantines the lease after one of ours). Every read of the
 //! catalog's tables here, the checks before a drop among them, is sequentially consistent on a replicated catalog
 //! ([`RowPurge::new`]): a replica that lags would answer without a committed post again that the drop must not take.
 //! (`system.parts` and `system.mutations` are the replica's own: one that lags lists fewer months to drop, which is

@@ -852,9 +852,11 @@ impl Compactor {
             })
             .await;
         // Each drop sent has ended on the server, as far as it shows (see `execute_to_its_end`), unless it could not
-        // tell: then the next publish asks again first.
-        if drops.as_ref().is_err_and(|error| error.may_still_run) {
-            turn.may_still_run();
+        // tell: then the lease is quarantined and the next publish asks again first.
+        if let Err(error) = &drops {
+            if error.may_still_run {
+                turn.may_still_run(&format!("a month's drop: {error}"));
+            }
         }
         in_flight.ended();
         drop(turn);
