@@ -17,10 +17,7 @@ const REPLICATION_PATIENCE: Duration = Duration::from_secs(180);
 async fn a_daemon_on_a_cluster_replicates_its_tables_survives_a_lost_replica_and_waits_out_a_lost_quorum() {
     let mut cluster = ClickHouseCluster::start();
     let dir = tempfile::tempdir().unwrap();
-    let port = common::free_port(false);
-    let env = cluster_env(&cluster, dir.path(), port);
-    let mut daemon = env.start(dir.path().join("daemon.log"));
-    daemon.wait_for_log_async("lease held", Duration::from_secs(180)).await;
+    let (port, env, mut daemon) = start_holding_daemon(&cluster, dir.path()).await;
     let client = reqwest::Client::new();
     let mut posted = Vec::new();
     let post = |index: usize, wait: bool| post_capture(client.clone(), port, index, wait);
@@ -103,10 +100,7 @@ async fn a_lagging_replica_refuses_the_checks_before_a_months_drop_until_it_has_
     use capstore::catalog::query::CatalogReader;
     let cluster = ClickHouseCluster::start();
     let dir = tempfile::tempdir().unwrap();
-    let port = common::free_port(false);
-    let env = cluster_env(&cluster, dir.path(), port);
-    let mut daemon = env.start(dir.path().join("daemon.log"));
-    daemon.wait_for_log_async("lease held", Duration::from_secs(180)).await;
+    let (port, env, daemon) = start_holding_daemon(&cluster, dir.path()).await;
     let client = reqwest::Client::new();
     post_capture(client.clone(), port, 0, true).await;
     cluster.replicas[2].query("SYSTEM STOP FETCHES").unwrap();
@@ -140,6 +134,19 @@ async fn a_lagging_replica_refuses_the_checks_before_a_months_drop_until_it_has_
     assert!(caught_up > plain_watermark, "{caught_up} after catching up, {plain_watermark} behind");
     purge.superseded_across(300_001, 0).await.unwrap();
     assert!(reader.get(missed_id, None).await.unwrap().is_some());
+}
+
+/// A daemon on `cluster` (see [`cluster_env`]) in `dir`, once it holds the lease: its HTTP port, environment and
+/// process.
+async fn start_holding_daemon(
+    cluster: &ClickHouseCluster,
+    dir: &std::path::Path,
+) -> (u16, DaemonEnv, common::daemon::Daemon) {
+    let port = common::free_port(false);
+    let env = cluster_env(cluster, dir, port);
+    let mut daemon = env.start(dir.join("daemon.log"));
+    daemon.wait_for_log_async("lease held", Duration::from_secs(180)).await;
+    (port, env, daemon)
 }
 
 /// A daemon on `cluster` (through replica 0) listening on `port`.

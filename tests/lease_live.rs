@@ -182,6 +182,18 @@ macro_rules! retried {
     };
 }
 
+/// Returns once `handle`'s lease is no longer held, during a cut of the catalog of up to three TTLs.
+async fn until_lease_lost_in_the_cut(handle: &capstore::catalog::lease::LeaseHandle) {
+    let mut states = handle.subscribe();
+    let lost = tokio::time::timeout(TTL * 3, async {
+        while *states.borrow_and_update() == LeaseState::Held {
+            states.changed().await.unwrap();
+        }
+    })
+    .await;
+    assert!(lost.is_ok(), "the lease was never lost during the cut: {:?}", handle.status());
+}
+
 async fn wait_for_state(handle: &capstore::catalog::lease::LeaseHandle, wanted: LeaseState, within: Duration) {
     let mut states = handle.subscribe();
     let waited = tokio::time::timeout(within, async {
@@ -962,14 +974,7 @@ async fn a_holder_that_takes_the_lease_back_from_another_waits_out_the_others_dr
 
     // Cut off for longer than the lease: another holder takes it, and dies while its drop runs on the server.
     proxy.cut();
-    let mut states = handle.subscribe();
-    let lost = tokio::time::timeout(TTL * 3, async {
-        while *states.borrow_and_update() == LeaseState::Held {
-            states.changed().await.unwrap();
-        }
-    })
-    .await;
-    assert!(lost.is_ok(), "the lease was never lost during the cut: {:?}", handle.status());
+    until_lease_lost_in_the_cut(&handle).await;
     let other = identity("other");
     let mut direct = catalog.config.catalog.clone();
     direct.url = server.url();
@@ -1289,14 +1294,7 @@ async fn an_empty_commit_owed_to_an_earlier_holder_is_still_owed_after_the_lease
         Publisher::new(catalog.client.clone(), catalog.tables.clone(), &catalog.config.catalog_name, handle.clone());
     proxy.cut();
     assert!(publisher.publish_batch(&batch).await.is_err());
-    let mut states = handle.subscribe();
-    let lost = tokio::time::timeout(TTL * 3, async {
-        while *states.borrow_and_update() == LeaseState::Held {
-            states.changed().await.unwrap();
-        }
-    })
-    .await;
-    assert!(lost.is_ok(), "the lease was never lost during the cut: {:?}", handle.status());
+    until_lease_lost_in_the_cut(&handle).await;
     proxy.pass();
     wait_for_state(&handle, LeaseState::Held, TTL * 4).await;
     assert!(handle.owes_empty_commit(), "the empty commit is still owed");

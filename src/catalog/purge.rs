@@ -36,19 +36,24 @@
 //! horizon whose publish is older than `read_grace`: every row in it is hidden from every reader that may still be
 //! reading, whatever its kind (a capture, a deletion, a move, an orphan), and a row published into it later (a late
 //! arrival) is hidden from the start and dropped by the next pass. Partitions are found in `system.parts`, so a
-//! pass that dropped some and died before the others drops the rest next time. No fence can guard a drop (it takes
-//! no condition), so the compactor drops in the publish turn, checks the lease before each drop, and waits for each
-//! to end on the server when its outcome is unknown ([`CatalogClient::execute_to_its_end`]): a drop that waited on a
-//! table lock past its client's timeout must not take the rows of a publish let in after it. No server bounds a
-//! partition's `ALTER`, so a drop cut off (the shutdown aborts a pass), one whose server could not say for a TTL
-//! whether it still ran, and one of an earlier holder (killed mid-drop) are waited for before a publish, by their
-//! text in every server's `system.processes` ([`wait_until_no_drop_runs`], from the publish turn: at start, after a
-//! takeover, after a drop of ours cut off or given up; a server that cannot say is passed over at start and after a
-//! takeover, with a WARN, and quarantines the lease after one of ours). Every read of the
-//! catalog's tables here, the checks before a drop among them, is sequentially consistent on a replicated catalog
-//! ([`RowPurge::new`]): a replica that lags would answer without a committed post again that the drop must not take.
-//! (`system.parts` and `system.mutations` are the replica's own: one that lags lists fewer months to drop, which is
-//! safe.)
+//! pass that dropped some and died before the others drops the rest next time.
+//!
+//! *A drop takes no condition*, so no fence guards it, and no server bounds how long it runs (18.16 waits on a table
+//! lock for good, 26.x for running merges to stop). So:
+//! - the compactor drops in the publish turn, and checks the lease before each drop;
+//! - a drop whose outcome is unknown keeps the turn until the server it went to runs it no longer
+//!   ([`CatalogClient::execute_to_its_end`]): a drop that waited on a table lock past its client's timeout must not
+//!   take the rows of a publish let in after it;
+//! - a drop that may run without anyone waiting for it (one cut off by the shutdown's abort, one whose server could
+//!   not say for a TTL, one of an earlier holder killed mid-drop) is found by its text in every server's
+//!   `system.processes` before the next publish ([`wait_until_no_drop_runs`], from the publish turn: at start, after a
+//!   takeover, after a drop of ours cut off or given up). A server that cannot say is passed over at start and after
+//!   a takeover, with a WARN, and quarantines the lease after one of ours.
+//!
+//! Every read of the catalog's tables here, the checks before a drop among them, is sequentially consistent on a
+//! replicated catalog ([`RowPurge::new`]): a replica that lags would answer without a committed post again that the
+//! drop must not take. (`system.parts` and `system.mutations` are the replica's own: one that lags lists fewer months
+//! to drop, which is safe.)
 //!
 //! A removal is not a publish: it takes no version and carries no fence. Only the lease holder runs it (the
 //! compactor's passes need a publish permit), but a stale process that ran it anyway would remove only rows that a
