@@ -1708,6 +1708,70 @@ async fn a_short_range_is_read_in_one_window_beside_its_horizons_and_a_longer_on
     assert_eq!(pinned.watermark, 1);
 }
 
+for_each_version!(a_horizon_row_hides_captures_only_once_its_own_publish_is_committed);
+/// A reader takes a row of `horizons` as a horizon only once `publishes` commits its `(version, publish_id)`: not
+/// while its version is uncommitted (and it asks again later, when the version may have been committed), never when
+/// another publish was committed at its version. A listing's setup, `get` and a read of the horizons agree, on a
+/// reader that has met the rows before and on a fresh one.
+async fn a_horizon_row_hides_captures_only_once_its_own_publish_is_committed(server: &'static ClickHouseServer) {
+    let catalog = catalog(server, false).await;
+    let name = &catalog.config.catalog_name;
+    // 30 captures of s/1, one a second from 1 s on, at version 1.
+    let publish_id = Uuid::now_v7();
+    let captures: Vec<Uuid> = (0..30).map(|_| Uuid::now_v7()).collect();
+    for (n, capture) in captures.iter().enumerate() {
+        catalog.insert_capture_row(*capture, "s/1", (n as u64 + 1) * 1_000_000_000, 1, publish_id);
+    }
+    catalog.commit_row(1, publish_id);
+    let horizon_row = |version: u64, before_s: u64, publish_id: Uuid| {
+        server
+            .query(&format!(
+                "INSERT INTO {} (catalog, before_ns, version, publish_id, written_at_ms) VALUES ('{name}', {}, \
+                 {version}, '{publish_id}', 0)",
+                catalog.tables.horizons,
+                before_s * 1_000_000_000
+            ))
+            .unwrap();
+    };
+    let query = ListQuery { limit: 100, ..Default::default() };
+    let warm = catalog.reader();
+    let listed = |page: &Page| page.captures.iter().map(|c| c.capture_id.clone()).collect::<Vec<_>>();
+    let from = |first: usize| captures[first..].iter().map(Uuid::to_string).collect::<Vec<_>>();
+    assert_eq!(listed(&warm.list(&query).await.unwrap()), from(0));
+
+    // A horizon before 10 s at version 2, its publish not committed (yet): it hides nothing.
+    let horizon = Uuid::now_v7();
+    horizon_row(2, 10, horizon);
+    for reader in [&warm, &catalog.reader()] {
+        assert_eq!(listed(&reader.list(&query).await.unwrap()), from(0), "an uncommitted horizon hid captures");
+        assert!(reader.get(captures[0], None).await.unwrap().is_some());
+        assert_eq!(reader.horizons(u64::MAX).await.unwrap().before_at(u64::MAX), 0);
+    }
+    // Committed: from then on it hides what was captured before 10 s, on the reader that met it uncommitted too.
+    catalog.commit_row(2, horizon);
+    for reader in [&warm, &catalog.reader()] {
+        let page = reader.list(&query).await.unwrap();
+        assert_eq!(listed(&page), from(9), "a committed horizon hid nothing");
+        assert_eq!(page.watermark, 2);
+        assert!(reader.get(captures[0], None).await.unwrap().is_none(), "get found a capture below the horizon");
+        assert_eq!(reader.horizons(u64::MAX).await.unwrap().before_at(u64::MAX), 10_000_000_000);
+        let pinned = reader.list(&ListQuery { watermark: Some(1), ..query.clone() }).await.unwrap();
+        assert_eq!(listed(&pinned), from(0), "a page pinned below the horizon lost captures");
+    }
+    // A horizon before 20 s at version 3, where another publish is committed: never a horizon.
+    horizon_row(3, 20, Uuid::now_v7());
+    catalog.commit_row(3, Uuid::now_v7());
+    for reader in [&warm, &catalog.reader()] {
+        for _ in 0..2 {
+            let page = reader.list(&query).await.unwrap();
+            assert_eq!(listed(&page), from(9), "a horizon row of an uncommitted publish hid captures");
+            assert_eq!(page.watermark, 3);
+            assert!(reader.get(captures[15], None).await.unwrap().is_some());
+            assert_eq!(reader.horizons(u64::MAX).await.unwrap().before_at(u64::MAX), 10_000_000_000);
+        }
+    }
+}
+
 /// Where a page's captures are in listing order: (captured_at_ns, capture_id).
 fn positions(page: &Page) -> Vec<(u64, String)> {
     page.captures.iter().map(|c| (c.captured_at_ns, c.capture_id.clone())).collect()
