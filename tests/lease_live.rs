@@ -1596,11 +1596,27 @@ async fn reads_of_a_few_granules_run_on_one_server_thread_and_reads_that_grow_do
     let before = count(&one_thread);
     assert!(reader.get(capture, None).await.unwrap().is_some());
     assert_eq!(count(&one_thread), before + 2, "a lookup and its horizons did not run on one thread");
+    // A small page of a stream: its setup, its window and the window's check in `by_id`, each on one thread.
     let (before, requests_before) = (count(&one_thread), count(&requests));
     let page = reader.list(&ListQuery { stream: Some("s/1".into()), limit: 10, ..Default::default() }).await.unwrap();
     assert_eq!(page.captures.len(), 1);
-    assert_eq!(count(&one_thread), before + 1, "a first page's setup did not run on one thread");
-    assert!(count(&requests) > requests_before + 1, "a first page read its setup only");
+    assert_eq!(count(&requests), requests_before + 3, "a first page is its setup, a window and its check");
+    assert_eq!(count(&one_thread), before + 3, "a small page's statements did not run on one thread");
+    // A label filter's window (and its check) grows with how rare the label is, and a page of more than
+    // FEW_ROWS_PAGE captures with its size: each keeps the server's threads; their setups do not.
+    let labelled = ListQuery {
+        stream: Some("s/1".into()),
+        labels: BTreeMap::from([("site".to_string(), "a".to_string())]),
+        limit: 10,
+        ..Default::default()
+    };
+    let big = ListQuery { stream: Some("s/1".into()), limit: 5000, ..Default::default() };
+    for query in [labelled, big] {
+        let (before, requests_before) = (count(&one_thread), count(&requests));
+        reader.list(&query).await.unwrap();
+        assert_eq!(count(&requests), requests_before + 3, "{query:?}: not a setup, a window and its check");
+        assert_eq!(count(&one_thread), before + 1, "{query:?}: a window that grows ran on one thread");
+    }
     let before = count(&one_thread);
     catalog.store(&catalog.config.catalog_name).read_head().await.unwrap();
     assert_eq!(count(&one_thread), before + 1, "the lease head was not read on one thread");

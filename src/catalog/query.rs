@@ -436,6 +436,13 @@ const NEXT_WINDOW_PAGES: u64 = 2;
 const CHECKED_ROWS_MARGIN_FRACTION: u64 = 4;
 const CHECKED_ROWS_MARGIN: u64 = 16;
 
+/// The most captures a page may still need for its windows, and their check in `by_id`, to count as reads of a few
+/// granules ([`CatalogClient::fetch_few`]): a window sized to [`FIRST_WINDOW_PAGES`] of them reads a granule or two
+/// of each part it meets, where a label filter does not widen it and the table is ordered by the listing's time
+/// (one stream of `captures`, or `by_time`). On 18.16 such a window, of one granule, took 5.4 ms on one thread
+/// against 6.8 on the server's two.
+const FEW_ROWS_PAGE: u64 = 1000;
+
 #[derive(clickhouse::Row, serde::Deserialize)]
 struct NewestVersion {
     id: String,
@@ -1328,6 +1335,9 @@ impl CatalogReader {
                 id = sql_string_literal(&cursor.capture_id.to_string())
             )
         });
+        // Whether a window of a small page reads a few granules (see `FEW_ROWS_PAGE`).
+        let few_granules =
+            query.labels.is_empty() && (query.stream.is_some() || span.table == self.tables.by_time.as_str());
         let (mut page_start, first_window_ns) = (span.start, span.window);
         let mut candidates: Vec<CaptureLocation> = Vec::new();
         let mut newest_written: HashMap<String, u64> = HashMap::new();
@@ -1358,9 +1368,15 @@ impl CatalogReader {
                 after_cursor = after_cursor.as_ref().map(|condition| format!(" AND ({condition})")).unwrap_or_default(),
             );
             let check_horizon = std::mem::take(&mut horizon_unchecked);
+            let few = few_granules && needed <= FEW_ROWS_PAGE;
             let (rows, newest, horizon_ns) = tokio::try_join!(
-                self.client.fetch_all::<CaptureLocation>(&sql),
-                self.newest_versions_of_first_rows(span.table, &first_rows, watermark),
+                async {
+                    match few {
+                        true => self.client.fetch_few::<CaptureLocation>(&sql).await,
+                        false => self.client.fetch_all::<CaptureLocation>(&sql).await,
+                    }
+                },
+                self.newest_versions_of_first_rows(span.table, &first_rows, watermark, few),
                 async {
                     match check_horizon {
                         true => self.horizons(watermark).await.map(|horizons| horizons.before_at(watermark)),
@@ -1650,9 +1666,14 @@ impl CatalogReader {
         table: &str,
         first_rows: &str,
         watermark: u64,
+        few: bool,
     ) -> Result<Vec<NewestVersion>, CatalogError> {
         let ids = format!("SELECT UUIDStringToNum(capture_id) FROM {table} WHERE {first_rows}");
-        self.client.fetch_all(&self.newest_versions_sql(&ids, watermark)).await
+        let sql = self.newest_versions_sql(&ids, watermark);
+        match few {
+            true => self.client.fetch_few(&sql).await,
+            false => self.client.fetch_all(&sql).await,
+        }
     }
 
     /// [`CatalogReader::newest_versions_of_first_rows`] for the candidates it did not answer, by their ids:
