@@ -1596,14 +1596,14 @@ async fn reads_of_a_few_granules_run_on_one_server_thread_and_reads_that_grow_do
     let before = count(&one_thread);
     assert!(reader.get(capture, None).await.unwrap().is_some());
     assert_eq!(count(&one_thread), before + 2, "a lookup and its horizons did not run on one thread");
-    // A small page of a stream: its setup, its window and the window's check in `by_id`, each on one thread.
+    // A small page of a stream: its setup and its window on one thread, the window's check in `by_id` beside it not.
     let (before, requests_before) = (count(&one_thread), count(&requests));
     let page = reader.list(&ListQuery { stream: Some("s/1".into()), limit: 10, ..Default::default() }).await.unwrap();
     assert_eq!(page.captures.len(), 1);
     assert_eq!(count(&requests), requests_before + 3, "a first page is its setup, a window and its check");
-    assert_eq!(count(&one_thread), before + 3, "a small page's statements did not run on one thread");
-    // A label filter's window (and its check) grows with how rare the label is, and a page of more than
-    // FEW_ROWS_PAGE captures with its size: each keeps the server's threads; their setups do not.
+    assert_eq!(count(&one_thread), before + 2, "a small page's setup and window did not run on one thread");
+    // A label filter's window grows with how rare the label is, and a page of more than FEW_ROWS_PAGE captures
+    // with its size: each keeps the server's threads (as the check in `by_id` does); their setups do not.
     let labelled = ListQuery {
         stream: Some("s/1".into()),
         labels: BTreeMap::from([("site".to_string(), "a".to_string())]),
@@ -1786,6 +1786,52 @@ async fn a_horizon_row_hides_captures_only_once_its_own_publish_is_committed(ser
             assert_eq!(reader.horizons(u64::MAX).await.unwrap().before_at(u64::MAX), 10_000_000_000);
         }
     }
+}
+
+for_each_version!(a_reader_uses_its_density_sample_again_for_the_next_first_pages_of_a_listing);
+/// A first page sizes its window by the catalog's density, sampled in its setup; the next first pages of the same
+/// listing on one reader (the HTTP API's) use that sample again for a while instead of reading it in every setup. A
+/// window sized by an older sample is wider or narrower, never wrong: the pages list the same captures.
+async fn a_reader_uses_its_density_sample_again_for_the_next_first_pages_of_a_listing(
+    server: &'static ClickHouseServer,
+) {
+    let catalog = catalog(server, false).await;
+    let name = &catalog.config.catalog_name;
+    let publish_id = Uuid::now_v7();
+    // `count` captures of s/1 over the same 100 s, from 1 s on, at version 1.
+    let insert = |count: u64| {
+        server
+            .query(&format!(
+                "INSERT INTO {} (catalog, stream, captured_at_ns, capture_id, pack_id, version, publish_id) SELECT \
+                 '{name}', 's/1', 1000000000 + intDiv(number * 100000000000, {count}), toString(generateUUIDv4()), \
+                 'p', 1, '{publish_id}' FROM numbers({count})",
+                catalog.tables.captures
+            ))
+            .unwrap();
+    };
+    insert(100_000);
+    catalog.commit_row(1, publish_id);
+    let query = ListQuery { limit: 10, ..Default::default() };
+    let warm = catalog.reader();
+    let sampled_once = warm.list(&query).await.unwrap();
+    // Five times the captures in the same span: a fresh sample sizes a window about a fifth as wide.
+    insert(400_000);
+    let fresh = catalog.reader().list(&query).await.unwrap();
+    let reused = warm.list(&query).await.unwrap();
+    assert!(
+        fresh.first_window_ns() * 4 < sampled_once.first_window_ns(),
+        "a fresh sample did not narrow the window: {} then {}",
+        sampled_once.first_window_ns(),
+        fresh.first_window_ns()
+    );
+    // (Equal but for the span, whose last capture moved by a few µs.)
+    let (reused_ns, once_ns) = (reused.first_window_ns(), sampled_once.first_window_ns());
+    assert!(
+        reused_ns.abs_diff(once_ns) * 1000 < once_ns,
+        "the reader sampled again at once: {once_ns} then {reused_ns}"
+    );
+    assert_eq!(positions(&reused), positions(&fresh), "a window sized by the older sample listed otherwise");
+    assert_eq!(reused.captures.len(), 10);
 }
 
 /// Where a page's captures are in listing order: (captured_at_ns, capture_id).

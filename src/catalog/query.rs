@@ -57,6 +57,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use uuid::Uuid;
@@ -436,12 +437,17 @@ const NEXT_WINDOW_PAGES: u64 = 2;
 const CHECKED_ROWS_MARGIN_FRACTION: u64 = 4;
 const CHECKED_ROWS_MARGIN: u64 = 16;
 
-/// The most captures a page may still need for its windows, and their check in `by_id`, to count as reads of a few
-/// granules ([`CatalogClient::fetch_few`]): a window sized to [`FIRST_WINDOW_PAGES`] of them reads a granule or two
-/// of each part it meets, where a label filter does not widen it and the table is ordered by the listing's time
-/// (one stream of `captures`, or `by_time`). On 18.16 such a window, of one granule, took 5.4 ms on one thread
-/// against 6.8 on the server's two.
+/// The most captures a page may still need for its windows to count as reads of a few granules
+/// ([`CatalogClient::fetch_few`]): a window sized to [`FIRST_WINDOW_PAGES`] of them reads a granule or two of each
+/// part it meets, where a label filter does not widen it and the table is ordered by the listing's time (one stream
+/// of `captures`, or `by_time`). On 18.16 such a window, of one granule, took 0.3-1.4 ms less on one thread than on
+/// the server's two, in five rounds; its check in `by_id`, beside it, took the same either way and keeps the threads.
 const FEW_ROWS_PAGE: u64 = 1000;
+
+/// How long a first page's density sample ([`CatalogReader::density_sample_sql`]) is used again by the next first
+/// pages of the same stream, or across streams, on one reader (the HTTP API's, a bench's): it only sizes a first
+/// window, and a catalog's density changes over hours, not a minute. (About 1.5 ms of a first page's setup on 18.16.)
+const DENSITY_SAMPLE_REUSE: Duration = Duration::from_secs(60);
 
 #[derive(clickhouse::Row, serde::Deserialize)]
 struct NewestVersion {
@@ -751,6 +757,9 @@ pub struct CatalogReader {
     setup_apart: Arc<AtomicBool>,
     /// What this reader knows of the horizon rows it has read (shared by the clones).
     horizon_verdicts: Arc<Mutex<HorizonVerdicts>>,
+    /// The last density sample of each stream (None: across streams) and when it was taken, for
+    /// [`DENSITY_SAMPLE_REUSE`] (shared by the clones).
+    density_samples: Arc<Mutex<HashMap<Option<String>, (Instant, Option<u64>)>>>,
 }
 
 impl CatalogReader {
@@ -762,6 +771,7 @@ impl CatalogReader {
             time_table_kept: Arc::default(),
             setup_apart: Arc::default(),
             horizon_verdicts: Arc::default(),
+            density_samples: Arc::default(),
         }
     }
 
@@ -782,6 +792,33 @@ impl CatalogReader {
     /// ([`CatalogReader::density_sample_sql`]). Where the server refuses the statement (tables older than schema
     /// 6 lack `horizons`), they are read in separate statements from then on.
     async fn page_setup(&self, query: &ListQuery, pinned_opt: Option<u64>) -> Result<PageSetup, CatalogError> {
+        let samples = || self.density_samples.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let wants_sample = self.density_sample_sql(query).is_some();
+        let reused = match wants_sample {
+            true => samples()
+                .get(&query.stream)
+                .filter(|(taken, _)| taken.elapsed() < DENSITY_SAMPLE_REUSE)
+                .map(|(_, rows)| *rows),
+            false => None,
+        };
+        let mut setup = self.read_page_setup(query, pinned_opt, wants_sample && reused.is_none()).await?;
+        match reused {
+            Some(rows) => setup.sampled_rows_opt = rows,
+            None if wants_sample => {
+                samples().insert(query.stream.clone(), (Instant::now(), setup.sampled_rows_opt));
+            }
+            None => {}
+        }
+        Ok(setup)
+    }
+
+    /// [`CatalogReader::page_setup`] as read from the server, with the density sample where `with_sample` says.
+    async fn read_page_setup(
+        &self,
+        query: &ListQuery,
+        pinned_opt: Option<u64>,
+        with_sample: bool,
+    ) -> Result<PageSetup, CatalogError> {
         /// Arrays, since a value of a scalar subquery may come back Nullable where the server has that type, and an
         /// array cannot be.
         #[derive(clickhouse::Row, serde::Deserialize)]
@@ -798,9 +835,9 @@ impl CatalogReader {
             setup_sample: Vec<u64>,
         }
         let wants_mark = self.may_read_time_table(query) && !self.time_table_kept.load(Ordering::Relaxed);
-        let sample_opt = self.density_sample_sql(query);
+        let sample_opt = self.density_sample_sql(query).filter(|_| with_sample);
         if self.setup_apart.load(Ordering::Relaxed) {
-            return self.page_setup_apart(query, pinned_opt, wants_mark).await;
+            return self.page_setup_apart(query, pinned_opt, wants_mark, with_sample).await;
         }
         let watermark = match pinned_opt {
             Some(watermark) => format!("[toUInt64({watermark}), toUInt64(1)]"),
@@ -835,7 +872,7 @@ impl CatalogReader {
             Err(error) if error.is_unknown_table() || error.is_access_denied() => {
                 tracing::debug!(%error, "catalog: a page's setup is read in separate statements from now on");
                 self.setup_apart.store(true, Ordering::Relaxed);
-                return self.page_setup_apart(query, pinned_opt, wants_mark).await;
+                return self.page_setup_apart(query, pinned_opt, wants_mark, with_sample).await;
             }
             Err(error) => return Err(error),
         };
@@ -851,7 +888,7 @@ impl CatalogReader {
             (Some(watermark), _) => watermark,
             (None, 1..) => *highest,
             // The `watermark` table names a version `publishes` lacks: everything read again, in order.
-            (None, 0) => return self.page_setup_apart(query, None, wants_mark).await,
+            (None, 0) => return self.page_setup_apart(query, None, wants_mark, with_sample).await,
         };
         let horizon_rows = row.setup_horizons.into_iter().map(|(version, before_ns, publish_id)| HorizonRow {
             version,
@@ -874,6 +911,7 @@ impl CatalogReader {
         query: &ListQuery,
         pinned_opt: Option<u64>,
         wants_mark: bool,
+        with_sample: bool,
     ) -> Result<PageSetup, CatalogError> {
         let watermark = match pinned_opt {
             Some(watermark) => watermark,
@@ -886,7 +924,7 @@ impl CatalogReader {
             super::schema::time_table_kept(&self.client, &self.tables).await
         };
         let sample = async {
-            let Some(sample) = self.density_sample_sql(query) else { return Ok(None) };
+            let Some(sample) = self.density_sample_sql(query).filter(|_| with_sample) else { return Ok(None) };
             #[derive(clickhouse::Row, serde::Deserialize)]
             struct Sample {
                 /// [rows of the density sample, and whether they are not the listing's]
@@ -1376,7 +1414,7 @@ impl CatalogReader {
                         false => self.client.fetch_all::<CaptureLocation>(&sql).await,
                     }
                 },
-                self.newest_versions_of_first_rows(span.table, &first_rows, watermark, few),
+                self.newest_versions_of_first_rows(span.table, &first_rows, watermark),
                 async {
                     match check_horizon {
                         true => self.horizons(watermark).await.map(|horizons| horizons.before_at(watermark)),
@@ -1666,14 +1704,9 @@ impl CatalogReader {
         table: &str,
         first_rows: &str,
         watermark: u64,
-        few: bool,
     ) -> Result<Vec<NewestVersion>, CatalogError> {
         let ids = format!("SELECT UUIDStringToNum(capture_id) FROM {table} WHERE {first_rows}");
-        let sql = self.newest_versions_sql(&ids, watermark);
-        match few {
-            true => self.client.fetch_few(&sql).await,
-            false => self.client.fetch_all(&sql).await,
-        }
+        self.client.fetch_all(&self.newest_versions_sql(&ids, watermark)).await
     }
 
     /// [`CatalogReader::newest_versions_of_first_rows`] for the candidates it did not answer, by their ids:
