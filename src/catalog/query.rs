@@ -19,7 +19,14 @@
 //! shows it as an entry of its own (`expired_before_ns`) at its version, and a capture captured before it that is
 //! published after it (a producer's late arrival, gone as it comes) as a deletion at its own version. Once no reader
 //! may be pinned below it, the months below it are dropped from the tables (see [`super::purge`]). Horizons are few
-//! (one per retention step), so a read fetches the committed ones with one primary-key read of `horizons`.
+//! (one per retention step), so a read fetches them with one primary-key read of `horizons`; whether each row's
+//! publish is committed is asked of `publishes` once per reader and row, and kept ([`HorizonVerdicts`]).
+//!
+//! A reader's state (shared by its clones; the HTTP API keeps one for the daemon's life) is what it has learnt and
+//! may keep: whether `by_time` is kept (once kept, it stays), whether the page setup must be read apart (tables
+//! older than schema 6), the horizon verdicts (final, see [`HorizonVerdicts`]), and the last density sample of each
+//! listing, used again for [`DENSITY_SAMPLE_REUSE`] (it only sizes a first window). Nothing it keeps decides what a
+//! read returns except the verdicts, and those cannot change.
 //!
 //! A *move* (a compaction's switch-over, see [`super::publish::Publisher::publish_relocation`]) is likewise a row of
 //! `by_version` and `by_id` only: the same capture (stream, time, labels, record) at a new place, in a publish of no
@@ -42,11 +49,11 @@
 //! - `captures_of_version`: `by_version` at one version, O(captures of that version); `tail_page`: the publishes
 //!   after a position and one `by_version` range up to the version the page reaches, O(page) (a catching-up tail
 //!   plans a few pages from one read of `publishes` and reads them at once, in `super::tail`);
-//! - `list`: a setup statement on a first page (a later page has what its first window needs in its cursor, and
-//!   reads the horizons beside that window, the setup only if it falls short; a first page of a short range with
-//!   both ends reads the watermark and counts the range's rows instead, and then the range in one window, see
-//!   [`CatalogReader::short_range_span`]), then time windows
-//!   of `captures` (across streams: of `by_time` where the server keeps it, see [`CatalogReader::list`]), each a
+//! - `list`: a setup statement on a first page (the watermark, the time bounds, the rows of `horizons`, and the
+//!   density sample, taken at most once a minute by a reader; a later page has what its first window needs in its
+//!   cursor, and reads the horizons beside that window, the setup only if it falls short; a first page of a short
+//!   range with both ends reads the watermark and counts the range's rows instead, and then the range in one
+//!   window, see [`CatalogReader::short_range_span`]), then time windows of `captures` (across streams: of `by_time` where the server keeps it, see [`CatalogReader::list`]), each a
 //!   primary-key range, visibility against the publishes at the versions of the window's rows, and beside each
 //!   window, in parallel, a `by_id` lookup for the ids of the window's first rows (about the page's); the ids with a
 //!   newer row (a re-post, a deletion, or a compaction's move: after compaction that is most ids) have their newest
@@ -351,8 +358,12 @@ struct PageSetup {
     /// The first and the last captured_at_ns of the rows the listing is of (see [`CatalogReader::time_bounds`]);
     /// None when there are none.
     bounds_opt: Option<(u64, u64)>,
-    /// The committed horizons up to the watermark.
+    /// The horizons up to the watermark known committed.
     horizons: Horizons,
+    /// Whether a row of `horizons` up to the watermark has no verdict yet: the first window then starts where the
+    /// known horizons say, and the horizons are read beside it, as a later page reads them (checking the row), so
+    /// that a page's setup never waits for a check of `publishes`.
+    horizons_unsure: bool,
     /// Whether `by_time` is marked kept (read only when the listing may read it and it was not known kept).
     time_table_marked: bool,
     /// The rows a first page's window is sized by ([`CatalogReader::density_sample_sql`]): None on later pages,
@@ -673,6 +684,10 @@ struct HorizonRow {
 /// not committed yet gets no verdict, and is asked about again by the next read.
 type HorizonVerdicts = HashMap<(u64, String), bool>;
 
+fn verdict_of(verdicts: &HorizonVerdicts, row: &HorizonRow) -> Option<bool> {
+    verdicts.get(&(row.version, row.publish_id.clone())).copied()
+}
+
 /// How many of `sizes`, from the first, add up to at most `max_bytes` (one at least, when there is one): where a
 /// page is cut so that it stays within a byte budget.
 pub fn keep_within(sizes: impl IntoIterator<Item = usize>, max_bytes: usize) -> usize {
@@ -895,10 +910,12 @@ impl CatalogReader {
             before_ns,
             publish_id,
         });
+        let (horizons, horizons_unsure) = self.known_horizons(horizon_rows.collect(), watermark);
         Ok(PageSetup {
             watermark,
             bounds_opt: (*bound_rows > 0).then_some((*first_ns, *last_ns)),
-            horizons: self.committed_horizons(horizon_rows.collect(), watermark).await?,
+            horizons,
+            horizons_unsure,
             time_table_marked: *marks > 0,
             sampled_rows_opt: sampled_rows(*rows_sampled, *not_the_listings).filter(|_| sample_opt.is_some()),
         })
@@ -947,6 +964,7 @@ impl CatalogReader {
             watermark,
             bounds_opt: bounds?,
             horizons: horizons?,
+            horizons_unsure: false,
             time_table_marked: mark?,
             sampled_rows_opt,
         })
@@ -1136,9 +1154,6 @@ impl CatalogReader {
         rows.retain(|row| row.version <= through);
         rows.sort_unstable();
         rows.dedup_by(|a, b| (a.version, &a.publish_id) == (b.version, &b.publish_id));
-        let verdict_of = |verdicts: &HorizonVerdicts, row: &HorizonRow| {
-            verdicts.get(&(row.version, row.publish_id.clone())).copied()
-        };
         let unknown: Vec<u64> = {
             let verdicts = self.horizon_verdicts.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
             rows.iter().filter(|row| verdict_of(&verdicts, row).is_none()).map(|row| row.version).collect()
@@ -1170,9 +1185,25 @@ impl CatalogReader {
                 verdicts.insert((row.version, row.publish_id.clone()), committed);
             }
         }
+        Ok(self.known_horizons(rows, through).0)
+    }
+
+    /// The horizons of `rows` at versions up to `through` that this reader knows committed, without asking the
+    /// server, and whether a row there has no verdict yet (its horizon may then be committed, and hide more).
+    fn known_horizons(&self, rows: Vec<HorizonRow>, through: u64) -> (Horizons, bool) {
         let verdicts = self.horizon_verdicts.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let committed = rows.iter().filter(|row| verdict_of(&verdicts, row) == Some(true));
-        Ok(Horizons { committed: committed.map(|row| (row.version, row.before_ns)).collect() })
+        let mut unsure = false;
+        let mut committed = Vec::new();
+        for row in rows.into_iter().filter(|row| row.version <= through) {
+            match verdict_of(&verdicts, &row) {
+                Some(true) => committed.push((row.version, row.before_ns)),
+                Some(false) => {}
+                None => unsure = true,
+            }
+        }
+        committed.sort_unstable();
+        committed.dedup();
+        (Horizons { committed }, unsure)
     }
 
     /// The latest visible location of `capture_id` at watermark `watermark_opt` (default: now); `None` when the
@@ -1334,13 +1365,14 @@ impl CatalogReader {
             let watermark = setup.watermark;
             return Ok(Page { captures: Vec::new(), next_cursor: None, watermark, window_ns: 0, first_window_ns: 0 });
         };
-        self.read_windows(query, cursor.as_ref(), span, limit, false).await
+        self.read_windows(query, cursor.as_ref(), span, limit, setup.horizons_unsure).await
     }
 
     /// The page read in windows over `span` (see [`CatalogReader::list`]). With `check_horizon` (a later page, whose
-    /// span starts where its cursor says), the horizons are read beside the first window; should one committed at
-    /// the watermark be past the span's start (a cursor of a build before horizons, or one made up), that window's
-    /// rows are dropped and the windows start again at the horizon, as a page from the setup would.
+    /// span starts where its cursor says, or a first page whose setup met a horizon row this reader has no verdict
+    /// on), the horizons are read beside the first window; should one committed at the watermark be past the span's
+    /// start (a cursor of a build before horizons, or one made up; a horizon the setup could not count), that
+    /// window's rows are dropped and the windows start again at the horizon, as a page from the setup would.
     async fn read_windows(
         &self,
         query: &ListQuery,
