@@ -847,9 +847,9 @@ impl CatalogClient {
     }
 
     /// [`CatalogClient::fetch_all`] for a read of a few granules whatever the catalog holds (a page's setup, the
-    /// watermark, the horizons, a lookup by id): on one server thread ([`one_thread`]). Not for a read whose rows
-    /// read grow with what it looks for (a listing's window, its check in `by_id`, a page of the log, a list of ids):
-    /// on a server of many cores those gain from its threads.
+    /// watermark, the horizons, a lookup by id, a small page's window): on one server thread ([`one_thread`]). Not
+    /// for a read whose rows read grow with what it looks for (a window of a label filter or of a big page, its
+    /// check in `by_id`, a page of the log, a list of ids): on a server of many cores those gain from its threads.
     pub async fn fetch_few<T>(&self, sql: &str) -> Result<Vec<T>, CatalogError>
     where
         T: RowOwned + RowRead,

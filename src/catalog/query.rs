@@ -460,6 +460,9 @@ const FEW_ROWS_PAGE: u64 = 1000;
 /// window, and a catalog's density changes over hours, not a minute. (About 1.5 ms of a first page's setup on 18.16.)
 const DENSITY_SAMPLE_REUSE: Duration = Duration::from_secs(60);
 
+/// The most density samples a reader keeps (of streams sampled within [`DENSITY_SAMPLE_REUSE`]).
+const DENSITY_SAMPLES_KEPT: usize = 1024;
+
 #[derive(clickhouse::Row, serde::Deserialize)]
 struct NewestVersion {
     id: String,
@@ -684,6 +687,32 @@ struct HorizonRow {
 /// not committed yet gets no verdict, and is asked about again by the next read.
 type HorizonVerdicts = HashMap<(u64, String), bool>;
 
+/// The density samples a reader took of each stream (None: across streams) within [`DENSITY_SAMPLE_REUSE`], at
+/// most [`DENSITY_SAMPLES_KEPT`] of them: the streams asked about come from requests, so what is kept is bounded.
+#[derive(Debug, Default)]
+struct DensitySamples {
+    /// The sample of each stream (the rows counted, None where the count is not the listing's), and when it was
+    /// taken.
+    taken: HashMap<Option<String>, (Instant, Option<u64>)>,
+}
+
+impl DensitySamples {
+    /// The sample of `stream` taken within [`DENSITY_SAMPLE_REUSE`] before `now`, if any.
+    fn fresh(&self, stream: &Option<String>, now: Instant) -> Option<Option<u64>> {
+        let (taken, rows) = self.taken.get(stream)?;
+        (now.saturating_duration_since(*taken) < DENSITY_SAMPLE_REUSE).then_some(*rows)
+    }
+
+    /// Keeps the sample of `stream` taken at `now`, once the stale ones are gone, unless
+    /// [`DENSITY_SAMPLES_KEPT`] fresh ones are kept already.
+    fn keep(&mut self, stream: &Option<String>, rows: Option<u64>, now: Instant) {
+        self.taken.retain(|_, (taken, _)| now.saturating_duration_since(*taken) < DENSITY_SAMPLE_REUSE);
+        if self.taken.len() < DENSITY_SAMPLES_KEPT || self.taken.contains_key(stream) {
+            self.taken.insert(stream.clone(), (now, rows));
+        }
+    }
+}
+
 fn verdict_of(verdicts: &HorizonVerdicts, row: &HorizonRow) -> Option<bool> {
     verdicts.get(&(row.version, row.publish_id.clone())).copied()
 }
@@ -774,7 +803,7 @@ pub struct CatalogReader {
     horizon_verdicts: Arc<Mutex<HorizonVerdicts>>,
     /// The last density sample of each stream (None: across streams) and when it was taken, for
     /// [`DENSITY_SAMPLE_REUSE`] (shared by the clones).
-    density_samples: Arc<Mutex<HashMap<Option<String>, (Instant, Option<u64>)>>>,
+    density_samples: Arc<Mutex<DensitySamples>>,
 }
 
 impl CatalogReader {
@@ -809,19 +838,11 @@ impl CatalogReader {
     async fn page_setup(&self, query: &ListQuery, pinned_opt: Option<u64>) -> Result<PageSetup, CatalogError> {
         let samples = || self.density_samples.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let wants_sample = self.density_sample_sql(query).is_some();
-        let reused = match wants_sample {
-            true => samples()
-                .get(&query.stream)
-                .filter(|(taken, _)| taken.elapsed() < DENSITY_SAMPLE_REUSE)
-                .map(|(_, rows)| *rows),
-            false => None,
-        };
+        let reused = wants_sample.then(|| samples().fresh(&query.stream, Instant::now())).flatten();
         let mut setup = self.read_page_setup(query, pinned_opt, wants_sample && reused.is_none()).await?;
         match reused {
             Some(rows) => setup.sampled_rows_opt = rows,
-            None if wants_sample => {
-                samples().insert(query.stream.clone(), (Instant::now(), setup.sampled_rows_opt));
-            }
+            None if wants_sample => samples().keep(&query.stream, setup.sampled_rows_opt, Instant::now()),
             None => {}
         }
         Ok(setup)
@@ -2292,6 +2313,30 @@ mod tests {
             .collect();
         assert_eq!(versions, vec![4, 5, 7, 9], "entries in version order");
         assert_eq!(serde_json::to_value(&page.entries()[1]).unwrap()["expired_before_ns"], 100);
+    }
+
+    #[test]
+    fn density_samples_are_used_again_for_a_minute_and_at_most_so_many_are_kept() {
+        let start = Instant::now();
+        let mut samples = DensitySamples::default();
+        let stream = |n: usize| Some(format!("s/{n}"));
+        samples.keep(&None, Some(7), start);
+        assert_eq!(samples.fresh(&None, start + Duration::from_secs(59)), Some(Some(7)));
+        assert_eq!(samples.fresh(&None, start + DENSITY_SAMPLE_REUSE), None, "a stale sample used");
+        assert_eq!(samples.fresh(&stream(0), start), None);
+        // Streams from requests: no more than DENSITY_SAMPLES_KEPT fresh samples, and a kept one is renewed.
+        for n in 0..DENSITY_SAMPLES_KEPT + 10 {
+            samples.keep(&stream(n), Some(n as u64), start);
+        }
+        assert_eq!(samples.taken.len(), DENSITY_SAMPLES_KEPT);
+        assert_eq!(samples.fresh(&stream(DENSITY_SAMPLES_KEPT + 5), start), None);
+        samples.keep(&None, None, start + Duration::from_secs(1));
+        assert_eq!(samples.fresh(&None, start + Duration::from_secs(1)), Some(None));
+        // Once they are stale, they make room.
+        let later = start + DENSITY_SAMPLE_REUSE;
+        samples.keep(&stream(99_999), Some(1), later);
+        assert_eq!(samples.taken.len(), 2, "stale samples kept");
+        assert_eq!(samples.fresh(&stream(99_999), later), Some(Some(1)));
     }
 
     #[test]
