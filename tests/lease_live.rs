@@ -1730,7 +1730,7 @@ for_each_version!(a_horizon_row_hides_captures_only_once_its_own_publish_is_comm
 /// another publish was committed at its version. A listing's setup, `get` and a read of the horizons agree, on a
 /// reader that has met the rows before and on a fresh one.
 async fn a_horizon_row_hides_captures_only_once_its_own_publish_is_committed(server: &'static ClickHouseServer) {
-    let catalog = catalog(server, false).await;
+    let catalog = catalog(server, true).await;
     let name = &catalog.config.catalog_name;
     // 30 captures of s/1, one a second from 1 s on, at version 1.
     let publish_id = Uuid::now_v7();
@@ -1786,6 +1786,61 @@ async fn a_horizon_row_hides_captures_only_once_its_own_publish_is_committed(ser
             assert_eq!(reader.horizons(u64::MAX).await.unwrap().before_at(u64::MAX), 10_000_000_000);
         }
     }
+    // A reader checks a row against `publishes` once: a fresh one reads `horizons` and `publishes`, then `horizons`
+    // alone.
+    let requests = catalog.proxy.as_ref().unwrap().count_requests_containing("POST /");
+    let fresh = catalog.reader();
+    for expected in [2, 1, 1] {
+        let before = requests.load(Ordering::SeqCst);
+        assert_eq!(fresh.horizons(u64::MAX).await.unwrap().before_at(u64::MAX), 10_000_000_000);
+        assert_eq!(requests.load(Ordering::SeqCst), before + expected, "statements for the horizons");
+    }
+}
+
+for_each_version!(a_reader_starts_a_first_page_at_a_horizon_it_has_not_checked_yet);
+/// A first page's setup takes a horizon row it has no verdict on as committed (it is, but for a failed publish's
+/// orphan), so its first window starts at the horizon and is sized by the time after it: the time bounds still
+/// reach back to captures the horizon hides. The check beside that window confirms it.
+async fn a_reader_starts_a_first_page_at_a_horizon_it_has_not_checked_yet(server: &'static ClickHouseServer) {
+    let catalog = catalog(server, true).await;
+    let name = &catalog.config.catalog_name;
+    // 3000 captures of s/1, 10 ms apart, from 10 ms to 30 s, at version 1; a horizon before 10 s at version 2.
+    let publish_id = Uuid::now_v7();
+    server
+        .query(&format!(
+            "INSERT INTO {} (catalog, stream, captured_at_ns, capture_id, pack_id, version, publish_id) SELECT \
+             '{name}', 's/1', (number + 1) * 10000000, toString(generateUUIDv4()), 'p', 1, '{publish_id}' FROM \
+             numbers(3000)",
+            catalog.tables.captures
+        ))
+        .unwrap();
+    catalog.commit_row(1, publish_id);
+    let horizon = Uuid::now_v7();
+    server
+        .query(&format!(
+            "INSERT INTO {} (catalog, before_ns, version, publish_id, written_at_ms) VALUES ('{name}', 10000000000, \
+             2, '{horizon}', 0)",
+            catalog.tables.horizons
+        ))
+        .unwrap();
+    catalog.commit_row(2, horizon);
+    let query = ListQuery { stream: Some("s/1".into()), limit: 100, ..Default::default() };
+    let requests = catalog.proxy.as_ref().unwrap().count_requests_containing("POST /");
+    for reader in [catalog.reader(), catalog.reader()] {
+        // Twice on one reader: without a verdict, then with it. The same windows either way (the first, 1/64 of the
+        // time from the horizon to the last capture, holds 31 captures, and the next, eight times as wide, the rest
+        // of the page), each with its check in `by_id`, after the setup; without a verdict, beside the first window,
+        // the horizons and their check. (Started at the first capture, a page reads more: a window before the
+        // horizon, or the page again once the horizon is checked.)
+        for statements in [7, 5] {
+            let before = requests.load(Ordering::SeqCst);
+            let page = reader.list(&query).await.unwrap();
+            let times: Vec<u64> = page.captures.iter().map(|c| c.captured_at_ns).collect();
+            assert_eq!(times, (1000..1100u64).map(|n| n * 10_000_000).collect::<Vec<_>>());
+            assert_eq!(page.first_window_ns(), (30_000_000_000 + 1 - 10_000_000_000) / 64);
+            assert_eq!(requests.load(Ordering::SeqCst), before + statements, "statements of a first page");
+        }
+    }
 }
 
 for_each_version!(a_reader_uses_its_density_sample_again_for_the_next_first_pages_of_a_listing);
@@ -1832,6 +1887,43 @@ async fn a_reader_uses_its_density_sample_again_for_the_next_first_pages_of_a_li
     );
     assert_eq!(positions(&reused), positions(&fresh), "a window sized by the older sample listed otherwise");
     assert_eq!(reused.captures.len(), 10);
+}
+
+for_each_version!(a_label_filter_in_a_small_stream_reads_its_first_page_in_one_window);
+/// A label filter's first window holds at least a granule's worth of the stream's rows at its sampled density (the
+/// server reads whole granules anyway): in a stream of 10,000 captures, a label on one capture in seven fills a page
+/// of 100 from one window (a setup, one window and its check in `by_id`), where 1/64 of the stream's span held about
+/// 20 matches. The page is the stream's first 100 captures with the label.
+async fn a_label_filter_in_a_small_stream_reads_its_first_page_in_one_window(server: &'static ClickHouseServer) {
+    let catalog = catalog(server, true).await;
+    let name = &catalog.config.catalog_name;
+    let publish_id = Uuid::now_v7();
+    server
+        .query(&format!(
+            "INSERT INTO {} (catalog, stream, captured_at_ns, capture_id, pack_id, version, publish_id, label_keys, \
+             label_values) SELECT '{name}', 's/1', 1000000000 + number * 10000000, toString(generateUUIDv4()), 'p', 1, \
+             '{publish_id}', ['site'], [concat('s', toString(number % 7))] FROM numbers(10000)",
+            catalog.tables.captures
+        ))
+        .unwrap();
+    catalog.commit_row(1, publish_id);
+    let reader = catalog.reader();
+    let requests = catalog.proxy.as_ref().unwrap().count_requests_containing("POST /");
+    let before = requests.load(Ordering::SeqCst);
+    let query = ListQuery {
+        stream: Some("s/1".into()),
+        labels: BTreeMap::from([("site".to_string(), "s3".to_string())]),
+        limit: 100,
+        ..Default::default()
+    };
+    let page = reader.list(&query).await.unwrap();
+    assert_eq!(requests.load(Ordering::SeqCst), before + 3, "not a setup, one window and its check");
+    let times: Vec<u64> = page.captures.iter().map(|c| c.captured_at_ns).collect();
+    let expected: Vec<u64> =
+        (0..10_000u64).filter(|n| n % 7 == 3).take(100).map(|n| 1_000_000_000 + n * 10_000_000).collect();
+    assert_eq!(times, expected);
+    assert!(page.captures.iter().all(|c| c.labels_map()["site"] == "s3"));
+    assert!(page.next_cursor.is_some());
 }
 
 /// Where a page's captures are in listing order: (captured_at_ns, capture_id).

@@ -358,12 +358,15 @@ struct PageSetup {
     /// The first and the last captured_at_ns of the rows the listing is of (see [`CatalogReader::time_bounds`]);
     /// None when there are none.
     bounds_opt: Option<(u64, u64)>,
-    /// The horizons up to the watermark known committed.
+    /// The horizons up to the watermark, known committed or, where [`PageSetup::horizons_unsure`], presumed so.
     horizons: Horizons,
-    /// Whether a row of `horizons` up to the watermark has no verdict yet: the first window then starts where the
-    /// known horizons say, and the horizons are read beside it, as a later page reads them (checking the row), so
-    /// that a page's setup never waits for a check of `publishes`.
+    /// Whether a row of `horizons` up to the watermark has no verdict yet. It is then presumed committed (a row at
+    /// or below the watermark is a horizon's commit but for an orphan of a failed publish), so that a page's setup
+    /// never waits for a check of `publishes`: the first window reads the horizons beside it, as a later page does,
+    /// checking the row, and the page is read again should the presumption be wrong ([`CatalogReader::list`]).
     horizons_unsure: bool,
+    /// The rows of `horizons` the setup read (for that check).
+    horizon_rows: Vec<HorizonRow>,
     /// Whether `by_time` is marked kept (read only when the listing may read it and it was not known kept).
     time_table_marked: bool,
     /// The rows a first page's window is sized by ([`CatalogReader::density_sample_sql`]): None on later pages,
@@ -424,16 +427,23 @@ struct TimeBounds {
 const FIRST_WINDOW_FRACTION_ONE_STREAM: u64 = 64;
 const FIRST_WINDOW_FRACTION_ALL_STREAMS: u64 = 1024;
 /// A first page knows roughly how dense the rows it lists are: across streams, the catalog's rows over its whole
-/// span (its month partitions' rows in `system.parts`, duplicates and rows below the horizon included); in one stream
-/// without a label filter, the stream's rows in the last [`DENSITY_SAMPLE_FRACTION`] of its span. Its first window is
-/// then at most what holds this many pages at that density, so that it reads about the page, not 1/1024 of the
-/// catalog (10k rows at 10M captures, 100k at 100M) or 1/64 of the stream (16k rows of a stream of 1M).
+/// span (its month partitions' rows in `system.parts`, duplicates and rows below the horizon included); in one stream,
+/// the stream's rows in the last [`DENSITY_SAMPLE_FRACTION`] of its span. Its first window is then at most what
+/// holds this many pages at that density, so that it reads about the page, not 1/1024 of the catalog (10k rows at
+/// 10M captures, 100k at 100M) or 1/64 of the stream (16k rows of a stream of 1M); a label filter's, at least
+/// [`LABEL_FIRST_WINDOW_ROWS`].
 const FIRST_WINDOW_PAGES: u64 = 4;
 /// The part of a stream's span, at its end, whose rows a first page of the stream counts ([`FIRST_WINDOW_PAGES`]):
 /// a count of one key column over a primary-key range, a sixteenth of the rows of the window it sizes. (The end,
-/// since a retention horizon moves its start.) A label filter keeps the span's fraction, as the matches of a label
-/// are fewer than the stream's rows by a factor nothing here knows.
+/// since a retention horizon moves its start.)
 const DENSITY_SAMPLE_FRACTION: u64 = 1024;
+/// The fewest rows, at the sampled density, a label filter's first window holds: a granule of `captures` (the
+/// server's default `index_granularity`). The matches of a label are fewer than the rows by a factor nothing here
+/// knows, so its window is not narrowed to [`FIRST_WINDOW_PAGES`] of rows; and the server reads a whole granule
+/// whatever part of it a window holds, so a narrower one saves nothing and only risks a second window. In one stream
+/// the window is otherwise the span's fraction: at 1M captures (100 streams) 1/64 of a stream held about 150 rows,
+/// 20 matches of a label of one row in seven, and a page of 100 took two windows one after the other.
+const LABEL_FIRST_WINDOW_ROWS: u64 = 8192;
 const WINDOW_GROWTH: u64 = 8;
 /// A later page starts with a window of this many times the time the page before's rows took (its cursor carries
 /// it): the density just read, with room for it to thin out, so that a later page is almost always one window (one
@@ -931,12 +941,14 @@ impl CatalogReader {
             before_ns,
             publish_id,
         });
-        let (horizons, horizons_unsure) = self.known_horizons(horizon_rows.collect(), watermark);
+        let horizon_rows: Vec<HorizonRow> = horizon_rows.collect();
+        let (horizons, horizons_unsure) = self.presumed_horizons(&horizon_rows, watermark);
         Ok(PageSetup {
             watermark,
             bounds_opt: (*bound_rows > 0).then_some((*first_ns, *last_ns)),
             horizons,
             horizons_unsure,
+            horizon_rows,
             time_table_marked: *marks > 0,
             sampled_rows_opt: sampled_rows(*rows_sampled, *not_the_listings).filter(|_| sample_opt.is_some()),
         })
@@ -986,6 +998,7 @@ impl CatalogReader {
             bounds_opt: bounds?,
             horizons: horizons?,
             horizons_unsure: false,
+            horizon_rows: Vec::new(),
             time_table_marked: mark?,
             sampled_rows_opt,
         })
@@ -1009,19 +1022,16 @@ impl CatalogReader {
         self.time_table_kept.load(Ordering::Relaxed).then_some(&self.tables.by_time)
     }
 
-    /// The statement that counts the rows a first page's window is sized by ([`FIRST_WINDOW_PAGES`]), as `[rows,
-    /// whether they are not the listing's]`: across streams, [`CatalogReader::partition_rows_sql`]; in one stream
-    /// without a label filter, its rows (duplicates included) in the last [`DENSITY_SAMPLE_FRACTION`] of the span
-    /// its `time_bounds` give, [`density_sample_span`] ns. None on a later page, which has the window its cursor
-    /// carries, and for a label filter.
+    /// The statement that counts the rows a first page's window is sized by ([`FIRST_WINDOW_PAGES`],
+    /// [`LABEL_FIRST_WINDOW_ROWS`]), as `[rows, whether they are not the listing's]`: across streams,
+    /// [`CatalogReader::partition_rows_sql`]; in one stream, its rows (duplicates included, a label filter's or
+    /// not) in the last [`DENSITY_SAMPLE_FRACTION`] of the span its `time_bounds` give, [`density_sample_span`] ns.
+    /// None on a later page, which has the window its cursor carries.
     fn density_sample_sql(&self, query: &ListQuery) -> Option<String> {
         if query.cursor.is_some() {
             return None;
         }
         let Some(stream) = &query.stream else { return Some(self.partition_rows_sql()) };
-        if !query.labels.is_empty() {
-            return None;
-        }
         // (`toUInt64` of the difference: unsigned minus is signed in ClickHouse, and a time past 2262 overflows it.)
         Some(format!(
             "SELECT [count(), toUInt64(0)] FROM {captures} WHERE catalog = {catalog} AND stream = {stream} AND \
@@ -1206,25 +1216,36 @@ impl CatalogReader {
                 verdicts.insert((row.version, row.publish_id.clone()), committed);
             }
         }
-        Ok(self.known_horizons(rows, through).0)
+        Ok(self.known_horizons(rows, through))
     }
 
     /// The horizons of `rows` at versions up to `through` that this reader knows committed, without asking the
-    /// server, and whether a row there has no verdict yet (its horizon may then be committed, and hide more).
-    fn known_horizons(&self, rows: Vec<HorizonRow>, through: u64) -> (Horizons, bool) {
+    /// server.
+    fn known_horizons(&self, rows: Vec<HorizonRow>, through: u64) -> Horizons {
         let verdicts = self.horizon_verdicts.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let mut unsure = false;
-        let mut committed = Vec::new();
-        for row in rows.into_iter().filter(|row| row.version <= through) {
-            match verdict_of(&verdicts, &row) {
-                Some(true) => committed.push((row.version, row.before_ns)),
-                Some(false) => {}
-                None => unsure = true,
-            }
-        }
+        let committed = rows.iter().filter(|row| row.version <= through && verdict_of(&verdicts, row) == Some(true));
+        let mut committed: Vec<(u64, u64)> = committed.map(|row| (row.version, row.before_ns)).collect();
         committed.sort_unstable();
         committed.dedup();
-        (Horizons { committed }, unsure)
+        Horizons { committed }
+    }
+
+    /// The horizons of `rows` at versions up to `through` not known uncommitted (those without a verdict presumed
+    /// committed), without asking the server, and whether one has no verdict yet.
+    fn presumed_horizons(&self, rows: &[HorizonRow], through: u64) -> (Horizons, bool) {
+        let verdicts = self.horizon_verdicts.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut unsure = false;
+        let mut presumed = Vec::new();
+        for row in rows.iter().filter(|row| row.version <= through) {
+            let verdict = verdict_of(&verdicts, row);
+            unsure |= verdict.is_none();
+            if verdict != Some(false) {
+                presumed.push((row.version, row.before_ns));
+            }
+        }
+        presumed.sort_unstable();
+        presumed.dedup();
+        (Horizons { committed: presumed }, unsure)
     }
 
     /// The latest visible location of `capture_id` at watermark `watermark_opt` (default: now); `None` when the
@@ -1381,12 +1402,28 @@ impl CatalogReader {
                 ShortRange::NotBounded => {}
             }
         }
-        let setup = self.page_setup(query, pinned_opt).await?;
+        let mut setup = self.page_setup(query, pinned_opt).await?;
         let Some(span) = self.first_window_span(query, cursor.as_ref(), &setup, limit) else {
             let watermark = setup.watermark;
             return Ok(Page { captures: Vec::new(), next_cursor: None, watermark, window_ns: 0, first_window_ns: 0 });
         };
-        self.read_windows(query, cursor.as_ref(), span, limit, setup.horizons_unsure).await
+        let page = self.read_windows(query, cursor.as_ref(), span, limit, setup.horizons_unsure).await?;
+        if !setup.horizons_unsure {
+            return Ok(page);
+        }
+        // The horizons were presumed committed; the check beside the first window has them known now. Should one
+        // not be (a rare orphan of a horizon's failed publish), the windows started too late: read them again, from
+        // the horizons checked.
+        let watermark = setup.watermark;
+        let checked = self.committed_horizons(std::mem::take(&mut setup.horizon_rows), watermark).await?;
+        if checked.before_at(watermark) == setup.horizons.before_at(watermark) {
+            return Ok(page);
+        }
+        setup.horizons = checked;
+        match self.first_window_span(query, cursor.as_ref(), &setup, limit) {
+            Some(span) => self.read_windows(query, cursor.as_ref(), span, limit, false).await,
+            None => Ok(page),
+        }
     }
 
     /// The page read in windows over `span` (see [`CatalogReader::list`]). With `check_horizon` (a later page, whose
@@ -1638,8 +1675,18 @@ impl CatalogReader {
                     Some(_) => density_sample_span(first_ns, last_ns),
                     None => whole,
                 };
-                let pages = u128::from(sampled_ns) * u128::from(limit * FIRST_WINDOW_PAGES) / u128::from(rows);
-                first = first.min(u64::try_from(pages).unwrap_or(u64::MAX));
+                // The time that holds `wanted` rows at the sampled density.
+                let holding = |wanted: u64| {
+                    u64::try_from(u128::from(sampled_ns) * u128::from(wanted) / u128::from(rows)).unwrap_or(u64::MAX)
+                };
+                // (Across streams the window of a label filter is narrowed too, and widened again below: 1/1024 of
+                // a catalog of 100M captures is 100k rows.)
+                if query.labels.is_empty() || query.stream.is_none() {
+                    first = first.min(holding(limit * FIRST_WINDOW_PAGES));
+                }
+                if !query.labels.is_empty() {
+                    first = first.max(holding(LABEL_FIRST_WINDOW_ROWS));
+                }
             }
             first.max(1)
         });
