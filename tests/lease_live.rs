@@ -1890,10 +1890,10 @@ async fn a_reader_uses_its_density_sample_again_for_the_next_first_pages_of_a_li
 }
 
 for_each_version!(a_label_filter_in_a_small_stream_reads_its_first_page_in_one_window);
-/// A label filter's first window holds at least a granule's worth of the stream's rows at its sampled density (the
-/// server reads whole granules anyway): in a stream of 10,000 captures, a label on one capture in seven fills a page
-/// of 100 from one window (a setup, one window and its check in `by_id`), where 1/64 of the stream's span held about
-/// 20 matches. The page is the stream's first 100 captures with the label.
+/// A label filter's first window holds at least 16 pages of the stream's rows at its sampled density: in a stream
+/// of 10,000 captures, a label on one capture in seven fills a page of 100 from one window (a setup, one window and
+/// its check in `by_id`), where 1/64 of the stream's span held about 20 matches. The page is the stream's first 100
+/// captures with the label.
 async fn a_label_filter_in_a_small_stream_reads_its_first_page_in_one_window(server: &'static ClickHouseServer) {
     let catalog = catalog(server, true).await;
     let name = &catalog.config.catalog_name;
@@ -2050,15 +2050,15 @@ async fn a_first_page_of_a_dense_stream_reads_a_window_of_about_four_pages_not_a
     );
     assert_eq!(page.window_ns(), 2 * 99_001, "the next window holds two pages at the density just read");
     // A label's matches may be any part of the stream's rows: its first window is not narrowed to four pages of
-    // rows. It holds a granule's worth (8192 rows: about 8.2 ms at 98 rows in 97.7 µs), wider here than 1/64 of the
-    // span (1,563 rows).
+    // rows. It holds 1/64 of the span (1,563 rows) where that is more than 16 pages (1,600 rows: about 1.6 ms at 98
+    // rows in 97.7 µs), and 16 pages here.
     let labelled = ListQuery { labels: BTreeMap::from([("site".into(), "a".into())]), ..dense.clone() };
     let page = reader.list(&labelled).await.unwrap();
     assert_eq!(page.captures.len(), 100);
-    let granule_ns = 99_999_001 / 1024 * 8192 / 98;
+    let sixteen_pages_ns = 99_999_001 / 1024 * 1600 / 98;
     assert!(
-        page.first_window_ns().abs_diff(granule_ns) * 50 < granule_ns,
-        "a label filter's first window does not hold a granule's worth of rows: {} ns",
+        page.first_window_ns().abs_diff(sixteen_pages_ns) * 50 < sixteen_pages_ns,
+        "a label filter's first window does not hold 16 pages of rows: {} ns",
         page.first_window_ns()
     );
 

@@ -431,19 +431,20 @@ const FIRST_WINDOW_FRACTION_ALL_STREAMS: u64 = 1024;
 /// the stream's rows in the last [`DENSITY_SAMPLE_FRACTION`] of its span. Its first window is then at most what
 /// holds this many pages at that density, so that it reads about the page, not 1/1024 of the catalog (10k rows at
 /// 10M captures, 100k at 100M) or 1/64 of the stream (16k rows of a stream of 1M); a label filter's, at least
-/// [`LABEL_FIRST_WINDOW_ROWS`].
+/// [`LABEL_FIRST_WINDOW_PAGES`].
 const FIRST_WINDOW_PAGES: u64 = 4;
 /// The part of a stream's span, at its end, whose rows a first page of the stream counts ([`FIRST_WINDOW_PAGES`]):
 /// a count of one key column over a primary-key range, a sixteenth of the rows of the window it sizes. (The end,
 /// since a retention horizon moves its start.)
 const DENSITY_SAMPLE_FRACTION: u64 = 1024;
-/// The fewest rows, at the sampled density, a label filter's first window holds: a granule of `captures` (the
-/// server's default `index_granularity`). The matches of a label are fewer than the rows by a factor nothing here
-/// knows, so its window is not narrowed to [`FIRST_WINDOW_PAGES`] of rows; and the server reads a whole granule
-/// whatever part of it a window holds, so a narrower one saves nothing and only risks a second window. In one stream
-/// the window is otherwise the span's fraction: at 1M captures (100 streams) 1/64 of a stream held about 150 rows,
-/// 20 matches of a label of one row in seven, and a page of 100 took two windows one after the other.
-const LABEL_FIRST_WINDOW_ROWS: u64 = 8192;
+/// The fewest pages of rows, at the sampled density, a label filter's first window holds: a label matching one
+/// capture in this many or more fills a page from its first window. The matches of a label are fewer than the rows by
+/// a factor nothing here knows, so its window is not narrowed to [`FIRST_WINDOW_PAGES`] of rows; in one stream it is
+/// otherwise the span's fraction, and at 1M captures (100 streams) 1/64 of a stream held about 150 rows, 20 matches of
+/// a label on one capture in seven, so a page of 100 took two windows one after the other. Not wider: a window's
+/// cost grows with its matches (each is sorted and checked against the publishes), and a granule's worth of rows
+/// (8192) there took 41 ms on 18.16, against 45 for the two windows.
+const LABEL_FIRST_WINDOW_PAGES: u64 = 16;
 const WINDOW_GROWTH: u64 = 8;
 /// A later page starts with a window of this many times the time the page before's rows took (its cursor carries
 /// it): the density just read, with room for it to thin out, so that a later page is almost always one window (one
@@ -1023,7 +1024,7 @@ impl CatalogReader {
     }
 
     /// The statement that counts the rows a first page's window is sized by ([`FIRST_WINDOW_PAGES`],
-    /// [`LABEL_FIRST_WINDOW_ROWS`]), as `[rows, whether they are not the listing's]`: across streams,
+    /// [`LABEL_FIRST_WINDOW_PAGES`]), as `[rows, whether they are not the listing's]`: across streams,
     /// [`CatalogReader::partition_rows_sql`]; in one stream, its rows (duplicates included, a label filter's or
     /// not) in the last [`DENSITY_SAMPLE_FRACTION`] of the span its `time_bounds` give, [`density_sample_span`] ns.
     /// None on a later page, which has the window its cursor carries.
@@ -1685,7 +1686,7 @@ impl CatalogReader {
                     first = first.min(holding(limit * FIRST_WINDOW_PAGES));
                 }
                 if !query.labels.is_empty() {
-                    first = first.max(holding(LABEL_FIRST_WINDOW_ROWS));
+                    first = first.max(holding(limit * LABEL_FIRST_WINDOW_PAGES));
                 }
             }
             first.max(1)
