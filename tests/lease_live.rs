@@ -1828,7 +1828,7 @@ async fn a_reader_starts_a_first_page_at_a_horizon_it_has_not_checked_yet(server
     let requests = catalog.proxy.as_ref().unwrap().count_requests_containing("POST /");
     for reader in [catalog.reader(), catalog.reader()] {
         // Twice on one reader: without a verdict, then with it. The same windows either way (the first, 1/64 of the
-        // time from the horizon to the last capture, holds 31 captures, and the next, eight times as wide, the rest
+        // time from the horizon to the last capture, holds 32 captures, and the next, eight times as wide, the rest
         // of the page), each with its check in `by_id`, after the setup; without a verdict, beside the first window,
         // the horizons and their check. (Started at the first capture, a page reads more: a window before the
         // horizon, or the page again once the horizon is checked.)
@@ -2050,17 +2050,16 @@ async fn a_first_page_of_a_dense_stream_reads_a_window_of_about_four_pages_not_a
     );
     assert_eq!(page.window_ns(), 2 * 99_001, "the next window holds two pages at the density just read");
     // A label's matches may be any part of the stream's rows: its first window is not narrowed to four pages of
-    // rows. It holds 1/64 of the span (1,563 rows) where that is more than 16 pages (1,600 rows: about 1.6 ms at 98
-    // rows in 97.7 µs), and 16 pages here.
+    // rows. It holds 16 pages of rows at the sampled density (98 rows in the last 97,657 ns) where that is more than
+    // 1/64 of the span (1,563 rows), and no more than eight times 1/64.
     let labelled = ListQuery { labels: BTreeMap::from([("site".into(), "a".into())]), ..dense.clone() };
-    let page = reader.list(&labelled).await.unwrap();
-    assert_eq!(page.captures.len(), 100);
-    let sixteen_pages_ns = 99_999_001 / 1024 * 1600 / 98;
-    assert!(
-        page.first_window_ns().abs_diff(sixteen_pages_ns) * 50 < sixteen_pages_ns,
-        "a label filter's first window does not hold 16 pages of rows: {} ns",
-        page.first_window_ns()
-    );
+    for (limit, first_window_ns) in
+        [(10, 99_999_001 / 64), (500, (99_999_001 / 1024 + 1) * 8000 / 98), (1000, 99_999_001 / 64 * 8)]
+    {
+        let page = reader.list(&ListQuery { limit, ..labelled.clone() }).await.unwrap();
+        assert_eq!(page.captures.len() as u64, limit);
+        assert_eq!(page.first_window_ns(), first_window_ns, "a label filter's first window of a page of {limit}");
+    }
 
     // Sized by its dense end, the first window of `late` holds none of its start: windows grow until the page is
     // full, and every capture is listed once, in order.

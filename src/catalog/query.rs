@@ -53,7 +53,8 @@
 //!   density sample, taken at most once a minute by a reader; a later page has what its first window needs in its
 //!   cursor, and reads the horizons beside that window, the setup only if it falls short; a first page of a short
 //!   range with both ends reads the watermark and counts the range's rows instead, and then the range in one
-//!   window, see [`CatalogReader::short_range_span`]), then time windows of `captures` (across streams: of `by_time` where the server keeps it, see [`CatalogReader::list`]), each a
+//!   window, see [`CatalogReader::short_range_span`]; beside the first window, a reader checks the horizon rows it
+//!   has no verdict on, and reads again should one presumed committed not be), then time windows of `captures` (across streams: of `by_time` where the server keeps it, see [`CatalogReader::list`]), each a
 //!   primary-key range, visibility against the publishes at the versions of the window's rows, and beside each
 //!   window, in parallel, a `by_id` lookup for the ids of the window's first rows (about the page's); the ids with a
 //!   newer row (a re-post, a deletion, or a compaction's move: after compaction that is most ids) have their newest
@@ -437,8 +438,9 @@ const FIRST_WINDOW_PAGES: u64 = 4;
 /// a count of one key column over a primary-key range, a sixteenth of the rows of the window it sizes. (The end,
 /// since a retention horizon moves its start.)
 const DENSITY_SAMPLE_FRACTION: u64 = 1024;
-/// The fewest pages of rows, at the sampled density, a label filter's first window holds: a label matching one
-/// capture in this many or more fills a page from its first window. The matches of a label are fewer than the rows by
+/// The fewest pages of rows, at the sampled density, a label filter's first window holds (up to what the window
+/// after a fraction's would hold): a label on one capture in this many, or more often, fills a page from its first
+/// window. The matches of a label are fewer than the rows by
 /// a factor nothing here knows, so its window is not narrowed to [`FIRST_WINDOW_PAGES`] of rows; in one stream it is
 /// otherwise the span's fraction, and at 1M captures (100 streams) 1/64 of a stream held about 150 rows, 20 matches of
 /// a label on one capture in seven, so a page of 100 took two windows one after the other. Not wider: a window's
@@ -1408,22 +1410,21 @@ impl CatalogReader {
             let watermark = setup.watermark;
             return Ok(Page { captures: Vec::new(), next_cursor: None, watermark, window_ns: 0, first_window_ns: 0 });
         };
+        let presumed_start = span.start;
         let page = self.read_windows(query, cursor.as_ref(), span, limit, setup.horizons_unsure).await?;
         if !setup.horizons_unsure {
             return Ok(page);
         }
         // The horizons were presumed committed; the check beside the first window has them known now. Should one
-        // not be (a rare orphan of a horizon's failed publish), the windows started too late: read them again, from
-        // the horizons checked.
+        // not be (a rare orphan of a horizon's failed publish) and the windows have started too late for it, read
+        // them again, from the horizons checked.
         let watermark = setup.watermark;
-        let checked = self.committed_horizons(std::mem::take(&mut setup.horizon_rows), watermark).await?;
-        if checked.before_at(watermark) == setup.horizons.before_at(watermark) {
-            return Ok(page);
-        }
-        setup.horizons = checked;
+        setup.horizons = self.committed_horizons(std::mem::take(&mut setup.horizon_rows), watermark).await?;
         match self.first_window_span(query, cursor.as_ref(), &setup, limit) {
-            Some(span) => self.read_windows(query, cursor.as_ref(), span, limit, false).await,
-            None => Ok(page),
+            Some(span) if span.start < presumed_start => {
+                self.read_windows(query, cursor.as_ref(), span, limit, false).await
+            }
+            _ => Ok(page),
         }
     }
 
@@ -1680,13 +1681,16 @@ impl CatalogReader {
                 let holding = |wanted: u64| {
                     u64::try_from(u128::from(sampled_ns) * u128::from(wanted) / u128::from(rows)).unwrap_or(u64::MAX)
                 };
-                // (Across streams the window of a label filter is narrowed too, and widened again below: 1/1024 of
-                // a catalog of 100M captures is 100k rows.)
+                // (Across streams a label filter's window is not kept at 1/1024 of the span: that is 100k rows of
+                // a catalog of 100M captures. It is set by the pages below.)
                 if query.labels.is_empty() || query.stream.is_none() {
                     first = first.min(holding(limit * FIRST_WINDOW_PAGES));
                 }
+                // Widened no further than the window after a fraction's would have grown to: the density is
+                // sampled at the end, and a stream sparser there than before would widen it to the whole history.
                 if !query.labels.is_empty() {
-                    first = first.max(holding(limit * LABEL_FIRST_WINDOW_PAGES));
+                    let grown = (whole / fraction).saturating_mul(WINDOW_GROWTH);
+                    first = first.max(holding(limit * LABEL_FIRST_WINDOW_PAGES).min(grown));
                 }
             }
             first.max(1)
