@@ -96,6 +96,36 @@ impl Catalog {
             .unwrap();
     }
 
+    /// `count` capture rows of stream `s/1` at `version` under `publish_id`, written on the server from
+    /// `numbers(count)`, over a direct connection: the n-th (`number`) captured at `captured_at`, labelled
+    /// `labels` (`[keys], [values]`), both expressions of `number`.
+    fn insert_numbered_captures(&self, count: u64, captured_at: &str, labels: &str, version: u64, publish_id: Uuid) {
+        self.server
+            .query(&format!(
+                "INSERT INTO {} (catalog, stream, captured_at_ns, capture_id, pack_id, version, publish_id, \
+                 label_keys, label_values) SELECT '{}', 's/1', {captured_at}, toString(generateUUIDv4()), 'p', \
+                 {version}, '{publish_id}', {labels} FROM numbers({count})",
+                self.tables.captures, self.config.catalog_name
+            ))
+            .unwrap();
+    }
+
+    /// A row of `horizons` (not its commit), over a direct connection.
+    fn insert_horizon_row(&self, version: u64, before_ns: u64, publish_id: Uuid) {
+        self.server
+            .query(&format!(
+                "INSERT INTO {} (catalog, before_ns, version, publish_id, written_at_ms) VALUES ('{}', {before_ns}, \
+                 {version}, '{publish_id}', 0)",
+                self.tables.horizons, self.config.catalog_name
+            ))
+            .unwrap();
+    }
+
+    /// A count of the statements sent through the proxy from now on.
+    fn statements(&self) -> Arc<AtomicU64> {
+        self.proxy.as_ref().expect("a catalog behind a proxy").count_requests_containing("POST /")
+    }
+
     /// The `publishes` row that commits `(version, publish_id)`, over a direct connection.
     fn commit_row(&self, version: u64, publish_id: Uuid) {
         self.server
@@ -1699,13 +1729,7 @@ async fn a_short_range_is_read_in_one_window_beside_its_horizons_and_a_longer_on
     // from the horizon on; one pinned at version 1, below it, lists the whole range.
     let horizon_id = Uuid::now_v7();
     let before_ns = 1_000_000_000 + 10_025_000;
-    server
-        .query(&format!(
-            "INSERT INTO {} (catalog, before_ns, version, publish_id, written_at_ms) VALUES ('{name}', {before_ns}, 2, \
-             '{horizon_id}', 0)",
-            catalog.tables.horizons
-        ))
-        .unwrap();
+    catalog.insert_horizon_row(2, before_ns, horizon_id);
     catalog.commit_row(2, horizon_id);
     let (since, until) = (1_000_000_000 + 10_000_000, 1_000_000_000 + 10_050_000);
     let query = ListQuery {
@@ -1731,7 +1755,6 @@ for_each_version!(a_horizon_row_hides_captures_only_once_its_own_publish_is_comm
 /// reader that has met the rows before and on a fresh one.
 async fn a_horizon_row_hides_captures_only_once_its_own_publish_is_committed(server: &'static ClickHouseServer) {
     let catalog = catalog(server, true).await;
-    let name = &catalog.config.catalog_name;
     // 30 captures of s/1, one a second from 1 s on, at version 1.
     let publish_id = Uuid::now_v7();
     let captures: Vec<Uuid> = (0..30).map(|_| Uuid::now_v7()).collect();
@@ -1739,16 +1762,6 @@ async fn a_horizon_row_hides_captures_only_once_its_own_publish_is_committed(ser
         catalog.insert_capture_row(*capture, "s/1", (n as u64 + 1) * 1_000_000_000, 1, publish_id);
     }
     catalog.commit_row(1, publish_id);
-    let horizon_row = |version: u64, before_s: u64, publish_id: Uuid| {
-        server
-            .query(&format!(
-                "INSERT INTO {} (catalog, before_ns, version, publish_id, written_at_ms) VALUES ('{name}', {}, \
-                 {version}, '{publish_id}', 0)",
-                catalog.tables.horizons,
-                before_s * 1_000_000_000
-            ))
-            .unwrap();
-    };
     let query = ListQuery { limit: 100, ..Default::default() };
     let warm = catalog.reader();
     let listed = |page: &Page| page.captures.iter().map(|c| c.capture_id.clone()).collect::<Vec<_>>();
@@ -1757,7 +1770,7 @@ async fn a_horizon_row_hides_captures_only_once_its_own_publish_is_committed(ser
 
     // A horizon before 10 s at version 2, its publish not committed (yet): it hides nothing.
     let horizon = Uuid::now_v7();
-    horizon_row(2, 10, horizon);
+    catalog.insert_horizon_row(2, 10_000_000_000, horizon);
     for reader in [&warm, &catalog.reader()] {
         assert_eq!(listed(&reader.list(&query).await.unwrap()), from(0), "an uncommitted horizon hid captures");
         assert!(reader.get(captures[0], None).await.unwrap().is_some());
@@ -1775,7 +1788,7 @@ async fn a_horizon_row_hides_captures_only_once_its_own_publish_is_committed(ser
         assert_eq!(listed(&pinned), from(0), "a page pinned below the horizon lost captures");
     }
     // A horizon before 20 s at version 3, where another publish is committed: never a horizon.
-    horizon_row(3, 20, Uuid::now_v7());
+    catalog.insert_horizon_row(3, 20_000_000_000, Uuid::now_v7());
     catalog.commit_row(3, Uuid::now_v7());
     for reader in [&warm, &catalog.reader()] {
         for _ in 0..2 {
@@ -1788,7 +1801,7 @@ async fn a_horizon_row_hides_captures_only_once_its_own_publish_is_committed(ser
     }
     // A reader checks a row against `publishes` once: a fresh one reads `horizons` and `publishes`, then `horizons`
     // alone.
-    let requests = catalog.proxy.as_ref().unwrap().count_requests_containing("POST /");
+    let requests = catalog.statements();
     let fresh = catalog.reader();
     for expected in [2, 1, 1] {
         let before = requests.load(Ordering::SeqCst);
@@ -1803,29 +1816,15 @@ for_each_version!(a_reader_starts_a_first_page_at_a_horizon_it_has_not_checked_y
 /// reach back to captures the horizon hides. The check beside that window confirms it.
 async fn a_reader_starts_a_first_page_at_a_horizon_it_has_not_checked_yet(server: &'static ClickHouseServer) {
     let catalog = catalog(server, true).await;
-    let name = &catalog.config.catalog_name;
     // 3000 captures of s/1, 10 ms apart, from 10 ms to 30 s, at version 1; a horizon before 10 s at version 2.
     let publish_id = Uuid::now_v7();
-    server
-        .query(&format!(
-            "INSERT INTO {} (catalog, stream, captured_at_ns, capture_id, pack_id, version, publish_id) SELECT \
-             '{name}', 's/1', (number + 1) * 10000000, toString(generateUUIDv4()), 'p', 1, '{publish_id}' FROM \
-             numbers(3000)",
-            catalog.tables.captures
-        ))
-        .unwrap();
+    catalog.insert_numbered_captures(3000, "(number + 1) * 10000000", "[], []", 1, publish_id);
     catalog.commit_row(1, publish_id);
     let horizon = Uuid::now_v7();
-    server
-        .query(&format!(
-            "INSERT INTO {} (catalog, before_ns, version, publish_id, written_at_ms) VALUES ('{name}', 10000000000, \
-             2, '{horizon}', 0)",
-            catalog.tables.horizons
-        ))
-        .unwrap();
+    catalog.insert_horizon_row(2, 10_000_000_000, horizon);
     catalog.commit_row(2, horizon);
     let query = ListQuery { stream: Some("s/1".into()), limit: 100, ..Default::default() };
-    let requests = catalog.proxy.as_ref().unwrap().count_requests_containing("POST /");
+    let requests = catalog.statements();
     for reader in [catalog.reader(), catalog.reader()] {
         // Twice on one reader: without a verdict, then with it. The same windows either way (the first, 1/64 of the
         // time from the horizon to the last capture, holds 32 captures, and the next, eight times as wide, the rest
@@ -1851,18 +1850,11 @@ async fn a_reader_uses_its_density_sample_again_for_the_next_first_pages_of_a_li
     server: &'static ClickHouseServer,
 ) {
     let catalog = catalog(server, false).await;
-    let name = &catalog.config.catalog_name;
     let publish_id = Uuid::now_v7();
     // `count` captures of s/1 over the same 100 s, from 1 s on, at version 1.
     let insert = |count: u64| {
-        server
-            .query(&format!(
-                "INSERT INTO {} (catalog, stream, captured_at_ns, capture_id, pack_id, version, publish_id) SELECT \
-                 '{name}', 's/1', 1000000000 + intDiv(number * 100000000000, {count}), toString(generateUUIDv4()), \
-                 'p', 1, '{publish_id}' FROM numbers({count})",
-                catalog.tables.captures
-            ))
-            .unwrap();
+        let captured_at = format!("1000000000 + intDiv(number * 100000000000, {count})");
+        catalog.insert_numbered_captures(count, &captured_at, "[], []", 1, publish_id);
     };
     insert(100_000);
     catalog.commit_row(1, publish_id);
@@ -1896,19 +1888,12 @@ for_each_version!(a_label_filter_in_a_small_stream_reads_its_first_page_in_one_w
 /// captures with the label.
 async fn a_label_filter_in_a_small_stream_reads_its_first_page_in_one_window(server: &'static ClickHouseServer) {
     let catalog = catalog(server, true).await;
-    let name = &catalog.config.catalog_name;
     let publish_id = Uuid::now_v7();
-    server
-        .query(&format!(
-            "INSERT INTO {} (catalog, stream, captured_at_ns, capture_id, pack_id, version, publish_id, label_keys, \
-             label_values) SELECT '{name}', 's/1', 1000000000 + number * 10000000, toString(generateUUIDv4()), 'p', 1, \
-             '{publish_id}', ['site'], [concat('s', toString(number % 7))] FROM numbers(10000)",
-            catalog.tables.captures
-        ))
-        .unwrap();
+    let labels = "['site'], [concat('s', toString(number % 7))]";
+    catalog.insert_numbered_captures(10_000, "1000000000 + number * 10000000", labels, 1, publish_id);
     catalog.commit_row(1, publish_id);
     let reader = catalog.reader();
-    let requests = catalog.proxy.as_ref().unwrap().count_requests_containing("POST /");
+    let requests = catalog.statements();
     let before = requests.load(Ordering::SeqCst);
     let query = ListQuery {
         stream: Some("s/1".into()),

@@ -686,7 +686,7 @@ pub fn horizon_entry(version: u64, before_ns: u64) -> TailEntry<'static> {
 }
 
 /// A row of `horizons` as written, its publish committed or not (see [`CatalogReader::committed_horizons`]).
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, clickhouse::Row, serde::Deserialize)]
+#[derive(Debug, clickhouse::Row, serde::Deserialize)]
 struct HorizonRow {
     version: u64,
     before_ns: u64,
@@ -939,13 +939,10 @@ impl CatalogReader {
             // The `watermark` table names a version `publishes` lacks: everything read again, in order.
             (None, 0) => return self.page_setup_apart(query, None, wants_mark, with_sample).await,
         };
-        let horizon_rows = row.setup_horizons.into_iter().map(|(version, before_ns, publish_id)| HorizonRow {
-            version,
-            before_ns,
-            publish_id,
-        });
-        let horizon_rows: Vec<HorizonRow> = horizon_rows.collect();
-        let (horizons, horizons_unsure) = self.presumed_horizons(&horizon_rows, watermark);
+        let horizon_rows: Vec<HorizonRow> = (row.setup_horizons.into_iter())
+            .map(|(version, before_ns, publish_id)| HorizonRow { version, before_ns, publish_id })
+            .collect();
+        let (horizons, horizons_unsure) = self.horizons_by_verdict(&horizon_rows, watermark, true);
         Ok(PageSetup {
             watermark,
             bounds_opt: (*bound_rows > 0).then_some((*first_ns, *last_ns)),
@@ -1173,7 +1170,7 @@ impl CatalogReader {
             self.catalog_literal(),
         );
         match self.client.fetch_few::<HorizonRow>(&sql).await {
-            Ok(rows) => self.committed_horizons(rows, through).await,
+            Ok(rows) => self.committed_horizons(&rows, through).await,
             Err(error) if error.is_unknown_table() => Ok(Horizons::default()),
             Err(error) => Err(error),
         }
@@ -1184,71 +1181,64 @@ impl CatalogReader {
     /// ([`HorizonVerdicts`]) is looked up in `publishes` at its version, in one statement for all of them; on a
     /// catalog that keeps its horizons, that is once per horizon and reader, so a read of the horizons is a read of
     /// one small table. (The check used to be a subquery of every such read: about 2 ms of a first page on 18.16.)
-    async fn committed_horizons(&self, mut rows: Vec<HorizonRow>, through: u64) -> Result<Horizons, CatalogError> {
-        rows.retain(|row| row.version <= through);
-        rows.sort_unstable();
-        rows.dedup_by(|a, b| (a.version, &a.publish_id) == (b.version, &b.publish_id));
-        let unknown: Vec<u64> = {
-            let verdicts = self.horizon_verdicts.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            rows.iter().filter(|row| verdict_of(&verdicts, row).is_none()).map(|row| row.version).collect()
-        };
-        if !unknown.is_empty() {
-            #[derive(clickhouse::Row, serde::Deserialize)]
-            struct Published {
-                version: u64,
-                publish_id: String,
-            }
-            let versions = unknown.iter().map(u64::to_string).collect::<Vec<_>>().join(", ");
-            let published: Vec<Published> = self
-                .client
-                .fetch_few(&format!(
-                    "SELECT version, publish_id FROM {} WHERE catalog = {} AND version IN ({versions})",
-                    self.tables.publishes,
-                    self.catalog_literal(),
-                ))
-                .await?;
-            let mut verdicts = self.horizon_verdicts.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            for row in rows.iter().filter(|row| unknown.contains(&row.version)) {
-                let at_its_version = published.iter().filter(|publish| publish.version == row.version);
-                let mut committed_ids = at_its_version.map(|publish| publish.publish_id.as_str()).peekable();
-                // No publish at its version yet: it may still be committed.
-                if committed_ids.peek().is_none() {
-                    continue;
-                }
-                let committed = committed_ids.any(|publish_id| publish_id == row.publish_id);
-                verdicts.insert((row.version, row.publish_id.clone()), committed);
-            }
+    async fn committed_horizons(&self, rows: &[HorizonRow], through: u64) -> Result<Horizons, CatalogError> {
+        let (known, unsure) = self.horizons_by_verdict(rows, through, false);
+        if !unsure {
+            return Ok(known);
         }
-        Ok(self.known_horizons(rows, through))
+        let mut unknown: Vec<u64> = {
+            let verdicts = self.horizon_verdicts.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            let unknown = rows.iter().filter(|row| row.version <= through && verdict_of(&verdicts, row).is_none());
+            unknown.map(|row| row.version).collect()
+        };
+        unknown.sort_unstable();
+        unknown.dedup();
+        #[derive(clickhouse::Row, serde::Deserialize)]
+        struct Published {
+            version: u64,
+            publish_id: String,
+        }
+        let versions = unknown.iter().map(u64::to_string).collect::<Vec<_>>().join(", ");
+        let published: Vec<Published> = self
+            .client
+            .fetch_few(&format!(
+                "SELECT version, publish_id FROM {} WHERE catalog = {} AND version IN ({versions})",
+                self.tables.publishes,
+                self.catalog_literal(),
+            ))
+            .await?;
+        let mut verdicts = self.horizon_verdicts.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        for row in rows.iter().filter(|row| unknown.binary_search(&row.version).is_ok()) {
+            let at_its_version = published.iter().filter(|publish| publish.version == row.version);
+            let mut committed_ids = at_its_version.map(|publish| publish.publish_id.as_str()).peekable();
+            // No publish at its version yet: it may still be committed.
+            if committed_ids.peek().is_none() {
+                continue;
+            }
+            let committed = committed_ids.any(|publish_id| publish_id == row.publish_id);
+            verdicts.insert((row.version, row.publish_id.clone()), committed);
+        }
+        drop(verdicts);
+        Ok(self.horizons_by_verdict(rows, through, false).0)
     }
 
-    /// The horizons of `rows` at versions up to `through` that this reader knows committed, without asking the
-    /// server.
-    fn known_horizons(&self, rows: Vec<HorizonRow>, through: u64) -> Horizons {
-        let verdicts = self.horizon_verdicts.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let committed = rows.iter().filter(|row| row.version <= through && verdict_of(&verdicts, row) == Some(true));
-        let mut committed: Vec<(u64, u64)> = committed.map(|row| (row.version, row.before_ns)).collect();
-        committed.sort_unstable();
-        committed.dedup();
-        Horizons { committed }
-    }
-
-    /// The horizons of `rows` at versions up to `through` not known uncommitted (those without a verdict presumed
-    /// committed), without asking the server, and whether one has no verdict yet.
-    fn presumed_horizons(&self, rows: &[HorizonRow], through: u64) -> (Horizons, bool) {
+    /// The horizons of `rows` at versions up to `through` by what this reader knows, without asking the server: those
+    /// known committed and, with `presume`, those without a verdict yet too (presumed committed); and whether a row
+    /// there has no verdict yet.
+    fn horizons_by_verdict(&self, rows: &[HorizonRow], through: u64, presume: bool) -> (Horizons, bool) {
         let verdicts = self.horizon_verdicts.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let mut unsure = false;
-        let mut presumed = Vec::new();
+        let mut committed = Vec::new();
         for row in rows.iter().filter(|row| row.version <= through) {
             let verdict = verdict_of(&verdicts, row);
             unsure |= verdict.is_none();
-            if verdict != Some(false) {
-                presumed.push((row.version, row.before_ns));
+            if verdict.unwrap_or(presume) {
+                committed.push((row.version, row.before_ns));
             }
         }
-        presumed.sort_unstable();
-        presumed.dedup();
-        (Horizons { committed: presumed }, unsure)
+        committed.sort_unstable();
+        committed.dedup();
+        (Horizons { committed }, unsure)
     }
 
     /// The latest visible location of `capture_id` at watermark `watermark_opt` (default: now); `None` when the
@@ -1419,7 +1409,7 @@ impl CatalogReader {
         // not be (a rare orphan of a horizon's failed publish) and the windows have started too late for it, read
         // them again, from the horizons checked.
         let watermark = setup.watermark;
-        setup.horizons = self.committed_horizons(std::mem::take(&mut setup.horizon_rows), watermark).await?;
+        setup.horizons = self.committed_horizons(&setup.horizon_rows, watermark).await?;
         match self.first_window_span(query, cursor.as_ref(), &setup, limit) {
             Some(span) if span.start < presumed_start => {
                 self.read_windows(query, cursor.as_ref(), span, limit, false).await
