@@ -1260,6 +1260,36 @@ async fn a_deletion_killed_before_or_after_its_commit_is_decided_by_asking_again
     assert!(listed.contains(&other.as_str()) && !listed.contains(&victim.as_str()));
 }
 
+/// A deletion waiting for the lease to allow a publish (the catalog cut off, the lease lapsed) is answered at once
+/// when the daemon is asked to stop, with a 503 that says so: the shutdown, which lets requests in flight finish, does
+/// not wait it out (it used to wait for the deletion's whole lease wait, and cut it off before it answered).
+#[tokio::test]
+async fn a_deletion_waiting_for_the_lease_is_answered_at_once_when_the_daemon_stops() {
+    let proxy = common::proxy::FaultProxy::start(common::clickhouse::shared_server().http_addr);
+    let daemon = HttpDaemon::start(&[("CAPSTORE_CATALOG_URL", proxy.url())]).await;
+    let client = reqwest::Client::new();
+    let absent = uuid::Uuid::now_v7().to_string();
+    let answer = delete_when_publishing(&daemon, &client, &absent).await.unwrap();
+    assert_eq!(answer.status(), StatusCode::NOT_FOUND, "publishing: {}", answer.text().await.unwrap());
+
+    proxy.cut();
+    let started = Instant::now();
+    while json(daemon.get_ok(&client, "/status").await).await["lease_state"] == "held" {
+        assert!(started.elapsed() < Duration::from_secs(20), "the lease outlived the cut:\n{}", daemon.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let deletion = tokio::spawn(client.delete(daemon.url(&format!("/v1/captures/{absent}"))).send());
+    let HttpDaemon { mut daemon, _dir, .. } = daemon;
+    daemon.wait_for_log_async("deletion waits for the lease to allow a publish", Duration::from_secs(20)).await;
+
+    let (code, _, log) = daemon.terminate();
+    let answer = deletion.await.unwrap().unwrap_or_else(|error| panic!("the deletion was cut off: {error}\n{log}"));
+    assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let text = answer.text().await.unwrap();
+    assert!(text.contains("this daemon is stopping"), "{text}");
+    assert_eq!(code, 0, "{log}");
+}
+
 /// `DELETE /v1/captures/{id}`, asked again while the daemon answers 503 (not publishing yet after a start).
 async fn delete_when_publishing(
     daemon: &HttpDaemon,

@@ -9,11 +9,13 @@
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use tokio::sync::watch;
 use uuid::Uuid;
 
 use super::PipelineCounters;
+use crate::catalog::lease::LeaseHandle;
 use crate::catalog::publish::{plan_deletions, DeletionReport, PublishError, Publisher};
 use crate::catalog::query::CatalogReader;
 use crate::reader::{LocalSpool, ReadError, Reader};
@@ -33,12 +35,33 @@ pub struct DeletionAnswer {
 pub const LEASE_WAIT: Duration = Duration::from_secs(10);
 const LEASE_POLL: Duration = Duration::from_millis(100);
 
+/// After a publish the lease refused (not held with time enough left, or a fence refusal, which a renewal clears),
+/// whether to try it again: true after a [`LEASE_POLL`] pause; false at once when [`LEASE_WAIT`] from `started` is
+/// over, the process is stopping, or the lease has ended (released by the shutdown, or latched), since no wait brings
+/// a permit back then. (A shutdown must not wait out a deletion that cannot publish any more: the HTTP server lets
+/// requests in flight finish before the process exits.)
+pub(super) async fn lease_may_allow_again(
+    lease: &LeaseHandle,
+    stopping: Option<&watch::Receiver<bool>>,
+    started: Instant,
+) -> bool {
+    let stopping_now = stopping.is_some_and(|stopping| *stopping.borrow());
+    if stopping_now || lease.ended() || started.elapsed() >= LEASE_WAIT {
+        return false;
+    }
+    tokio::time::sleep(LEASE_POLL).await;
+    true
+}
+
 pub struct Deleter {
     publisher: Arc<Publisher>,
     /// The catalog, and the spool for telling which ids it still holds unpublished.
     reader: Reader,
     spool_index: Arc<SpoolIndex>,
     counters: Arc<PipelineCounters>,
+    lease: LeaseHandle,
+    /// True once the process is stopping (none in offline tools).
+    stopping: Option<watch::Receiver<bool>>,
 }
 
 impl Deleter {
@@ -50,7 +73,19 @@ impl Deleter {
             reader: Reader::new(catalog, pipeline.bucket.clone(), Some(spool)),
             spool_index: pipeline.spool_index.clone(),
             counters: pipeline.counters.clone(),
+            lease: pipeline.lease.clone(),
+            stopping: pipeline.stopping.clone(),
         }
+    }
+
+    /// Whether this deleter publishes nothing more: the process is stopping, or its lease has ended.
+    pub fn stopped(&self) -> bool {
+        self.stopping.as_ref().is_some_and(|stopping| *stopping.borrow()) || self.lease.ended()
+    }
+
+    /// [`lease_may_allow_again`] with this deleter's lease and shutdown.
+    async fn lease_may_allow_again(&self, started: Instant) -> bool {
+        lease_may_allow_again(&self.lease, self.stopping.as_ref(), started).await
     }
 
     /// The catalog this deleter reads.
@@ -61,7 +96,8 @@ impl Deleter {
     /// Delete `ids` (at most [`crate::catalog::publish::DELETION_MAX_IDS`]) as one publish, or with `dry_run` say
     /// what that would delete; with `unchanged_since` (the watermark of the listing the ids come from) a capture
     /// posted again since is left alone. A fence refusal or a lease without enough time left (which a renewal
-    /// clears, and on 18.16's whole-second times happens now and then) is retried for up to [`LEASE_WAIT`].
+    /// clears, and on 18.16's whole-second times happens now and then) is retried for up to [`LEASE_WAIT`], unless
+    /// the process is stopping or the lease has ended ([`Deleter::stopped`]: it answers `NoLease` at once then).
     ///
     /// The work runs on a task of its own: a caller that goes away (an HTTP client hanging up, the shutdown) must
     /// not cut a publish between its statement and its read-back, whose outcome would then be known to nobody.
@@ -89,7 +125,8 @@ impl Deleter {
         if published.is_empty() {
             return Ok(DeletionAnswer { report: DeletionReport::default(), pending, dry_run });
         }
-        let started = std::time::Instant::now();
+        let started = Instant::now();
+        let mut waited = false;
         let report = loop {
             let attempt = if dry_run {
                 plan_deletions(self.reader.catalog(), &published, unchanged_since)
@@ -99,12 +136,16 @@ impl Deleter {
             } else {
                 self.publisher.publish_deletions(&published, unchanged_since).await
             };
-            match attempt {
-                Err(PublishError::NoLease | PublishError::NotCommitted) if started.elapsed() < LEASE_WAIT => {
-                    tokio::time::sleep(LEASE_POLL).await;
+            if matches!(attempt, Err(PublishError::NoLease | PublishError::NotCommitted)) {
+                if !waited {
+                    tracing::info!(ids = published.len(), "deletion waits for the lease to allow a publish");
+                    waited = true;
                 }
-                other => break other?,
+                if self.lease_may_allow_again(started).await {
+                    continue;
+                }
             }
+            break attempt?;
         };
         if let Some(version) = report.version {
             self.counters.captures_deleted.fetch_add(report.deleted.len() as u64, Ordering::Relaxed);
@@ -120,12 +161,11 @@ impl Deleter {
     pub async fn expire_before(self: &Arc<Self>, before_ns: u64) -> Result<Option<u64>, PublishError> {
         let deleter = self.clone();
         tokio::spawn(async move {
-            let started = std::time::Instant::now();
+            let started = Instant::now();
             loop {
                 match deleter.publisher.publish_horizon(before_ns).await {
-                    Err(PublishError::NoLease | PublishError::NotCommitted) if started.elapsed() < LEASE_WAIT => {
-                        tokio::time::sleep(LEASE_POLL).await;
-                    }
+                    Err(PublishError::NoLease | PublishError::NotCommitted)
+                        if deleter.lease_may_allow_again(started).await => {}
                     Ok(Some(version)) => {
                         deleter.counters.publishes.fetch_add(1, Ordering::Relaxed);
                         tracing::info!(version, before_ns, "retention horizon published");

@@ -293,15 +293,14 @@ impl Pipeline {
             // has no loop of its own to try again later.
             let started = std::time::Instant::now();
             let outcome = loop {
-                match self.publisher.publish_batch(std::slice::from_ref(&descriptor)).await {
-                    Err(PublishError::NoLease | PublishError::NotCommitted)
-                        if started.elapsed() < super::deletion::LEASE_WAIT =>
-                    {
-                        self.unless_stopping()?;
-                        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                let attempt = self.publisher.publish_batch(std::slice::from_ref(&descriptor)).await;
+                if matches!(attempt, Err(PublishError::NoLease | PublishError::NotCommitted)) {
+                    if super::deletion::lease_may_allow_again(&self.lease, self.stopping.as_ref(), started).await {
+                        continue;
                     }
-                    other => break other,
+                    self.unless_stopping()?;
                 }
+                break attempt;
             };
             match outcome {
                 Ok(PublishOutcome::Committed { version, .. }) => {

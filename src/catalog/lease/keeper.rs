@@ -85,6 +85,13 @@ impl LeaseHandle {
         self.lock().state
     }
 
+    /// Whether this process's lease is over for good: being released (the shutdown), released, or latched. No wait
+    /// brings a permit back then.
+    pub fn ended(&self) -> bool {
+        let shared = self.lock();
+        shared.releasing || matches!(shared.state, LeaseState::Released | LeaseState::Failed)
+    }
+
     /// Follow state changes (the daemon's loop wakes on a re-acquired lease, and exits on `failed`).
     pub fn subscribe(&self) -> watch::Receiver<LeaseState> {
         self.state_tx.subscribe()
