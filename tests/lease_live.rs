@@ -1840,6 +1840,17 @@ async fn a_reader_starts_a_first_page_at_a_horizon_it_has_not_checked_yet(server
             assert_eq!(requests.load(Ordering::SeqCst), before + statements, "statements of a first page");
         }
     }
+    // A listing across catalogs makes a reader of each of its catalogs for every page: those made from one reader
+    // (the HTTP API's) learn as one reader does.
+    let fleet_reader = catalog.reader().for_catalog("another");
+    let catalogs = [catalog.config.catalog_name.clone()];
+    for statements in [7, 5] {
+        let before = requests.load(Ordering::SeqCst);
+        let page = capstore::catalog::fleet::list(&fleet_reader, &catalogs, &query, usize::MAX, |_| 1).await.unwrap();
+        let times: Vec<u64> = page.captures.iter().map(|c| c.capture.captured_at_ns).collect();
+        assert_eq!(times, (1000..1100u64).map(|n| n * 10_000_000).collect::<Vec<_>>());
+        assert_eq!(requests.load(Ordering::SeqCst), before + statements, "statements of a fleet's first page");
+    }
 }
 
 for_each_version!(a_reader_uses_its_density_sample_again_for_the_next_first_pages_of_a_listing);

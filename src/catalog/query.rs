@@ -22,8 +22,8 @@
 //! (one per retention step), so a read fetches them with one primary-key read of `horizons`; whether each row's
 //! publish is committed is asked of `publishes` once per reader and row, and kept ([`HorizonVerdicts`]).
 //!
-//! A reader's state (shared by its clones; the HTTP API keeps one for the daemon's life) is what it has learnt and
-//! may keep: whether `by_time` is kept (once kept, it stays), whether the page setup must be read apart (tables
+//! A reader's state (shared by its clones; the HTTP API keeps one for the daemon's life, and the readers of other
+//! catalogs [`CatalogReader::for_catalog`] makes share it per catalog) is what it has learnt and may keep: whether `by_time` is kept (once kept, it stays), whether the page setup must be read apart (tables
 //! older than schema 6), the horizon verdicts (final, see [`HorizonVerdicts`]), and the last density sample of each
 //! listing, used again for [`DENSITY_SAMPLE_REUSE`] (it only sizes a first window). Nothing it keeps decides what a
 //! read returns except the verdicts, and those cannot change.
@@ -812,23 +812,39 @@ pub struct CatalogReader {
     /// Whether a page's setup is read in separate statements, since the server refused the one statement of
     /// [`CatalogReader::page_setup`] (tables older than schema 6 lack `horizons`; shared by the clones).
     setup_apart: Arc<AtomicBool>,
-    /// What this reader knows of the horizon rows it has read (shared by the clones).
+    /// What this reader has learnt of its catalog.
+    known: CatalogKnowledge,
+    /// What the readers of these tables made from one [`CatalogReader::new`] have learnt of each catalog, for
+    /// [`CatalogReader::for_catalog`] (this one's included; at most [`KNOWN_CATALOGS_KEPT`]).
+    known_catalogs: Arc<Mutex<HashMap<String, CatalogKnowledge>>>,
+}
+
+/// What readers learn of one catalog that serves later reads (shared by the clones, and by the readers of the
+/// catalog [`CatalogReader::for_catalog`] makes).
+#[derive(Clone, Default)]
+struct CatalogKnowledge {
+    /// What is known of the horizon rows read.
     horizon_verdicts: Arc<Mutex<HorizonVerdicts>>,
     /// The last density sample of each stream (None: across streams) and when it was taken, for
-    /// [`DENSITY_SAMPLE_REUSE`] (shared by the clones).
+    /// [`DENSITY_SAMPLE_REUSE`].
     density_samples: Arc<Mutex<DensitySamples>>,
 }
 
+/// The most catalogs whose [`CatalogKnowledge`] the readers of one set of tables keep: every catalog of the largest
+/// listing across catalogs. The names come from requests, so what is kept is bounded; past it, it starts afresh.
+const KNOWN_CATALOGS_KEPT: usize = super::fleet::MAX_CATALOGS;
+
 impl CatalogReader {
     pub fn new(client: CatalogClient, tables: Tables, catalog: &str) -> CatalogReader {
+        let known = CatalogKnowledge::default();
         CatalogReader {
             client,
             tables,
             catalog: catalog.to_string(),
             time_table_kept: Arc::default(),
             setup_apart: Arc::default(),
-            horizon_verdicts: Arc::default(),
-            density_samples: Arc::default(),
+            known_catalogs: Arc::new(Mutex::new(HashMap::from([(catalog.to_string(), known.clone())]))),
+            known,
         }
     }
 
@@ -849,7 +865,7 @@ impl CatalogReader {
     /// ([`CatalogReader::density_sample_sql`]). Where the server refuses the statement (tables older than schema
     /// 6 lack `horizons`), they are read in separate statements from then on.
     async fn page_setup(&self, query: &ListQuery, pinned_opt: Option<u64>) -> Result<PageSetup, CatalogError> {
-        let samples = || self.density_samples.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let samples = || self.known.density_samples.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let wants_sample = self.density_sample_sql(query).is_some();
         let reused = wants_sample.then(|| samples().fresh(&query.stream, Instant::now())).flatten();
         let mut setup = self.read_page_setup(query, pinned_opt, wants_sample && reused.is_none()).await?;
@@ -1062,9 +1078,18 @@ impl CatalogReader {
         )
     }
 
-    /// A reader of another catalog in the same tables.
+    /// A reader of another catalog in the same tables (or of this one), which shares what this reader knows of the
+    /// tables and what the readers made by this function knew of that catalog: a listing across catalogs on the
+    /// HTTP API's reader makes one per catalog and request.
     pub fn for_catalog(&self, catalog: &str) -> CatalogReader {
-        CatalogReader::new(self.client.clone(), self.tables.clone(), catalog)
+        let known = {
+            let mut known_catalogs = self.known_catalogs.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            if known_catalogs.len() >= KNOWN_CATALOGS_KEPT && !known_catalogs.contains_key(catalog) {
+                known_catalogs.clear();
+            }
+            known_catalogs.entry(catalog.to_string()).or_default().clone()
+        };
+        CatalogReader { catalog: catalog.to_string(), known, ..self.clone() }
     }
 
     /// The catalog this reader reads.
@@ -1187,7 +1212,7 @@ impl CatalogReader {
             return Ok(known);
         }
         let mut unknown: Vec<u64> = {
-            let verdicts = self.horizon_verdicts.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            let verdicts = self.known.horizon_verdicts.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
             let unknown = rows.iter().filter(|row| row.version <= through && verdict_of(&verdicts, row).is_none());
             unknown.map(|row| row.version).collect()
         };
@@ -1207,7 +1232,7 @@ impl CatalogReader {
                 self.catalog_literal(),
             ))
             .await?;
-        let mut verdicts = self.horizon_verdicts.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut verdicts = self.known.horizon_verdicts.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         for row in rows.iter().filter(|row| unknown.binary_search(&row.version).is_ok()) {
             let at_its_version = published.iter().filter(|publish| publish.version == row.version);
             let mut committed_ids = at_its_version.map(|publish| publish.publish_id.as_str()).peekable();
@@ -1226,7 +1251,7 @@ impl CatalogReader {
     /// known committed and, with `presume`, those without a verdict yet too (presumed committed); and whether a row
     /// there has no verdict yet.
     fn horizons_by_verdict(&self, rows: &[HorizonRow], through: u64, presume: bool) -> (Horizons, bool) {
-        let verdicts = self.horizon_verdicts.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let verdicts = self.known.horizon_verdicts.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let mut unsure = false;
         let mut committed = Vec::new();
         for row in rows.iter().filter(|row| row.version <= through) {
