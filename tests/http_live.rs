@@ -1278,15 +1278,20 @@ async fn a_deletion_waiting_for_the_lease_is_answered_at_once_when_the_daemon_st
         assert!(started.elapsed() < Duration::from_secs(20), "the lease outlived the cut:\n{}", daemon.log());
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    let waits = "deletion waits for the lease to allow a publish";
+    let waited_before = daemon.log().matches(waits).count();
     let deletion = tokio::spawn(client.delete(daemon.url(&format!("/v1/captures/{absent}"))).send());
-    let HttpDaemon { mut daemon, _dir, .. } = daemon;
-    daemon.wait_for_log_async("deletion waits for the lease to allow a publish", Duration::from_secs(20)).await;
+    while daemon.log().matches(waits).count() == waited_before {
+        assert!(started.elapsed() < Duration::from_secs(40), "the deletion never waited:\n{}", daemon.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let HttpDaemon { daemon, _dir, .. } = daemon;
 
     let (code, _, log) = daemon.terminate();
     let answer = deletion.await.unwrap().unwrap_or_else(|error| panic!("the deletion was cut off: {error}\n{log}"));
     assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
     let text = answer.text().await.unwrap();
-    assert!(text.contains("this daemon is stopping"), "{text}");
+    assert!(text.contains("this daemon is shutting down"), "{text}");
     assert_eq!(code, 0, "{log}");
 }
 

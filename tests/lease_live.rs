@@ -1841,8 +1841,8 @@ async fn a_reader_starts_a_first_page_at_a_horizon_it_has_not_checked_yet(server
         }
     }
     // A listing across catalogs makes a reader of each of its catalogs for every page: those made from one reader
-    // (the HTTP API's) learn as one reader does.
-    let fleet_reader = catalog.reader().for_catalog("another");
+    // (the HTTP API's, here one of another catalog) learn as one reader does.
+    let fleet_reader = CatalogReader::new(catalog.client.clone(), catalog.tables.clone(), "another");
     let catalogs = [catalog.config.catalog_name.clone()];
     for statements in [7, 5] {
         let before = requests.load(Ordering::SeqCst);

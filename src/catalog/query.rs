@@ -23,10 +23,11 @@
 //! publish is committed is asked of `publishes` once per reader and row, and kept ([`HorizonVerdicts`]).
 //!
 //! A reader's state (shared by its clones; the HTTP API keeps one for the daemon's life, and the readers of other
-//! catalogs [`CatalogReader::for_catalog`] makes share it per catalog) is what it has learnt and may keep: whether `by_time` is kept (once kept, it stays), whether the page setup must be read apart (tables
-//! older than schema 6), the horizon verdicts (final, see [`HorizonVerdicts`]), and the last density sample of each
-//! listing, used again for [`DENSITY_SAMPLE_REUSE`] (it only sizes a first window). Nothing it keeps decides what a
-//! read returns except the verdicts, and those cannot change.
+//! catalogs [`CatalogReader::for_catalog`] makes share it per catalog) is what it has learnt and may keep: whether
+//! `by_time` is kept (once kept, it stays), whether the page setup must be read apart (tables older than schema 6), the
+//! horizon verdicts (final, see [`HorizonVerdicts`]), and the last density sample of each listing, used again for
+//! [`DENSITY_SAMPLE_REUSE`] (it only sizes a first window). Nothing it keeps decides what a read returns except the
+//! verdicts, and those cannot change.
 //!
 //! A *move* (a compaction's switch-over, see [`super::publish::Publisher::publish_relocation`]) is likewise a row of
 //! `by_version` and `by_id` only: the same capture (stream, time, labels, record) at a new place, in a publish of no
@@ -831,8 +832,9 @@ struct CatalogKnowledge {
 }
 
 /// The most catalogs whose [`CatalogKnowledge`] the readers of one set of tables keep: every catalog of the largest
-/// listing across catalogs. The names come from requests, so what is kept is bounded; past it, it starts afresh.
-const KNOWN_CATALOGS_KEPT: usize = super::fleet::MAX_CATALOGS;
+/// listing across catalogs, and the reader's own. The names come from requests, so what is kept is bounded: past it,
+/// one is forgotten for each new one.
+const KNOWN_CATALOGS_KEPT: usize = super::fleet::MAX_CATALOGS + 1;
 
 impl CatalogReader {
     pub fn new(client: CatalogClient, tables: Tables, catalog: &str) -> CatalogReader {
@@ -1085,7 +1087,11 @@ impl CatalogReader {
         let known = {
             let mut known_catalogs = self.known_catalogs.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
             if known_catalogs.len() >= KNOWN_CATALOGS_KEPT && !known_catalogs.contains_key(catalog) {
-                known_catalogs.clear();
+                // One other than this reader's own goes (the names may rotate past the bound: it stays bounded).
+                let evicted = known_catalogs.keys().find(|known| **known != self.catalog).cloned();
+                if let Some(evicted) = evicted {
+                    known_catalogs.remove(&evicted);
+                }
             }
             known_catalogs.entry(catalog.to_string()).or_default().clone()
         };

@@ -79,8 +79,8 @@ async fn delete(
         ApiError::busy("not publishing yet (the catalog is not connected or the lease not taken); retry shortly")
     })?;
     deleter.delete(ids, unchanged_since, dry_run).await.map_err(|error| match error {
-        PublishError::NoLease | PublishError::NotCommitted if deleter.stopped() => ApiError::busy(
-            "this daemon is stopping and publishes nothing more; retry once a publisher of the catalog runs",
+        PublishError::NoLease | PublishError::NotCommitted if deleter.ended() => ApiError::busy(
+            "this daemon is shutting down and takes no more deletions; retry once a publisher of the catalog runs",
         ),
         PublishError::NoLease | PublishError::NotCommitted => {
             ApiError::busy("this daemon does not hold the catalog's lease right now; retry shortly")

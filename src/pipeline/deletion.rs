@@ -11,7 +11,6 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::sync::watch;
 use uuid::Uuid;
 
 use super::PipelineCounters;
@@ -37,16 +36,12 @@ const LEASE_POLL: Duration = Duration::from_millis(100);
 
 /// After a publish the lease refused (not held with time enough left, or a fence refusal, which a renewal clears),
 /// whether to try it again: true after a [`LEASE_POLL`] pause; false at once when [`LEASE_WAIT`] from `started` is
-/// over, the process is stopping, or the lease has ended (released by the shutdown, or latched), since no wait brings
-/// a permit back then. (A shutdown must not wait out a deletion that cannot publish any more: the HTTP server lets
-/// requests in flight finish before the process exits.)
-pub(super) async fn lease_may_allow_again(
-    lease: &LeaseHandle,
-    stopping: Option<&watch::Receiver<bool>>,
-    started: Instant,
-) -> bool {
-    let stopping_now = stopping.is_some_and(|stopping| *stopping.borrow());
-    if stopping_now || lease.ended() || started.elapsed() >= LEASE_WAIT {
+/// over or the lease has ended ([`LeaseHandle::ended`]: its keeper stopped at the shutdown, or latched), since no
+/// wait brings a permit back then. (The shutdown stops the keeper before the HTTP server, which lets requests in
+/// flight finish: a deletion waiting on a lease that is not coming back must not hold the exit. Until the keeper
+/// stops, through the drain, the lease is renewed, and a deletion may still be published.)
+pub(super) async fn lease_may_allow_again(lease: &LeaseHandle, started: Instant) -> bool {
+    if lease.ended() || started.elapsed() >= LEASE_WAIT {
         return false;
     }
     tokio::time::sleep(LEASE_POLL).await;
@@ -60,8 +55,6 @@ pub struct Deleter {
     spool_index: Arc<SpoolIndex>,
     counters: Arc<PipelineCounters>,
     lease: LeaseHandle,
-    /// True once the process is stopping (none in offline tools).
-    stopping: Option<watch::Receiver<bool>>,
 }
 
 impl Deleter {
@@ -74,18 +67,12 @@ impl Deleter {
             spool_index: pipeline.spool_index.clone(),
             counters: pipeline.counters.clone(),
             lease: pipeline.lease.clone(),
-            stopping: pipeline.stopping.clone(),
         }
     }
 
-    /// Whether this deleter publishes nothing more: the process is stopping, or its lease has ended.
-    pub fn stopped(&self) -> bool {
-        self.stopping.as_ref().is_some_and(|stopping| *stopping.borrow()) || self.lease.ended()
-    }
-
-    /// [`lease_may_allow_again`] with this deleter's lease and shutdown.
-    async fn lease_may_allow_again(&self, started: Instant) -> bool {
-        lease_may_allow_again(&self.lease, self.stopping.as_ref(), started).await
+    /// Whether this deleter publishes nothing more: its lease has ended ([`LeaseHandle::ended`]).
+    pub fn ended(&self) -> bool {
+        self.lease.ended()
     }
 
     /// The catalog this deleter reads.
@@ -97,7 +84,7 @@ impl Deleter {
     /// what that would delete; with `unchanged_since` (the watermark of the listing the ids come from) a capture
     /// posted again since is left alone. A fence refusal or a lease without enough time left (which a renewal
     /// clears, and on 18.16's whole-second times happens now and then) is retried for up to [`LEASE_WAIT`], unless
-    /// the process is stopping or the lease has ended ([`Deleter::stopped`]: it answers `NoLease` at once then).
+    /// the lease has ended ([`Deleter::ended`]: the refusal is answered at once then).
     ///
     /// The work runs on a task of its own: a caller that goes away (an HTTP client hanging up, the shutdown) must
     /// not cut a publish between its statement and its read-back, whose outcome would then be known to nobody.
@@ -141,7 +128,7 @@ impl Deleter {
                     tracing::info!(ids = published.len(), "deletion waits for the lease to allow a publish");
                     waited = true;
                 }
-                if self.lease_may_allow_again(started).await {
+                if lease_may_allow_again(&self.lease, started).await {
                     continue;
                 }
             }
@@ -165,7 +152,7 @@ impl Deleter {
             loop {
                 match deleter.publisher.publish_horizon(before_ns).await {
                     Err(PublishError::NoLease | PublishError::NotCommitted)
-                        if deleter.lease_may_allow_again(started).await => {}
+                        if lease_may_allow_again(&deleter.lease, started).await => {}
                     Ok(Some(version)) => {
                         deleter.counters.publishes.fetch_add(1, Ordering::Relaxed);
                         tracing::info!(version, before_ns, "retention horizon published");

@@ -295,10 +295,10 @@ impl Pipeline {
             let outcome = loop {
                 let attempt = self.publisher.publish_batch(std::slice::from_ref(&descriptor)).await;
                 if matches!(attempt, Err(PublishError::NoLease | PublishError::NotCommitted)) {
-                    if super::deletion::lease_may_allow_again(&self.lease, self.stopping.as_ref(), started).await {
+                    self.unless_stopping()?;
+                    if super::deletion::lease_may_allow_again(&self.lease, started).await {
                         continue;
                     }
-                    self.unless_stopping()?;
                 }
                 break attempt;
             };

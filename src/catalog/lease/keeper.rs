@@ -55,7 +55,8 @@ struct Shared {
     /// Fenced commits sent without an answer yet: in flight, or cut off (a drain's timeout, a task aborted at
     /// shutdown) while the server may still run them. Never decreased for a cut one (see [`CommitInFlight`]).
     commits_unanswered: u64,
-    /// Set once the release has decided how to end the lease: no permit and no commit from then on.
+    /// Set once the keeper stops (in the release, which decides how to end the lease if held): no permit and no
+    /// commit from then on.
     releasing: bool,
 }
 
@@ -85,8 +86,8 @@ impl LeaseHandle {
         self.lock().state
     }
 
-    /// Whether this process's lease is over for good: being released (the shutdown), released, or latched. No wait
-    /// brings a permit back then.
+    /// Whether this process's lease is over for good: its keeper stopped (the shutdown: released, or being released,
+    /// or not held when it stopped) or latched. No wait brings a permit back then.
     pub fn ended(&self) -> bool {
         let shared = self.lock();
         shared.releasing || matches!(shared.state, LeaseState::Released | LeaseState::Failed)
@@ -679,10 +680,11 @@ impl LeaseKeeper {
     async fn release(&self) {
         let (lease_id, term, commits_unanswered) = {
             let mut shared = self.handle.lock();
+            // No permit and no commit from here on, held or not: the keeper ends (see `LeaseHandle::ended`).
+            shared.releasing = true;
             if shared.state != LeaseState::Held {
                 return;
             }
-            shared.releasing = true;
             (shared.lease_id.clone(), shared.term, shared.commits_unanswered)
         };
         if commits_unanswered > 0 {
