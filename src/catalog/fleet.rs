@@ -47,6 +47,8 @@ enum Position {
 
 /// The most catalogs one listing reads: each page reads a page of every one of them.
 pub const MAX_CATALOGS: usize = 256;
+// What a reader keeps of each catalog serves every catalog of a listing, beside the reader's own.
+const _: () = assert!(super::query::KNOWN_CATALOGS_KEPT > MAX_CATALOGS);
 /// Catalog pages read at once for one page of a listing.
 const CONCURRENT_READS: usize = 4;
 

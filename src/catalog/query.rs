@@ -832,9 +832,9 @@ struct CatalogKnowledge {
 }
 
 /// The most catalogs whose [`CatalogKnowledge`] the readers of one set of tables keep: every catalog of the largest
-/// listing across catalogs, and the reader's own. The names come from requests, so what is kept is bounded: past it,
-/// one is forgotten for each new one.
-const KNOWN_CATALOGS_KEPT: usize = super::fleet::MAX_CATALOGS + 1;
+/// listing across catalogs (`fleet::MAX_CATALOGS`, which asserts it), and the reader's own. The names come from
+/// requests, so what is kept is bounded: past it, one is forgotten for each new one.
+pub(super) const KNOWN_CATALOGS_KEPT: usize = 257;
 
 impl CatalogReader {
     pub fn new(client: CatalogClient, tables: Tables, catalog: &str) -> CatalogReader {
