@@ -1260,9 +1260,10 @@ async fn a_deletion_killed_before_or_after_its_commit_is_decided_by_asking_again
     assert!(listed.contains(&other.as_str()) && !listed.contains(&victim.as_str()));
 }
 
-/// A deletion waiting for the lease to allow a publish (the catalog cut off, the lease lapsed) is answered at once
-/// when the daemon is asked to stop, with a 503 that says so: the shutdown, which lets requests in flight finish, does
-/// not wait it out (it used to wait for the deletion's whole lease wait, and cut it off before it answered).
+/// A deletion waiting for the lease to allow a publish (the catalog cut off, the lease lapsed) is answered as soon as
+/// the shutdown stops the lease keeper (here at once: nothing to drain), with a 503 that says so, before the HTTP
+/// server, which lets requests in flight finish, stops (it used to wait out the deletion's whole 10 s lease wait, and
+/// cut it off before it answered).
 #[tokio::test]
 async fn a_deletion_waiting_for_the_lease_is_answered_at_once_when_the_daemon_stops() {
     let proxy = common::proxy::FaultProxy::start(common::clickhouse::shared_server().http_addr);

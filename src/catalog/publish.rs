@@ -302,7 +302,7 @@ impl ExclusiveTurn<'_> {
         self.publisher.set_drops(DropsMayRun::Ours);
     }
 
-    /// Drops are about to be sent in this turn (see [`UnfencedInFlight`]). None once the lease is being released.
+    /// Drops are about to be sent in this turn (see [`UnfencedInFlight`]). None once the lease keeper has stopped.
     pub fn unfenced_sent(&self) -> Option<UnfencedInFlight<'_>> {
         let in_flight = self.publisher.lease.commit_sent()?;
         Some(UnfencedInFlight { in_flight: Some(in_flight), publisher: self.publisher })

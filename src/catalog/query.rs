@@ -816,8 +816,8 @@ pub struct CatalogReader {
     /// What this reader has learnt of its catalog.
     known: CatalogKnowledge,
     /// What the readers of these tables made from one [`CatalogReader::new`] have learnt of each catalog, for
-    /// [`CatalogReader::for_catalog`] (this one's included; at most [`KNOWN_CATALOGS_KEPT`]).
-    known_catalogs: Arc<Mutex<HashMap<String, CatalogKnowledge>>>,
+    /// [`CatalogReader::for_catalog`].
+    known_catalogs: Arc<Mutex<KnownCatalogs>>,
 }
 
 /// What readers learn of one catalog that serves later reads (shared by the clones, and by the readers of the
@@ -832,9 +832,44 @@ struct CatalogKnowledge {
 }
 
 /// The most catalogs whose [`CatalogKnowledge`] the readers of one set of tables keep: every catalog of the largest
-/// listing across catalogs (`fleet::MAX_CATALOGS`, which asserts it), and the reader's own. The names come from
-/// requests, so what is kept is bounded: past it, one is forgotten for each new one.
+/// listing across catalogs (`fleet::MAX_CATALOGS`, which asserts it), and the first reader's own. The names come
+/// from requests, so what is kept is bounded: past it, the least recently used is forgotten for each new one.
 pub(super) const KNOWN_CATALOGS_KEPT: usize = 257;
+
+/// What the readers made from one [`CatalogReader::new`] know of each catalog, at most [`KNOWN_CATALOGS_KEPT`].
+struct KnownCatalogs {
+    /// The catalog of the reader [`CatalogReader::new`] made: never forgotten.
+    first: String,
+    /// Each catalog's knowledge, and when a reader of it was last made.
+    by_name: HashMap<String, (CatalogKnowledge, Instant)>,
+}
+
+impl KnownCatalogs {
+    fn new(first: &str, known: CatalogKnowledge) -> KnownCatalogs {
+        KnownCatalogs {
+            first: first.to_string(),
+            by_name: HashMap::from([(first.to_string(), (known, Instant::now()))]),
+        }
+    }
+
+    /// The knowledge of `catalog`, used at `now` (kept from now on, in place of the least recently used past the
+    /// bound).
+    fn of(&mut self, catalog: &str, now: Instant) -> CatalogKnowledge {
+        if self.by_name.len() >= KNOWN_CATALOGS_KEPT && !self.by_name.contains_key(catalog) {
+            let least_recent = (self.by_name.iter())
+                .filter(|(name, _)| **name != self.first)
+                .min_by_key(|(_, (_, used))| *used)
+                .map(|(name, _)| name.clone());
+            if let Some(name) = least_recent {
+                self.by_name.remove(&name);
+            }
+        }
+        let (known, used) =
+            self.by_name.entry(catalog.to_string()).or_insert_with(|| (CatalogKnowledge::default(), now));
+        *used = now;
+        known.clone()
+    }
+}
 
 impl CatalogReader {
     pub fn new(client: CatalogClient, tables: Tables, catalog: &str) -> CatalogReader {
@@ -845,7 +880,7 @@ impl CatalogReader {
             catalog: catalog.to_string(),
             time_table_kept: Arc::default(),
             setup_apart: Arc::default(),
-            known_catalogs: Arc::new(Mutex::new(HashMap::from([(catalog.to_string(), known.clone())]))),
+            known_catalogs: Arc::new(Mutex::new(KnownCatalogs::new(catalog, known.clone()))),
             known,
         }
     }
@@ -1084,17 +1119,8 @@ impl CatalogReader {
     /// tables and what the readers made by this function knew of that catalog: a listing across catalogs on the
     /// HTTP API's reader makes one per catalog and request.
     pub fn for_catalog(&self, catalog: &str) -> CatalogReader {
-        let known = {
-            let mut known_catalogs = self.known_catalogs.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            if known_catalogs.len() >= KNOWN_CATALOGS_KEPT && !known_catalogs.contains_key(catalog) {
-                // One other than this reader's own goes (the names may rotate past the bound: it stays bounded).
-                let evicted = known_catalogs.keys().find(|known| **known != self.catalog).cloned();
-                if let Some(evicted) = evicted {
-                    known_catalogs.remove(&evicted);
-                }
-            }
-            known_catalogs.entry(catalog.to_string()).or_default().clone()
-        };
+        let known =
+            (self.known_catalogs.lock().unwrap_or_else(|poisoned| poisoned.into_inner())).of(catalog, Instant::now());
         CatalogReader { catalog: catalog.to_string(), known, ..self.clone() }
     }
 
@@ -2410,6 +2436,30 @@ mod tests {
         samples.keep(&stream(99_999), Some(1), later);
         assert_eq!(samples.taken.len(), 2, "stale samples kept");
         assert_eq!(samples.fresh(&stream(99_999), later), Some(Some(1)));
+    }
+
+    #[test]
+    fn known_catalogs_are_bounded_and_forget_the_least_recently_used_but_never_the_first() {
+        let start = Instant::now();
+        let first = CatalogKnowledge::default();
+        let mut known = KnownCatalogs::new("first", first.clone());
+        let at = |seconds: u64| start + Duration::from_secs(seconds);
+        let kept_a = known.of("a", at(1));
+        for n in 0..KNOWN_CATALOGS_KEPT as u64 - 2 {
+            known.of(&format!("c{n}"), at(2 + n));
+        }
+        assert_eq!(known.by_name.len(), KNOWN_CATALOGS_KEPT);
+        // "a" used again: the least recently used is now c0, which goes for the next new one.
+        assert!(Arc::ptr_eq(&known.of("a", at(1000)).horizon_verdicts, &kept_a.horizon_verdicts));
+        known.of("new", at(1001));
+        assert_eq!(known.by_name.len(), KNOWN_CATALOGS_KEPT);
+        assert!(!known.by_name.contains_key("c0") && known.by_name.contains_key("a"));
+        // The first reader's catalog, used longest ago, is never the one forgotten.
+        for n in 0..10u64 {
+            known.of(&format!("more{n}"), at(2000 + n));
+        }
+        assert!(Arc::ptr_eq(&known.of("first", at(3000)).horizon_verdicts, &first.horizon_verdicts));
+        assert_eq!(known.by_name.len(), KNOWN_CATALOGS_KEPT);
     }
 
     #[test]

@@ -55,8 +55,8 @@ struct Shared {
     /// Fenced commits sent without an answer yet: in flight, or cut off (a drain's timeout, a task aborted at
     /// shutdown) while the server may still run them. Never decreased for a cut one (see [`CommitInFlight`]).
     commits_unanswered: u64,
-    /// Set once the keeper stops (in the release, which decides how to end the lease if held): no permit and no
-    /// commit from then on.
+    /// Set once [`RunningLease::stop`] stops the keeper (in the release, which decides how to end the lease if held):
+    /// no permit and no commit from then on. (A latch ends the keeper without it: the state is `failed` then.)
     releasing: bool,
 }
 
@@ -134,7 +134,7 @@ impl LeaseHandle {
         }
     }
 
-    /// A fenced commit is about to be sent, or None once the lease is being released (a publish on a task of its own
+    /// A fenced commit is about to be sent, or None once the keeper has stopped (a publish on a task of its own
     /// may have taken its permit before). Until [`CommitInFlight::answered`] the release writes no tombstone (see
     /// [`LeaseKeeper`]'s release): the commit may pass its fence and run for `publish_timeout` on the server. A
     /// guard dropped unanswered keeps that so for the rest of the process.
