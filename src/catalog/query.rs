@@ -65,7 +65,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -831,6 +831,18 @@ struct CatalogKnowledge {
     density_samples: Arc<Mutex<DensitySamples>>,
 }
 
+impl CatalogKnowledge {
+    /// The horizon verdicts, locked. (A panic while they were locked left them whole: each change is one insert.)
+    fn verdicts(&self) -> MutexGuard<'_, HorizonVerdicts> {
+        self.horizon_verdicts.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The density samples, locked (whole after a panic too: each change is one insert or retain).
+    fn samples(&self) -> MutexGuard<'_, DensitySamples> {
+        self.density_samples.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
 /// The most catalogs whose [`CatalogKnowledge`] the readers of one set of tables keep: every catalog of the largest
 /// listing across catalogs (`fleet::MAX_CATALOGS`, which asserts it), and the first reader's own. The names come
 /// from requests, so what is kept is bounded: past it, the least recently used is forgotten for each new one.
@@ -902,7 +914,7 @@ impl CatalogReader {
     /// ([`CatalogReader::density_sample_sql`]). Where the server refuses the statement (tables older than schema
     /// 6 lack `horizons`), they are read in separate statements from then on.
     async fn page_setup(&self, query: &ListQuery, pinned_opt: Option<u64>) -> Result<PageSetup, CatalogError> {
-        let samples = || self.known.density_samples.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let samples = || self.known.samples();
         let wants_sample = self.density_sample_sql(query).is_some();
         let reused = wants_sample.then(|| samples().fresh(&query.stream, Instant::now())).flatten();
         let mut setup = self.read_page_setup(query, pinned_opt, wants_sample && reused.is_none()).await?;
@@ -1244,7 +1256,7 @@ impl CatalogReader {
             return Ok(known);
         }
         let mut unknown: Vec<u64> = {
-            let verdicts = self.known.horizon_verdicts.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            let verdicts = self.known.verdicts();
             let unknown = rows.iter().filter(|row| row.version <= through && verdict_of(&verdicts, row).is_none());
             unknown.map(|row| row.version).collect()
         };
@@ -1264,7 +1276,7 @@ impl CatalogReader {
                 self.catalog_literal(),
             ))
             .await?;
-        let mut verdicts = self.known.horizon_verdicts.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut verdicts = self.known.verdicts();
         for row in rows.iter().filter(|row| unknown.binary_search(&row.version).is_ok()) {
             let at_its_version = published.iter().filter(|publish| publish.version == row.version);
             let mut committed_ids = at_its_version.map(|publish| publish.publish_id.as_str()).peekable();
@@ -1283,7 +1295,7 @@ impl CatalogReader {
     /// known committed and, with `presume`, those without a verdict yet too (presumed committed); and whether a row
     /// there has no verdict yet.
     fn horizons_by_verdict(&self, rows: &[HorizonRow], through: u64, presume: bool) -> (Horizons, bool) {
-        let verdicts = self.known.horizon_verdicts.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let verdicts = self.known.verdicts();
         let mut unsure = false;
         let mut committed = Vec::new();
         for row in rows.iter().filter(|row| row.version <= through) {

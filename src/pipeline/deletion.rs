@@ -123,14 +123,13 @@ impl Deleter {
             } else {
                 self.publisher.publish_deletions(&published, unchanged_since).await
             };
-            if matches!(attempt, Err(PublishError::NoLease | PublishError::NotCommitted)) {
+            let refused = matches!(attempt, Err(PublishError::NoLease | PublishError::NotCommitted));
+            if refused && lease_may_allow_again(&self.lease, started).await {
                 if !waited {
                     tracing::info!(ids = published.len(), "deletion waits for the lease to allow a publish");
                     waited = true;
                 }
-                if lease_may_allow_again(&self.lease, started).await {
-                    continue;
-                }
+                continue;
             }
             break attempt?;
         };

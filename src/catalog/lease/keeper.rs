@@ -90,7 +90,8 @@ impl LeaseHandle {
     /// or not held when it stopped) or latched. No wait brings a permit back then.
     pub fn ended(&self) -> bool {
         let shared = self.lock();
-        shared.releasing || matches!(shared.state, LeaseState::Released | LeaseState::Failed)
+        // (`released` comes after `releasing`.)
+        shared.releasing || shared.state == LeaseState::Failed
     }
 
     /// Follow state changes (the daemon's loop wakes on a re-acquired lease, and exits on `failed`).
