@@ -1055,6 +1055,50 @@ async fn a_holder_that_takes_the_lease_back_from_another_waits_out_the_others_dr
     keeper_task.await.unwrap();
 }
 
+for_each_version!(a_claim_over_a_written_catalog_whose_lease_rows_were_removed_owes_an_empty_commit);
+async fn a_claim_over_a_written_catalog_whose_lease_rows_were_removed_owes_an_empty_commit(
+    server: &'static ClickHouseServer,
+) {
+    let catalog = catalog(server, false).await;
+    let name = &catalog.config.catalog_name;
+    let holder = |keeper: LeaseKeeper, client: &CatalogClient, tables: &Tables| {
+        let handle = keeper.handle();
+        let publisher = Publisher::new(client.clone(), tables.clone(), name, handle.clone());
+        (keeper, handle, publisher)
+    };
+    let (first, handle, publisher) = holder(catalog.keeper(identity("first")), &catalog.client, &catalog.tables);
+    let (shutdown_tx, mut shutdown_rx) = watch::channel(false);
+    first.acquire_at_start(Duration::ZERO, &mut shutdown_rx).await.unwrap();
+    assert!(!handle.owes_empty_commit(), "the first claim of a catalog nothing was written into follows nobody");
+    let keeper_task = tokio::spawn(first.run(shutdown_rx));
+    let outcome = retried!(publisher.publish_batch(&[one_capture_pack()]).await);
+    assert!(matches!(outcome, PublishOutcome::Committed { version: 1, .. }), "{outcome:?}");
+    shutdown_tx.send(true).unwrap();
+    keeper_task.await.unwrap();
+
+    // An operator drops the lease table (to unstick a lease, say), and the next start makes it again, empty. The
+    // holders before may have attempts that still land: the claim owes an empty commit, as after any other holder.
+    catalog.server.query(&format!("DROP TABLE {}", catalog.tables.lease)).unwrap();
+    let (client, tables) = capstore::catalog::connect(&catalog.config).await.expect("the lease table made again");
+    let store = LeaseStore::new(client.clone(), &tables, name, catalog.timings());
+    let (next, handle, publisher) = holder(LeaseKeeper::new(store, identity("next"), name), &client, &tables);
+    let (shutdown_tx, mut shutdown_rx) = watch::channel(false);
+    next.acquire_at_start(Duration::ZERO, &mut shutdown_rx).await.unwrap();
+    assert_eq!(handle.status().lease_term, 1, "the lease table was not emptied");
+    assert!(handle.owes_empty_commit(), "a claim over a written catalog without lease rows owes nothing");
+    let keeper_task = tokio::spawn(next.run(shutdown_rx));
+    let outcome = retried!(publisher.publish_batch(&[one_capture_pack()]).await);
+    assert!(matches!(outcome, PublishOutcome::Committed { version: 3, .. }), "{outcome:?}");
+    let empty = format!(
+        "SELECT count() FROM {} WHERE catalog = '{name}' AND version = 2 AND packs = 0 AND captures = 0",
+        tables.publishes
+    );
+    assert_eq!(server.query(&empty).unwrap().trim(), "1", "version 2 is not the empty commit");
+    assert!(!handle.owes_empty_commit());
+    shutdown_tx.send(true).unwrap();
+    keeper_task.await.unwrap();
+}
+
 for_each_version!(a_publish_whose_reply_is_lost_is_decided_by_read_back_with_gapless_versions);
 async fn a_publish_whose_reply_is_lost_is_decided_by_read_back_with_gapless_versions(
     server: &'static ClickHouseServer,

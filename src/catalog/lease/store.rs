@@ -62,7 +62,8 @@ impl Head {
     }
 }
 
-/// The head term a claim followed: its term and lease_ids.
+/// The head term a claim followed: its term and lease_ids. Term 0 with no lease_ids: a claim over a catalog whose
+/// lease rows were removed after rows were written into it, which follows holders no one can name.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FollowedTerm {
     pub term: u64,
@@ -73,8 +74,8 @@ pub struct FollowedTerm {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ClaimOutcome {
     /// `publish_not_before` is set after a same-spool takeover of a live head: see [`LeaseStore::claim`].
-    /// `followed`: the term a claim's term follows (none for a renewal, and for the first claim of a catalog), whose
-    /// publish attempts may still land (see [`crate::catalog::in_doubt`]).
+    /// `followed`: the term a claim's term follows (none for a renewal, and for the first claim of a catalog nothing
+    /// was written into), whose publish attempts may still land (see [`crate::catalog::in_doubt`]).
     Held { term: u64, deadline: Instant, publish_not_before: Option<Instant>, followed: Option<FollowedTerm> },
     /// Another holder's live lease (or a contested term) stands in the way.
     Refused { holder: String, time_left: Duration },
@@ -89,6 +90,9 @@ pub struct LeaseStore {
     table: String,
     /// The `schema` table: a claim is refused while `capstore repartition` runs on the tables.
     schema_table: String,
+    /// `publishes` and `packs`: whether a catalog without lease rows has had a publisher ([`LeaseStore::claim`]).
+    publishes_table: String,
+    packs_table: String,
     catalog: String,
     timings: LeaseTimings,
 }
@@ -99,6 +103,8 @@ impl LeaseStore {
             client,
             table: tables.lease.clone(),
             schema_table: tables.schema.clone(),
+            publishes_table: tables.publishes.clone(),
+            packs_table: tables.packs.clone(),
             catalog: catalog.to_string(),
             timings,
         }
@@ -143,9 +149,27 @@ impl LeaseStore {
         self.client.fetch_few_deciding(&sql).await
     }
 
+    /// Whether any publish, or any attempt at one, has written into the catalog: a row in `publishes` or `packs`
+    /// (every attempt that writes rows of `captures` writes their packs' rows too).
+    async fn catalog_written(&self) -> Result<bool, CatalogError> {
+        let catalog = self.catalog_literal();
+        let sql = format!(
+            "SELECT count() FROM (SELECT 1 FROM {publishes} WHERE catalog = {catalog} LIMIT 1 \
+             UNION ALL SELECT 1 FROM {packs} WHERE catalog = {catalog} LIMIT 1)",
+            publishes = self.publishes_table,
+            packs = self.packs_table,
+        );
+        let found: Vec<u64> = self.client.fetch_few_deciding(&sql).await?;
+        Ok(found.first().is_some_and(|rows| *rows > 0))
+    }
+
     /// Claim the lease at head+1 (see the module doc). `identity` decides same-spool takeover.
     pub async fn claim(&self, lease_id: &str, identity: &Identity) -> Result<ClaimOutcome, CatalogError> {
         let head = self.read_head().await?;
+        // No lease row, but rows written: the lease rows were removed (a truncated or dropped lease table), and the
+        // holders before may have publish attempts that still land. Asked before the claim, so that a failed read
+        // leaves nothing of ours behind.
+        let written_without_lease = head.entries.is_empty() && self.catalog_written().await?;
         // Over a live head of our spool: a dead predecessor's (a takeover), a claim of this process's own that went
         // unanswered at start (the retry has a fresh lease_id, and the claim it follows may itself have been a
         // takeover), or this process's own lease after a local loss.
@@ -173,7 +197,7 @@ impl LeaseStore {
         let mut outcome =
             self.insert_and_read_back(head.term + 1, lease_id, &identity.holder(), "claim", &condition).await?;
         if let ClaimOutcome::Held { followed, .. } = &mut outcome {
-            *followed = (!head.entries.is_empty()).then(|| FollowedTerm {
+            *followed = (!head.entries.is_empty() || written_without_lease).then(|| FollowedTerm {
                 term: head.term,
                 lease_ids: head.entries.iter().map(|entry| entry.lease_id.clone()).collect(),
             });
