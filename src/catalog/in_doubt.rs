@@ -22,9 +22,9 @@
 //!   publish_id, so it pays the debt as well. Every attempt of an earlier holder is at a version at most one above
 //!   the watermark read after the claim: its commits are fenced, and a version it read from the watermark was read
 //!   before its local deadline, so before its lease expired on the server. So the rows of such attempts are orphans
-//!   below every row written from then on. (The first claim of a catalog nothing was written into follows no term;
-//!   a claim over a catalog written into whose lease rows were removed, by hand, follows holders no one can name
-//!   and owes the commit as well.)
+//!   below every row written from then on. (The first claim of a catalog nothing was written into follows no term.
+//!   A claim over a catalog whose lease rows were removed by hand follows holders no one can name, and owes the
+//!   commit as well if a row of theirs has landed; that covers their attempts once their deadlines have passed.)
 //!
 //! States of an attempt here:
 //!

@@ -606,9 +606,11 @@ impl LeaseKeeper {
             shared.publish_not_before = publish_not_before;
         }
         if let Some(followed) = followed {
-            let known = shared.confirmed.as_ref().is_some_and(|(lease_id, confirmed_term)| {
-                *confirmed_term == followed.term && followed.lease_ids.iter().all(|id| id == lease_id)
-            });
+            // Term 0 (holders no one can name, see FollowedTerm) is never known.
+            let known = followed.term > 0
+                && shared.confirmed.as_ref().is_some_and(|(lease_id, confirmed_term)| {
+                    *confirmed_term == followed.term && followed.lease_ids.iter().all(|id| id == lease_id)
+                });
             if !known {
                 // A claim begins a tenure (claims are made only when not held): the one numbered next.
                 let tenure = if was == LeaseState::Held { shared.tenure } else { shared.tenure + 1 };

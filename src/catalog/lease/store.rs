@@ -63,7 +63,8 @@ impl Head {
 }
 
 /// The head term a claim followed: its term and lease_ids. Term 0 with no lease_ids: a claim over a catalog whose
-/// lease rows were removed after rows were written into it, which follows holders no one can name.
+/// lease rows were removed after rows were written into it, which follows holders no one can name (never a term
+/// this process confirmed: terms start at 1).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FollowedTerm {
     pub term: u64,
@@ -90,9 +91,11 @@ pub struct LeaseStore {
     table: String,
     /// The `schema` table: a claim is refused while `capstore repartition` runs on the tables.
     schema_table: String,
-    /// `publishes` and `packs`: whether a catalog without lease rows has had a publisher ([`LeaseStore::claim`]).
+    /// `publishes`, `packs` and `captures`: whether a catalog without lease rows has had a publisher
+    /// ([`LeaseStore::claim`]).
     publishes_table: String,
     packs_table: String,
+    captures_table: String,
     catalog: String,
     timings: LeaseTimings,
 }
@@ -105,6 +108,7 @@ impl LeaseStore {
             schema_table: tables.schema.clone(),
             publishes_table: tables.publishes.clone(),
             packs_table: tables.packs.clone(),
+            captures_table: tables.captures.clone(),
             catalog: catalog.to_string(),
             timings,
         }
@@ -149,15 +153,18 @@ impl LeaseStore {
         self.client.fetch_few_deciding(&sql).await
     }
 
-    /// Whether any publish, or any attempt at one, has written into the catalog: a row in `publishes` or `packs`
-    /// (every attempt that writes rows of `captures` writes their packs' rows too).
+    /// Whether any publish, or any attempt at one, has landed a row in the catalog: in `publishes`, `packs` or
+    /// `captures` (an attempt inserts into `captures` first, then `packs`, then commits). Each is keyed by catalog
+    /// first, so this reads a granule of each.
     async fn catalog_written(&self) -> Result<bool, CatalogError> {
         let catalog = self.catalog_literal();
         let sql = format!(
             "SELECT count() FROM (SELECT 1 FROM {publishes} WHERE catalog = {catalog} LIMIT 1 \
-             UNION ALL SELECT 1 FROM {packs} WHERE catalog = {catalog} LIMIT 1)",
+             UNION ALL SELECT 1 FROM {packs} WHERE catalog = {catalog} LIMIT 1 \
+             UNION ALL SELECT 1 FROM {captures} WHERE catalog = {catalog} LIMIT 1)",
             publishes = self.publishes_table,
             packs = self.packs_table,
+            captures = self.captures_table,
         );
         let found: Vec<u64> = self.client.fetch_few_deciding(&sql).await?;
         Ok(found.first().is_some_and(|rows| *rows > 0))
@@ -167,8 +174,10 @@ impl LeaseStore {
     pub async fn claim(&self, lease_id: &str, identity: &Identity) -> Result<ClaimOutcome, CatalogError> {
         let head = self.read_head().await?;
         // No lease row, but rows written: the lease rows were removed (a truncated or dropped lease table), and the
-        // holders before may have publish attempts that still land. Asked before the claim, so that a failed read
-        // leaves nothing of ours behind.
+        // holders before may have publish attempts that still land. Best effort: an attempt none of whose rows has
+        // landed yet cannot be seen, and a holder whose lease rows were removed while it lived may publish until its
+        // own local deadline (as after `lease break --force`). Asked before the claim, so that a failed read leaves
+        // nothing of ours behind.
         let written_without_lease = head.entries.is_empty() && self.catalog_written().await?;
         // Over a live head of our spool: a dead predecessor's (a takeover), a claim of this process's own that went
         // unanswered at start (the retry has a fresh lease_id, and the claim it follows may itself have been a
