@@ -914,13 +914,12 @@ impl CatalogReader {
     /// ([`CatalogReader::density_sample_sql`]). Where the server refuses the statement (tables older than schema
     /// 6 lack `horizons`), they are read in separate statements from then on.
     async fn page_setup(&self, query: &ListQuery, pinned_opt: Option<u64>) -> Result<PageSetup, CatalogError> {
-        let samples = || self.known.samples();
         let wants_sample = self.density_sample_sql(query).is_some();
-        let reused = wants_sample.then(|| samples().fresh(&query.stream, Instant::now())).flatten();
+        let reused = wants_sample.then(|| self.known.samples().fresh(&query.stream, Instant::now())).flatten();
         let mut setup = self.read_page_setup(query, pinned_opt, wants_sample && reused.is_none()).await?;
         match reused {
             Some(rows) => setup.sampled_rows_opt = rows,
-            None if wants_sample => samples().keep(&query.stream, setup.sampled_rows_opt, Instant::now()),
+            None if wants_sample => self.known.samples().keep(&query.stream, setup.sampled_rows_opt, Instant::now()),
             None => {}
         }
         Ok(setup)
