@@ -1715,6 +1715,52 @@ async fn reads_of_a_few_granules_run_on_one_server_thread_and_reads_that_grow_do
     assert_eq!(count(&one_thread), before + 1, "the lease head was not read on one thread");
 }
 
+for_each_version!(a_short_range_without_rows_is_answered_by_its_count_alone);
+/// The first page of a range with both ends that holds no row (a quiet stream's 10 s) is the one statement that reads
+/// the watermark and counts the range: empty, at that watermark, with no cursor. A range whose rows are all
+/// uncommitted is counted, so it is read and checked as before, and shows nothing either.
+async fn a_short_range_without_rows_is_answered_by_its_count_alone(server: &'static ClickHouseServer) {
+    let catalog = catalog(server, true).await;
+    let (committed, orphan) = (Uuid::now_v7(), Uuid::now_v7());
+    let (capture, orphan_capture) = (Uuid::now_v7(), Uuid::now_v7());
+    catalog.insert_capture_row(capture, "s/1", 1_000, 1, committed);
+    catalog.commit_row(1, committed);
+    // An attempt at version 1 that lost it: its row is in the tables, and no reader may show it.
+    catalog.insert_capture_row(orphan_capture, "s/1", 5_000, 1, orphan);
+    let reader = catalog.reader();
+    let requests = catalog.proxy.as_ref().unwrap().count_requests_containing("POST /");
+    let count = || requests.load(Ordering::SeqCst);
+    let range = |stream: Option<&str>, since: u64, until: u64| ListQuery {
+        stream: stream.map(str::to_string),
+        since_ns: Some(since),
+        until_ns: Some(until),
+        limit: 10,
+        ..Default::default()
+    };
+    // Across streams too, once the reader knows the listing's table (a first listing tells it).
+    reader.list(&range(None, 0, 10_000)).await.unwrap();
+
+    for stream in [Some("s/1"), None] {
+        let before = count();
+        let page = reader.list(&range(stream, 2_000, 4_000)).await.unwrap();
+        assert_eq!(count(), before + 1, "{stream:?}: an empty range took more than its count");
+        assert!(page.captures.is_empty() && page.next_cursor.is_none(), "{stream:?}: {page:?}");
+        assert_eq!(page.watermark, 1);
+        let pinned = reader.list(&ListQuery { watermark: Some(1), ..range(stream, 2_000, 4_000) }).await.unwrap();
+        assert!(pinned.captures.is_empty());
+
+        // The orphan's range has a row: read in a window, checked against the publishes, and shows nothing.
+        let before = count();
+        let page = reader.list(&range(stream, 4_000, 6_000)).await.unwrap();
+        assert!(count() > before + 1, "{stream:?}: a range with a row was answered by its count");
+        assert!(page.captures.is_empty(), "{stream:?}: an uncommitted row was listed: {page:?}");
+        // The committed capture's range lists it.
+        let page = reader.list(&range(stream, 500, 1_500)).await.unwrap();
+        let listed: Vec<&str> = page.captures.iter().map(|c| c.capture_id.as_str()).collect();
+        assert_eq!(listed, [capture.to_string().as_str()], "{stream:?}");
+    }
+}
+
 for_each_version!(a_short_range_is_read_in_one_window_beside_its_horizons_and_a_longer_one_from_its_setup);
 /// The first page of a range with both ends (`ls --since --until`) holding no more than four pages' rows reads the
 /// whole range in one window at the watermark, its horizons beside it, without the page's setup; a range holding

@@ -54,7 +54,7 @@
 //!   density sample, taken at most once a minute by a reader; a later page has what its first window needs in its
 //!   cursor, and reads the horizons beside that window, the setup only if it falls short; a first page of a short
 //!   range with both ends reads the watermark and counts the range's rows instead, and then the range in one
-//!   window, see [`CatalogReader::short_range_span`]; beside the first window, a reader checks the horizon rows it
+//!   window (none if it counted no row), see [`CatalogReader::short_range_span`]; beside the first window, a reader checks the horizon rows it
 //!   has no verdict on, and reads again should one presumed committed not be), then time windows of `captures` (across streams: of `by_time` where the server keeps it, see [`CatalogReader::list`]), each a
 //!   primary-key range, visibility against the publishes at the versions of the window's rows, and beside each
 //!   window, in parallel, a `by_id` lookup for the ids of the window's first rows (about the page's); the ids with a
@@ -273,6 +273,11 @@ pub struct Page {
 }
 
 impl Page {
+    /// The last page of a listing that read no window: it has no rows at all.
+    fn empty(watermark: u64) -> Page {
+        Page { captures: Vec::new(), next_cursor: None, watermark, window_ns: 0, first_window_ns: 0 }
+    }
+
     /// The time window the next page starts with: [`NEXT_WINDOW_PAGES`] times the time this page's rows took.
     pub fn window_ns(&self) -> u64 {
         self.window_ns
@@ -392,6 +397,8 @@ struct PageSpan<'a> {
 enum ShortRange<'a> {
     /// The range is short: its first page reads it in this one window.
     Span(PageSpan<'a>),
+    /// The range holds no row at all, committed or not: its page is empty, at this watermark.
+    Empty { watermark: u64 },
     /// The range holds more than a first window: the page is read from its setup, at this watermark.
     Longer { watermark: u64 },
     /// Not a range this applies to: the page is read from its setup.
@@ -1458,6 +1465,7 @@ impl CatalogReader {
         if cursor.is_none() {
             match self.short_range_span(query, limit).await? {
                 ShortRange::Span(span) => return self.read_windows(query, None, span, limit, true).await,
+                ShortRange::Empty { watermark } => return Ok(Page::empty(watermark)),
                 // Read from the setup at the watermark read already.
                 ShortRange::Longer { watermark } => pinned_opt = Some(watermark),
                 ShortRange::NotBounded => {}
@@ -1465,8 +1473,7 @@ impl CatalogReader {
         }
         let mut setup = self.page_setup(query, pinned_opt).await?;
         let Some(span) = self.first_window_span(query, cursor.as_ref(), &setup, limit) else {
-            let watermark = setup.watermark;
-            return Ok(Page { captures: Vec::new(), next_cursor: None, watermark, window_ns: 0, first_window_ns: 0 });
+            return Ok(Page::empty(setup.watermark));
         };
         let presumed_start = span.start;
         let page = self.read_windows(query, cursor.as_ref(), span, limit, setup.horizons_unsure).await?;
@@ -1643,7 +1650,8 @@ impl CatalogReader {
     /// one window, at the watermark, the horizons read beside it (as a later page reads them). One statement reads
     /// the watermark (unless pinned) and counts the range's rows up to one more than that (duplicates included; the
     /// count stops once it has found that many, however many the range holds). A short range is so read in the time
-    /// of one small read and one window, not the setup's five small reads and then the window.
+    /// of one small read and one window, not the setup's five small reads and then the window, and a range without
+    /// rows (a quiet stream's 10 s) in the time of the one small read: [`ShortRange::Empty`].
     ///
     /// [`ShortRange::Longer`] (the page is read from its setup, at that watermark) for a range holding more;
     /// [`ShortRange::NotBounded`] for a range open at either end, a label filter (whose matches may be rare in many
@@ -1694,6 +1702,12 @@ impl CatalogReader {
         };
         if range_rows > short {
             return Ok(ShortRange::Longer { watermark });
+        }
+        // Every row a listing shows is a row of its table in its range (a move or a deletion is never one there,
+        // and hides one that is), and the rows of a publish committed at or below the watermark were in the tables
+        // before its commit, so before the count.
+        if range_rows == 0 {
+            return Ok(ShortRange::Empty { watermark });
         }
         let span = PageSpan { watermark, table, start: since, end: until, end_known: true, window: until - since };
         Ok(ShortRange::Span(span))

@@ -379,6 +379,8 @@ async fn reads(bench: &mut Bench<'_>, reader: &CatalogReader, tables: &Tables, c
             || page(reader, &labelled, 100),
         )
         .await?;
+    // A stream holds a capture every `STREAMS * SPAN_NS / rows` ns (518 s at 1M, 5 s at 100M): its 10 s are
+    // empty at 1M, and hold two captures at 100M. The read's name says how many.
     let window_start = at(middle_row);
     let window = ListQuery {
         stream: Some(stream.to_string()),
@@ -387,16 +389,27 @@ async fn reads(bench: &mut Bench<'_>, reader: &CatalogReader, tables: &Tables, c
         limit: 100_000,
         ..Default::default()
     };
+    let in_window = reader.list(&window).await?.captures.len();
+    let in_range_sql = |since: u64, until: u64| {
+        format!(
+            "SELECT * FROM {captures} WHERE catalog = '{CATALOG}' AND stream = '{stream}' AND captured_at_ns >= \
+             {since} AND captured_at_ns < {until} ORDER BY captured_at_ns"
+        )
+    };
     bench
         .measure(
-            "ls stream, a 10 s window",
-            Some(format!(
-                "SELECT * FROM {captures} WHERE catalog = '{CATALOG}' AND stream = '{stream}' AND captured_at_ns >= \
-                 {window_start} AND captured_at_ns < {} ORDER BY captured_at_ns",
-                window_start + 10_000_000_000
-            )),
-            || page(reader, &window, 0),
+            &format!("ls stream, a 10 s window ({in_window} captures)"),
+            Some(in_range_sql(window_start, window_start + 10_000_000_000)),
+            || page(reader, &window, in_window),
         )
+        .await?;
+    // A range with both ends that holds a page: 100 captures of each stream.
+    let range_end = at(middle_row + 100 * STREAMS);
+    let range = ListQuery { until_ns: Some(range_end), limit: 100, ..window.clone() };
+    bench
+        .measure("ls stream, a range of 100 captures", Some(in_range_sql(window_start, range_end)), || {
+            page(reader, &range, 100)
+        })
         .await?;
     // The captures of the last five publishes: 100 each when loaded, fewer where an earlier run's timed publishes
     // are among them (a claim's empty commit before them, and fewer of them than five with `--publishes`).
@@ -500,10 +513,10 @@ async fn deletion(bench: &mut Bench<'_>, tables: &Tables, catalog: &str, publish
     Ok(())
 }
 
-/// Reads one page and checks it holds `expected` captures (0: any number).
+/// Reads one page and checks it holds `expected` captures.
 async fn page(reader: &CatalogReader, query: &ListQuery, expected: usize) -> anyhow::Result<()> {
     let page = reader.list(query).await?;
-    anyhow::ensure!(expected == 0 || page.captures.len() == expected, "a page of {}", page.captures.len());
+    anyhow::ensure!(page.captures.len() == expected, "a page of {}, not {expected}", page.captures.len());
     Ok(())
 }
 
