@@ -1715,6 +1715,27 @@ async fn reads_of_a_few_granules_run_on_one_server_thread_and_reads_that_grow_do
     assert_eq!(count(&one_thread), before + 1, "the lease head was not read on one thread");
 }
 
+for_each_version!(a_statement_works_its_scalar_subqueries_out_from_left_to_right, flavor = "current_thread", versions = [v26_7 => V26_7, v26_9 => V26_9]);
+/// A page's setup and a short range's count read the watermark first in their statement, and rely on the server
+/// working its scalar subqueries out from left to right: what they read after the watermark holds everything up to it
+/// (the setup's time bounds, and the count that ends an empty range's page). 18.16 does so, and no release of it will
+/// change; this checks the releases that may, by the order of UUIDv7s made in three subqueries (18.16 has no
+/// `generateUUIDv7`).
+async fn a_statement_works_its_scalar_subqueries_out_from_left_to_right(server: &'static ClickHouseServer) {
+    for _ in 0..20 {
+        let made = server
+            .query(
+                "SELECT (SELECT toString(generateUUIDv7(1)) FROM system.one), (SELECT toString(generateUUIDv7(2)) FROM \
+                 system.one), (SELECT toString(generateUUIDv7(3)) FROM system.one) FORMAT TSV",
+            )
+            .unwrap();
+        let ids: Vec<&str> = made.trim().split('\t').collect();
+        assert_eq!(ids.len(), 3, "{made}");
+        // A UUIDv7's text sorts by the time and then the counter it was made with.
+        assert!(ids[0] < ids[1] && ids[1] < ids[2], "not worked out from left to right: {ids:?}");
+    }
+}
+
 for_each_version!(a_short_range_without_rows_is_answered_by_its_count_alone);
 /// The first page of a range with both ends that holds no row (a quiet stream's 10 s) is the one statement that reads
 /// the watermark and counts the range: empty, at that watermark, with no cursor. A range whose rows are all
@@ -1746,8 +1767,11 @@ async fn a_short_range_without_rows_is_answered_by_its_count_alone(server: &'sta
         assert_eq!(count(), before + 1, "{stream:?}: an empty range took more than its count");
         assert!(page.captures.is_empty() && page.next_cursor.is_none(), "{stream:?}: {page:?}");
         assert_eq!(page.watermark, 1);
+        let before = count();
         let pinned = reader.list(&ListQuery { watermark: Some(1), ..range(stream, 2_000, 4_000) }).await.unwrap();
-        assert!(pinned.captures.is_empty());
+        assert_eq!(count(), before + 1, "{stream:?}: an empty range at a pinned watermark took more than its count");
+        assert!(pinned.captures.is_empty() && pinned.next_cursor.is_none());
+        assert_eq!(pinned.watermark, 1);
 
         // The orphan's range has a row: read in a window, checked against the publishes, and shows nothing.
         let before = count();

@@ -1703,9 +1703,10 @@ impl CatalogReader {
         if range_rows > short {
             return Ok(ShortRange::Longer { watermark });
         }
-        // Every row a listing shows is a row of its table in its range (a move or a deletion is never one there,
-        // and hides one that is), and the rows of a publish committed at or below the watermark were in the tables
-        // before its commit, so before the count.
+        // Every row a listing shows is a row of its table in its range (a deletion or a move is never one there: a
+        // deletion hides the capture's row, a move is shown in its place), and the rows of a publish committed at
+        // or below the watermark were in the tables before its commit, so before the count, which the server works
+        // out after the watermark (from left to right, as the setup's bounds rely on: see `page_setup`).
         if range_rows == 0 {
             return Ok(ShortRange::Empty { watermark });
         }
