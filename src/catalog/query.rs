@@ -54,8 +54,8 @@
 //!   density sample, taken at most once a minute by a reader; a later page has what its first window needs in its
 //!   cursor, and reads the horizons beside that window, the setup only if it falls short; a first page of a short
 //!   range with both ends reads the watermark and counts the range's rows instead, and then the range in one
-//!   window (none if it counted no row), see [`CatalogReader::short_range_span`]; beside the first window, a reader checks the horizon rows it
-//!   has no verdict on, and reads again should one presumed committed not be), then time windows of `captures` (across streams: of `by_time` where the server keeps it, see [`CatalogReader::list`]), each a
+//!   window (none if it counted no row), see [`CatalogReader::short_range_span`]; beside the first window, a
+//!   reader checks the horizon rows it has no verdict on, and reads again should one presumed committed not be), then time windows of `captures` (across streams: of `by_time` where the server keeps it, see [`CatalogReader::list`]), each a
 //!   primary-key range, visibility against the publishes at the versions of the window's rows, and beside each
 //!   window, in parallel, a `by_id` lookup for the ids of the window's first rows (about the page's); the ids with a
 //!   newer row (a re-post, a deletion, or a compaction's move: after compaction that is most ids) have their newest

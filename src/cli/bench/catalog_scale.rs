@@ -381,11 +381,11 @@ async fn reads(bench: &mut Bench<'_>, reader: &CatalogReader, tables: &Tables, c
         .await?;
     // A stream holds a capture every `STREAMS * SPAN_NS / rows` ns (518 s at 1M, 5 s at 100M): its 10 s are
     // empty at 1M, and hold two captures at 100M. The read's name says how many.
-    let window_start = at(middle_row);
+    let (window_start, window_end) = (at(middle_row), at(middle_row) + 10_000_000_000);
     let window = ListQuery {
         stream: Some(stream.to_string()),
         since_ns: Some(window_start),
-        until_ns: Some(window_start + 10_000_000_000),
+        until_ns: Some(window_end),
         limit: 100_000,
         ..Default::default()
     };
@@ -396,14 +396,13 @@ async fn reads(bench: &mut Bench<'_>, reader: &CatalogReader, tables: &Tables, c
         )
     };
     // (The load writes each capture once, at one version: its rows are what a listing shows.)
-    let in_window = bench
-        .client
-        .fetch_count(&format!("SELECT count() FROM ({})", in_range_sql(window_start, window_start + 10_000_000_000)))
-        .await? as usize;
+    let in_window =
+        bench.client.fetch_count(&format!("SELECT count() FROM ({})", in_range_sql(window_start, window_end))).await?
+            as usize;
     bench
         .measure(
             &format!("ls stream, a 10 s window ({in_window} captures)"),
-            Some(in_range_sql(window_start, window_start + 10_000_000_000)),
+            Some(in_range_sql(window_start, window_end)),
             || page(reader, &window, in_window),
         )
         .await?;
