@@ -53,14 +53,15 @@
 //! - `list`: a setup statement on a first page (the watermark, the time bounds, the rows of `horizons`, and the
 //!   density sample, taken at most once a minute by a reader; a later page has what its first window needs in its
 //!   cursor, and reads the horizons beside that window, the setup only if it falls short; a first page of a short
-//!   range with both ends reads the watermark and counts the range's rows instead, and then the range in one
-//!   window (none if it counted no row), see [`CatalogReader::short_range_span`]; beside the first window, a
-//!   reader checks the horizon rows it has no verdict on, and reads again should one presumed committed not be), then time windows of `captures` (across streams: of `by_time` where the server keeps it, see [`CatalogReader::list`]), each a
-//!   primary-key range, visibility against the publishes at the versions of the window's rows, and beside each
-//!   window, in parallel, a `by_id` lookup for the ids of the window's first rows (about the page's); the ids with a
-//!   newer row (a re-post, a deletion, or a compaction's move: after compaction that is most ids) have their newest
-//!   row read from `by_version` at its version (a candidate past the rows looked up is looked up after the window):
-//!   about O(page) per page, one round trip for a later page whose first window fills it, one more once
+//!   range with both ends reads the watermark and counts the range's rows instead, and then the range in one window
+//!   (none if it counted no row), see [`CatalogReader::short_range_span`]; beside the first window, a reader checks
+//!   the horizon rows it has no verdict on, and reads again should one presumed committed not be), then time
+//!   windows of `captures` (across streams: of `by_time` where the server keeps it, see [`CatalogReader::list`]),
+//!   each a primary-key range, visibility against the publishes at the versions of the window's rows, and beside
+//!   each window, in parallel, a `by_id` lookup for the ids of the window's first rows (about the page's); the ids
+//!   with a newer row (a re-post, a deletion, or a compaction's move: after compaction that is most ids) have their
+//!   newest row read from `by_version` at its version (a candidate past the rows looked up is looked up after the
+//!   window): about O(page) per page, one round trip for a later page whose first window fills it, one more once
 //!   compacted. Every read is bounded by `catalog.read_max_memory` and the request timeout.
 
 use std::collections::{BTreeMap, HashMap};
