@@ -1315,7 +1315,8 @@ async fn delete_when_publishing(
     }
 }
 
-/// Every object of the daemon's file:// bucket: its path below the bucket, and its bytes.
+/// Every object of the daemon's file:// bucket: its path below the bucket, and its bytes. The daemon may remove
+/// objects while this walks (a test polls for exactly that): one gone between its listing and its read is not there.
 fn bucket_objects(daemon: &HttpDaemon) -> std::collections::BTreeMap<String, Vec<u8>> {
     fn walk(root: &std::path::Path, dir: &std::path::Path, into: &mut std::collections::BTreeMap<String, Vec<u8>>) {
         let Ok(entries) = std::fs::read_dir(dir) else { return };
@@ -1324,8 +1325,12 @@ fn bucket_objects(daemon: &HttpDaemon) -> std::collections::BTreeMap<String, Vec
             if path.is_dir() {
                 walk(root, &path, into);
             } else {
-                let key = path.strip_prefix(root).unwrap().display().to_string();
-                into.insert(key, std::fs::read(&path).unwrap());
+                let bytes = match std::fs::read(&path) {
+                    Ok(bytes) => bytes,
+                    Err(error) if error.kind() == std::io::ErrorKind::NotFound => continue,
+                    Err(error) => panic!("{}: {error}", path.display()),
+                };
+                into.insert(path.strip_prefix(root).unwrap().display().to_string(), bytes);
             }
         }
     }
